@@ -1,0 +1,104 @@
+"""`diffquant <command>`: the command line. Each command's code is imported only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from diffquant import DiffquantError, __version__
+
+
+def _cmd_env(args) -> None:
+    from diffquant.env import environment, format_environment
+
+    info = environment()
+    if args.json:
+        import json
+
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_environment(info))
+
+
+def _cmd_models(args) -> None:
+    from diffquant.models.presets import PRESETS, build_pair, count_parameters
+    from diffquant.models.zoo import ZOO
+
+    print(f"{'preset':<8} {'hidden':>6} {'layers':>6} {'maps':>5} {'ffn':>5} {'vocab':>6} {'seq':>5} "
+          f"{'baseline params':>16} {'DIFF params':>12} {'diff %':>7}")
+    for name, spec in PRESETS.items():
+        baseline, diff = build_pair(spec)
+        nb, nd = count_parameters(baseline), count_parameters(diff)
+        print(f"{name:<8} {spec.hidden:>6} {spec.layers:>6} {spec.heads:>5} {spec.ffn:>5} {spec.vocab:>6} "
+              f"{spec.seq_len:>5} {nb:>16,} {nd:>12,} {100 * (nd - nb) / nb:>6.3f}%")
+    print("\n'maps' = softmax maps per layer: baseline heads, or 2 x DIFF differential heads.")
+    print("zoo (offline, from package registries):")
+    for entry in ZOO.values():
+        print(f"  {entry.name:<14} {entry.note}")
+
+
+def _cmd_sites(args) -> None:
+    from diffquant.models.load import load_model
+    from diffquant.taps import site_docs, site_table
+
+    if args.model is None:
+        for point, shape, doc in site_docs():
+            print(f"{point:<16} {shape:<34} {doc}")
+        return
+    model, _ = load_model(args.model, hub=args.hub)
+    sites = site_table(model).match(args.select) if args.select else list(site_table(model))
+    for site in sites:
+        print(f"{site.name:<44} [{', '.join(site.dims)}]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffquant", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"diffquant {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("env", help="versions, device, usable backends and attention implementations")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_env)
+
+    p = sub.add_parser("models", help="matched DIFF/baseline presets with parameter counts, and the offline zoo")
+    p.set_defaults(func=_cmd_models)
+
+    p = sub.add_parser("sites", help="list site names (for a model, or the point table)")
+    p.add_argument("--model", help="preset (tiny:diff), zoo name, directory or .gguf")
+    p.add_argument("--select", nargs="+", help="glob(s) such as '*.attn_logits'")
+    p.add_argument("--hub", action="store_true", help="allow a hub id (needs network)")
+    p.set_defaults(func=_cmd_sites)
+
+    from diffquant import commands
+
+    commands.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        args.func(args)
+    except DiffquantError as e:
+        if args.debug:
+            raise
+        print(f"diffquant: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("diffquant: interrupted; what was written so far is complete (use --resume to continue)", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one clear line unless --debug
+        if args.debug:
+            raise
+        print(f"diffquant: error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

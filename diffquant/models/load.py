@@ -1,0 +1,120 @@
+"""Load any Hugging Face causal LM: a preset, a zoo name, a local directory or GGUF, or (on request) a hub id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffquant import DiffquantError
+from diffquant.models.presets import PRESETS, build_pair
+from diffquant.models.zoo import ZOO, zoo_file
+
+
+def _dtype(name: str | None):
+    import torch
+
+    table = {None: None, "auto": "auto", "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if name not in table:
+        raise DiffquantError(f"unknown dtype {name!r}; choose fp32, bf16, fp16 or auto")
+    return table[name]
+
+
+def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = None, device_map=None,
+               hub: bool = False, attn_implementation: str | None = None, cache: str | None = None):
+    """Return (model, tokenizer or None, description) for `source`.
+
+    `source` is a preset (`tiny:diff`, `tiny:baseline`; random weights), a zoo name (`smollm2-135m`),
+    a directory written by `save_pretrained`, a `.gguf` file, or a hub id when `hub=True`. Nothing is
+    downloaded from a hub unless `hub=True`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": _dtype(dtype)}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    name, _, arch = source.partition(":")
+    tokenizer = None
+    if name in PRESETS and arch in ("diff", "baseline"):
+        baseline, diff = build_pair(PRESETS[name])
+        model = diff if arch == "diff" else baseline
+        if kwargs["dtype"] not in (None, "auto"):
+            model = model.to(kwargs["dtype"])
+    elif source in ZOO:
+        model, tokenizer = _load_zoo(source, kwargs, cache)
+    else:
+        path = Path(source)
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise DiffquantError(f"model file {source} does not exist")
+            model, tokenizer = _from_pretrained(path.parent, kwargs, gguf_file=path.name)
+        elif path.is_dir():
+            if not (path / "config.json").is_file():
+                raise DiffquantError(f"{source} is a directory without config.json; point at a save_pretrained folder")
+            model, tokenizer = _from_pretrained(path, kwargs)
+        elif hub:
+            model, tokenizer = _from_pretrained(source, kwargs, local_files_only=False)
+        else:
+            raise DiffquantError(
+                f"unknown model {source!r}: not a directory, a .gguf file, a zoo name ({', '.join(ZOO)}) or a preset "
+                f"({', '.join(f'{p}:diff|{p}:baseline' for p in PRESETS)}). For a hub id pass --hub (needs network)"
+            )
+    if device is not None and device_map is None:
+        model = model.to(device)
+    return model.eval(), tokenizer
+
+
+def _load_zoo(name: str, kwargs: dict, cache: str | None):
+    """Load a zoo model; the first load converts the GGUF once into a safetensors folder beside it."""
+    gguf = zoo_file(name, cache)
+    converted = gguf.parent / "hf"
+    if not (converted / "config.json").is_file():
+        model, tokenizer = _from_pretrained(gguf.parent, {"dtype": None}, gguf_file=gguf.name)
+        tmp = gguf.parent / "hf.part"
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        tmp.replace(converted)
+    return _from_pretrained(converted, kwargs)
+
+
+def _from_pretrained(path, kwargs: dict, local_files_only: bool = True, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if "gguf_file" not in extra:
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=local_files_only)
+        except (OSError, ValueError) as e:
+            raise DiffquantError(f"could not read the config of {path}: {str(e).splitlines()[0][:300]}") from None
+        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise DiffquantError(f"{path} is a {config.model_type!r} model, not a causal language model")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=local_files_only, **kwargs, **extra)
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e) or "does not recognize this architecture" in str(e):
+            raise DiffquantError(f"{path} is not a causal language model ({str(e).splitlines()[0][:200]})") from None
+        raise
+    except OSError as e:
+        raise DiffquantError(f"could not load {path}: {str(e).splitlines()[0][:300]}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, **extra)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    return model, tokenizer
+
+
+def describe(model) -> dict:
+    """Provenance of a model for reports."""
+    p = next(model.parameters())
+    return {
+        "name": getattr(model, "name_or_path", "") or type(model).__name__,
+        "architecture": type(model).__name__,
+        "model_type": model.config.model_type,
+        "parameters": sum(x.numel() for x in model.parameters()),
+        "layers": model.config.num_hidden_layers,
+        "hidden_size": model.config.hidden_size,
+        "dtype": str(p.dtype).replace("torch.", ""),
+        "device": str(p.device),
+    }

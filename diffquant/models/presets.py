@@ -1,0 +1,106 @@
+"""Matched DIFF/baseline model presets.
+
+A preset fixes width, depth, SwiGLU width, vocabulary and RoPE. The baseline is a `LlamaConfig` with
+`heads` softmax heads; the DIFF model is a `DiffLlamaConfig` whose `num_attention_heads` also counts
+softmax maps, so it has `heads / 2` differential heads of width 2d, as the paper prescribes. The two
+differ only by the 4·head_dim λ parameters per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from diffquant import DiffquantError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a matched pair; `seq_len` is the training context."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % 2:
+            raise ValueError(f"heads must be even (DIFF pairs softmax maps), got {self.heads}")
+
+    def _common(self) -> dict:
+        return dict(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.ffn,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.heads,
+            max_position_embeddings=max(self.seq_len, 2048),
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            tie_word_embeddings=self.tie_embeddings,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+
+    def baseline_config(self):
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**self._common())
+
+    def diff_config(self):
+        from transformers import DiffLlamaConfig
+
+        return DiffLlamaConfig(**self._common())
+
+    def config(self, arch: str):
+        if arch == "baseline":
+            return self.baseline_config()
+        if arch == "diff":
+            return self.diff_config()
+        raise DiffquantError(f"unknown architecture {arch!r}: choose 'baseline' or 'diff'")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Sizes chosen so `tiny` trains on 2 CPU cores in minutes, `small` on one GPU in minutes and `base`
+# is GPT-2-small sized (~125M) for a real GPU run.
+PRESETS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec("micro", hidden=64, layers=2, heads=4, ffn=176, vocab=512, seq_len=64),
+        ModelSpec("tiny", hidden=256, layers=4, heads=8, ffn=688, vocab=4096, seq_len=256),
+        ModelSpec("small", hidden=512, layers=8, heads=8, ffn=1376, vocab=8192, seq_len=512),
+        ModelSpec("base", hidden=768, layers=12, heads=12, ffn=2048, vocab=24576, seq_len=1024),
+    )
+}
+
+
+def get_preset(name: str) -> ModelSpec:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise DiffquantError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+
+
+def build_pair(spec: ModelSpec, seed: int = 0):
+    """Build (baseline, diff) with the same seed, as fresh `LlamaForCausalLM`/`DiffLlamaForCausalLM`."""
+    import torch
+    from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    baseline = LlamaForCausalLM(spec.baseline_config())
+    torch.manual_seed(seed)
+    diff = DiffLlamaForCausalLM(spec.diff_config())
+    return baseline.eval(), diff.eval()
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

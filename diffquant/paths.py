@@ -1,0 +1,40 @@
+"""Cache locations and atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def cache_dir(override: str | os.PathLike | None = None) -> Path:
+    """diffquant's cache: `override`, $DIFFQUANT_CACHE, or $XDG_CACHE_HOME/diffquant."""
+    if override is not None:
+        path = Path(override)
+    elif os.environ.get("DIFFQUANT_CACHE"):
+        path = Path(os.environ["DIFFQUANT_CACHE"])
+    else:
+        path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "diffquant"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write via a temporary file in the same folder and rename, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")

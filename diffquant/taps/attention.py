@@ -1,0 +1,100 @@
+"""diffquant's attention function, registered with transformers' AttentionInterface as "diffquant".
+
+It computes the logits explicitly so taps can observe or transform them, masks them, softmaxes in
+fp32 and multiplies by V. The mask function registered beside it always materialises the mask:
+transformers would otherwise pass `attention_mask=None` for unpadded input and rely on the kernel's
+own causality, which an explicit matmul does not have. Layers without attention taps fall through to
+SDPA with that boolean mask. For DiffLlama, whose layer calls attention twice with the same Q and K
+(once per half of V), the second call reuses the first call's probabilities, so each logit passes the
+taps exactly once.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from diffquant import DiffquantError
+
+NAME = "diffquant"
+
+
+def diffquant_mask(*args, **kwargs):
+    """SDPA's boolean mask, never skipped: True where a query may attend a key."""
+    kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def valid_positions(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor:
+    """Boolean [batch|1, 1, q, k] mask of the positions a query may attend (bottom-right causal if None)."""
+    if attention_mask is None:
+        return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
+    mask = attention_mask[:, :, :, :k_len]
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2  # additive float mask (eager)
+
+
+def diff_lambda(module) -> torch.Tensor:
+    """λ of a DiffLlama attention layer, computed as transformers computes it."""
+    l1 = torch.exp(torch.sum(module.lambda_q1 * module.lambda_k1, dim=-1, dtype=torch.float32))
+    l2 = torch.exp(torch.sum(module.lambda_q2 * module.lambda_k2, dim=-1, dtype=torch.float32))
+    return l1 - l2 + module.lambda_init
+
+
+def tapped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    taps = getattr(module, "_diffquant_taps", None)
+    if not taps:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if kwargs.get("s_aux") is not None:
+        raise DiffquantError("attention sinks (s_aux) are not supported by diffquant's tapped attention")
+    if dropout and module.training:
+        raise DiffquantError("tapped attention does not apply attention dropout; use model.eval() or dropout 0")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+
+    pending = module.__dict__.pop("_diffquant_pending", None)
+    if pending is not None and pending[0] is query and pending[1] is key:
+        probs = pending[2]  # DiffLlama's second call: same Q and K, reuse (observed, maybe quantized) probs
+    else:
+        probs = _probabilities(module, taps, query, key, attention_mask, scaling, kwargs.get("softcap"))
+        if getattr(module, "_diffquant_paired", False):
+            module._diffquant_pending = (query, key, probs)
+    out = torch.matmul(probs.to(value.dtype), value)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+def _probabilities(module, taps, query, key, attention_mask, scaling, softcap):
+    logits = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    valid = valid_positions(attention_mask, query.shape[2], key.shape[2], query.device)
+    logits = run_taps(taps.get("attn_logits"), logits, valid)
+    probs = torch.softmax(logits.float().masked_fill(~valid, float("-inf")), dim=-1)
+    probs = probs.masked_fill(~valid.any(-1, keepdim=True), 0.0).to(query.dtype)  # fully masked rows (padding)
+    probs = run_taps(taps.get("attn_probs"), probs, valid)
+    if "attn_map" in taps or "lambda" in taps:
+        lam = diff_lambda(module)
+        run_taps(taps.get("lambda"), lam, None)
+        if "attn_map" in taps:
+            half = probs.shape[1] // 2
+            run_taps(taps["attn_map"], probs[:, :half] - lam.to(probs.dtype) * probs[:, half:], valid)
+    return probs
+
+
+def run_taps(entries, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Pass x through the (tap, context) entries of one site in attach order."""
+    for tap, ctx in entries or ():
+        y = tap(x, ctx.with_valid(valid))
+        if y is not None:
+            x = y
+    return x
+
+
+AttentionInterface.register(NAME, tapped_attention)
+AttentionMaskInterface.register(NAME, diffquant_mask)

@@ -1,0 +1,40 @@
+"""Tiny offline models (width 64, 2 layers) built in fixtures."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def micro_pair():
+    from diffquant.models.presets import PRESETS, build_pair
+
+    return build_pair(PRESETS["micro"], seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def bloom():
+    """A causal LM whose attention does not go through AttentionInterface."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    return BloomForCausalLM(BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4)).eval()
+
+
+@pytest.fixture(params=["llama", "diffllama", "qwen2"])
+def any_model(request, micro_pair, qwen2):
+    return {"llama": micro_pair[0], "diffllama": micro_pair[1], "qwen2": qwen2}[request.param]
+
+
+def set_attn(model, name):
+    model.set_attn_implementation(name)
+    return model

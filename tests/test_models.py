@@ -1,0 +1,75 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from diffquant import DiffquantError
+from diffquant.models.load import load_model
+from diffquant.models.presets import PRESETS, ModelSpec, build_pair, count_parameters, get_preset
+
+
+def expected_params(spec: ModelSpec, diff: bool) -> int:
+    """Parameter count by hand: embeddings, untied head, per layer 4 attention and 3 MLP matrices, 2 norms."""
+    h, f = spec.hidden, spec.ffn
+    per_layer = 4 * h * h + 3 * h * f + 2 * h + (4 * (h // spec.heads) if diff else 0)
+    head = 0 if spec.tie_embeddings else spec.vocab * h
+    return spec.vocab * h + head + spec.layers * per_layer + h
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_are_matched(name):
+    spec = PRESETS[name]
+    with torch.device("meta"):
+        baseline, diff = build_pair(spec)
+    nb, nd = count_parameters(baseline), count_parameters(diff)
+    assert nb == expected_params(spec, diff=False)
+    assert nd == expected_params(spec, diff=True)
+    assert abs(nd - nb) / nb < 1e-3
+    assert diff.config.num_attention_heads == baseline.config.num_attention_heads  # softmax maps match
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "rope_parameters"):
+        assert getattr(diff.config, key) == getattr(baseline.config, key)
+
+
+def test_preset_sizes_in_range():
+    with torch.device("meta"):
+        sizes = {n: count_parameters(build_pair(PRESETS[n])[0]) for n in ("tiny", "small", "base")}
+    assert 4e6 <= sizes["tiny"] <= 8e6
+    assert 25e6 <= sizes["small"] <= 40e6
+    assert 110e6 <= sizes["base"] <= 140e6
+
+
+def test_unknown_preset():
+    with pytest.raises(DiffquantError, match="choose one of"):
+        get_preset("huge")
+
+
+def test_checkpoint_loads_with_plain_transformers(tmp_path, micro_pair):
+    ids = torch.randint(0, 512, (1, 12))
+    for model in micro_pair:
+        model.save_pretrained(tmp_path / model.config.model_type)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / model.config.model_type)
+        assert type(reloaded) is type(model)
+        assert (tmp_path / model.config.model_type / "model.safetensors").exists()
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+        mine, _ = load_model(str(tmp_path / model.config.model_type))
+        assert type(mine) is type(model)
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(DiffquantError, match="unknown model"):
+        load_model("no/such-model")
+    with pytest.raises(DiffquantError, match="without config.json"):
+        load_model(str(tmp_path))
+    with pytest.raises(DiffquantError, match="does not exist"):
+        load_model(str(tmp_path / "x.gguf"))
+    with pytest.raises(DiffquantError, match="unknown dtype"):
+        load_model("micro:diff", dtype="fp13")
+
+
+def test_not_a_causal_lm(tmp_path):
+    from transformers import ViTConfig, ViTModel
+
+    ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                       image_size=32, patch_size=16)).save_pretrained(tmp_path)
+    with pytest.raises(DiffquantError, match="not a causal language model"):
+        load_model(str(tmp_path))
