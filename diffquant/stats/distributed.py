@@ -1,0 +1,26 @@
+"""Merge statistics across torch.distributed ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from diffquant.stats.site_stats import SiteStats
+
+
+def merge_across_ranks(stats: dict[str, SiteStats]) -> dict[str, SiteStats]:
+    """All-gather every rank's statistics (moved to CPU, they are small) and merge them on each rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return stats
+    local = {name: s.to("cpu") for name, s in stats.items()}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    device = next(iter(stats.values())).nonfinite.device if stats else torch.device("cpu")
+    merged = {}
+    for name in gathered[0]:
+        total = gathered[0][name]
+        for other in gathered[1:]:
+            total = total.merge(other[name])
+        merged[name] = total.to(device)
+    return merged

@@ -1,0 +1,69 @@
+"""Streaming central moments (count, mean, M2, M3, M4) in float64, mergeable exactly (Pébay 2008)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Moments:
+    """Moments of every valid value seen; all state lives on the activation's device as float64."""
+
+    def __init__(self, device=None):
+        z = lambda: torch.zeros((), dtype=torch.float64, device=device)  # noqa: E731
+        self.n, self.mean, self.m2, self.m3, self.m4 = z(), z(), z(), z(), z()
+
+    @staticmethod
+    def of(x: torch.Tensor, mask: torch.Tensor | None) -> "Moments":
+        """Moments of one tensor (float32 differences, float64 sums)."""
+        m = Moments(x.device)
+        if mask is None:
+            m.n = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+            s1 = x.sum(dtype=torch.float64)
+        else:
+            m.n = mask.sum(dtype=torch.float64)
+            s1 = torch.where(mask, x, 0).sum(dtype=torch.float64)
+        m.mean = s1 / m.n.clamp_min(1)
+        d = x - m.mean.to(x.dtype)
+        if mask is not None:
+            d = torch.where(mask, d, 0)
+        d2 = d * d
+        m.m2 = d2.sum(dtype=torch.float64)
+        m.m3 = (d2 * d).sum(dtype=torch.float64)
+        m.m4 = (d2 * d2).sum(dtype=torch.float64)
+        return m
+
+    def merge(self, other: "Moments") -> "Moments":
+        """Combine two disjoint sets of values (exact up to float64 rounding)."""
+        out = Moments(self.n.device)
+        na, nb = self.n, other.n.to(self.n.device)
+        n = na + nb
+        safe = n.clamp_min(1)
+        delta = other.mean.to(self.n.device) - self.mean
+        ob = {k: getattr(other, k).to(self.n.device) for k in ("m2", "m3", "m4")}
+        out.n = n
+        out.mean = self.mean + delta * nb / safe
+        out.m2 = self.m2 + ob["m2"] + delta**2 * na * nb / safe
+        out.m3 = (self.m3 + ob["m3"] + delta**3 * na * nb * (na - nb) / safe**2
+                  + 3 * delta * (na * ob["m2"] - nb * self.m2) / safe)
+        out.m4 = (self.m4 + ob["m4"] + delta**4 * na * nb * (na * na - na * nb + nb * nb) / safe**3
+                  + 6 * delta**2 * (na * na * ob["m2"] + nb * nb * self.m2) / safe**2
+                  + 4 * delta * (na * ob["m3"] - nb * self.m3) / safe)
+        return out
+
+    def summary(self) -> dict:
+        n = float(self.n)
+        if n == 0:
+            return {"count": 0, "mean": None, "std": None, "kurtosis": None}
+        var = float(self.m2) / n
+        kurt = (float(self.m4) / n) / var**2 if var > 0 else None
+        return {"count": int(n), "mean": float(self.mean), "std": var**0.5, "kurtosis": kurt}
+
+    def state(self) -> dict:
+        return {k: float(getattr(self, k)) for k in ("n", "mean", "m2", "m3", "m4")}
+
+    @staticmethod
+    def from_state(state: dict, device=None) -> "Moments":
+        m = Moments(device)
+        for k, v in state.items():
+            setattr(m, k, torch.tensor(v, dtype=torch.float64, device=device))
+        return m

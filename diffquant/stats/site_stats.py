@@ -1,0 +1,129 @@
+"""All streaming statistics of one site, and the observer tap that feeds them."""
+
+from __future__ import annotations
+
+import torch
+
+from diffquant.stats.histogram import LogHistogram
+from diffquant.stats.moments import Moments
+from diffquant.stats.topk import TopK
+
+QUANTILES = {"median": 0.5, "p99": 0.99, "p99.9": 0.999, "p99.99": 0.9999}
+_CHANNEL_DIMS = ("channel", "head", "out_channel")
+_POSITION_DIMS = ("pos", "q_pos")
+
+
+class SiteStats:
+    """Pooled moments, top-k with locations, |x| histogram, per-channel and per-position absmax,
+    non-finite count, and per-pass (Bondarenko et al.) kurtosis and ∞-norm, for one site."""
+
+    def __init__(self, dims: tuple[str, ...], k: int = 100, device=None):
+        self.dims, self.k = dims, k
+        self.moments = Moments(device)
+        self.topk = TopK(k, len(dims), device)
+        self.hist = LogHistogram(device)
+        self.channel_absmax: torch.Tensor | None = None
+        self.position_absmax: torch.Tensor | None = None
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        # per forward pass: sum and max of kurtosis and ∞-norm
+        self.passes = 0
+        self.pass_kurt = torch.zeros(2, dtype=torch.float64, device=device)
+        self.pass_inf = torch.zeros(2, dtype=torch.float64, device=device)
+
+    def update(self, x: torch.Tensor, valid: torch.Tensor | None = None, input_ids=None, row_offset: int = 0) -> None:
+        x = x.detach()
+        if x.dtype != torch.float32:
+            x = x.float()
+        if valid is not None and valid.shape != x.shape:
+            valid = valid.expand_as(x)
+        finite = torch.isfinite(x)
+        bad = ~finite if valid is None else valid & ~finite
+        self.nonfinite += bad.sum()
+        mask = finite if valid is None else valid & finite
+        a = torch.where(mask, x.abs(), -1.0)
+        m = Moments.of(x, mask)
+        self.moments = self.moments.merge(m)
+        self.topk.add(x, a, self.dims, input_ids, row_offset)
+        self.hist.add(a, mask)
+        self._absmax_along(a)
+        self._pass(m, a)
+
+    def _absmax_along(self, a: torch.Tensor) -> None:
+        for names, attr in ((_CHANNEL_DIMS, "channel_absmax"), (_POSITION_DIMS, "position_absmax")):
+            dim = next((i for i, d in enumerate(self.dims) if d in names), None)
+            if dim is None:
+                continue
+            other = [i for i in range(a.dim()) if i != dim]
+            cur = a.amax(dim=other) if other else a
+            setattr(self, attr, _elementwise_max(getattr(self, attr), cur.clamp_min(0)))
+
+    def _pass(self, m: Moments, a: torch.Tensor) -> None:
+        var = m.m2 / m.n.clamp_min(1)
+        kurt = torch.where(var > 0, (m.m4 / m.n.clamp_min(1)) / var.clamp_min(1e-300) ** 2, 0.0)
+        inf = a.max().double().clamp_min(0)
+        self.passes += 1
+        self.pass_kurt = torch.stack([self.pass_kurt[0] + kurt, torch.maximum(self.pass_kurt[1], kurt)])
+        self.pass_inf = torch.stack([self.pass_inf[0] + inf, torch.maximum(self.pass_inf[1], inf)])
+
+    def merge(self, other: "SiteStats") -> "SiteStats":
+        out = SiteStats(self.dims, self.k, self.nonfinite.device)
+        out.moments = self.moments.merge(other.moments)
+        out.topk = self.topk.merge(other.topk)
+        out.hist = self.hist.merge(other.hist)
+        out.channel_absmax = _elementwise_max(self.channel_absmax, other.channel_absmax)
+        out.position_absmax = _elementwise_max(self.position_absmax, other.position_absmax)
+        out.nonfinite = self.nonfinite + other.nonfinite.to(out.nonfinite.device)
+        out.passes = self.passes + other.passes
+        dev = out.nonfinite.device
+        out.pass_kurt = torch.stack([self.pass_kurt[0] + other.pass_kurt[0].to(dev),
+                                     torch.maximum(self.pass_kurt[1], other.pass_kurt[1].to(dev))])
+        out.pass_inf = torch.stack([self.pass_inf[0] + other.pass_inf[0].to(dev),
+                                    torch.maximum(self.pass_inf[1], other.pass_inf[1].to(dev))])
+        return out
+
+    def to(self, device) -> "SiteStats":
+        """A copy on another device (for gathering across ranks)."""
+        out = SiteStats(self.dims, self.k, device)
+        return out.merge(self)
+
+    def summary(self, full: bool = True) -> dict:
+        """Every number as plain Python, for JSON."""
+        s = self.moments.summary()
+        s["nonfinite"] = int(self.nonfinite)
+        s["absmax"] = self.topk.rank(1)
+        s["top"] = {f"top{r}": self.topk.rank(r) for r in (1, 2, 3, 10, 100) if r <= self.k}
+        s["quantiles"] = dict(zip(QUANTILES, self.hist.quantiles(list(QUANTILES.values()))))
+        s["passes"] = self.passes
+        if self.passes:
+            s["pass_kurtosis_mean"] = float(self.pass_kurt[0]) / self.passes
+            s["pass_kurtosis_max"] = float(self.pass_kurt[1])
+            s["pass_infnorm_mean"] = float(self.pass_inf[0]) / self.passes
+            s["pass_infnorm_max"] = float(self.pass_inf[1])
+        if full:
+            s["topk"] = self.top_entries()
+            if self.channel_absmax is not None:
+                s["channel_absmax"] = [round(float(v), 6) for v in self.channel_absmax.cpu()]
+            if self.position_absmax is not None:
+                s["position_absmax"] = [round(float(v), 6) for v in self.position_absmax.cpu()]
+        return s
+
+    def top_entries(self) -> list[dict]:
+        rows = []
+        for value, coords in zip(self.topk.values.cpu().tolist(), self.topk.coords.cpu().tolist()):
+            row = {"value": value, **dict(zip(self.dims, coords[:-1]))}
+            if coords[-1] >= 0:
+                row["token_id"] = coords[-1]
+            rows.append(row)
+        return rows
+
+
+def _elementwise_max(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """Max of two vectors that may differ in length (positions): the shorter is padded with 0."""
+    if a is None or b is None:
+        return b if a is None else a
+    b = b.to(a.device)
+    if a.numel() != b.numel():
+        n = max(a.numel(), b.numel())
+        a = torch.nn.functional.pad(a, (0, n - a.numel()))
+        b = torch.nn.functional.pad(b, (0, n - b.numel()))
+    return torch.maximum(a, b)

@@ -1,0 +1,57 @@
+"""Exact streaming top-k of |x| with the coordinates of each value."""
+
+from __future__ import annotations
+
+import torch
+
+
+class TopK:
+    """The k largest |x| seen, with their signed values, coordinates in the site's dims, and token ids.
+
+    `coords` holds one column per site dim plus the token id at the query/token position (-1 when
+    unknown); the batch coordinate is global (row offset added).
+    """
+
+    def __init__(self, k: int, ndim: int, device=None):
+        self.k = k
+        self.abs = torch.empty(0, dtype=torch.float32, device=device)
+        self.values = torch.empty(0, dtype=torch.float32, device=device)
+        self.coords = torch.empty(0, ndim + 1, dtype=torch.int64, device=device)
+
+    def add(self, x: torch.Tensor, a: torch.Tensor, dims: tuple[str, ...], input_ids=None, row_offset: int = 0) -> None:
+        """Offer |x| values `a` (invalid entries set to -1) of tensor x, shaped by `dims`."""
+        flat = a.reshape(-1)
+        k = min(self.k, flat.numel())
+        if k == 0:
+            return
+        top, idx = torch.topk(flat, k)
+        keep = top >= 0
+        top, idx = top[keep], idx[keep]
+        coords = torch.stack(torch.unravel_index(idx, a.shape), dim=1) if a.dim() else idx[:, None] * 0
+        token = torch.full((len(idx), 1), -1, dtype=torch.int64, device=a.device)
+        if "batch" in dims:
+            b = dims.index("batch")
+            pos_dim = dims.index("pos") if "pos" in dims else dims.index("q_pos") if "q_pos" in dims else None
+            if input_ids is not None and pos_dim is not None and input_ids.shape[1] == a.shape[pos_dim]:
+                ids = input_ids.to(a.device)
+                token[:, 0] = ids[coords[:, b], coords[:, pos_dim]]
+            coords[:, b] += row_offset
+        self._merge_raw(top, x.reshape(-1)[idx].float(), torch.cat([coords, token], dim=1))
+
+    def _merge_raw(self, a, v, c) -> None:
+        a = torch.cat([self.abs, a.to(self.abs.device)])
+        v = torch.cat([self.values, v.to(self.abs.device)])
+        c = torch.cat([self.coords, c.to(self.abs.device)])
+        k = min(self.k, a.numel())
+        top, idx = torch.topk(a, k)
+        self.abs, self.values, self.coords = top, v[idx], c[idx]
+
+    def merge(self, other: "TopK") -> "TopK":
+        out = TopK(self.k, self.coords.shape[1] - 1, self.abs.device)
+        out.abs, out.values, out.coords = self.abs, self.values, self.coords
+        out._merge_raw(other.abs, other.values, other.coords)
+        return out
+
+    def rank(self, r: int) -> float | None:
+        """The r-th largest |x| (1-based), or None if fewer were seen."""
+        return float(self.abs[r - 1]) if r <= self.abs.numel() else None
