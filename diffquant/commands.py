@@ -4,7 +4,9 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    """Add each feature's sub-command parser."""
+    """Add each feature's sub-command parser (each module keeps its heavy imports inside functions)."""
     from diffquant import profile
+    from diffquant.data import cli as data_cli
 
     profile.add_parser(sub)
+    data_cli.add_parser(sub)

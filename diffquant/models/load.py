@@ -71,6 +71,11 @@ def _load_zoo(name: str, kwargs: dict, cache: str | None):
     converted = gguf.parent / "hf"
     if not (converted / "config.json").is_file():
         model, tokenizer = _from_pretrained(gguf.parent, {"dtype": None}, gguf_file=gguf.name)
+        # the weights are plain dequantized tensors now; drop the GGUF quantizer so they serialize
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         tmp = gguf.parent / "hf.part"
         model.save_pretrained(tmp)
         if tokenizer is not None:

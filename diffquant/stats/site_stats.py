@@ -17,13 +17,16 @@ class SiteStats:
     """Pooled moments, top-k with locations, |x| histogram, per-channel and per-position absmax,
     non-finite count, and per-pass (Bondarenko et al.) kurtosis and ∞-norm, for one site."""
 
-    def __init__(self, dims: tuple[str, ...], k: int = 100, device=None):
-        self.dims, self.k = dims, k
+    def __init__(self, dims: tuple[str, ...], k: int = 100, device=None, outlier_threshold: float = 6.0):
+        self.dims, self.k, self.threshold = dims, k, outlier_threshold
         self.moments = Moments(device)
         self.topk = TopK(k, len(dims), device)
         self.hist = LogHistogram(device)
         self.channel_absmax: torch.Tensor | None = None
         self.position_absmax: torch.Tensor | None = None
+        # LLM.int8 outlier features: per channel, how many positions have |x| >= threshold
+        self.channel_hits: torch.Tensor | None = None
+        self.positions = torch.zeros((), dtype=torch.int64, device=device)
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         # per forward pass: sum and max of kurtosis and ∞-norm
         self.passes = 0
@@ -46,6 +49,7 @@ class SiteStats:
         self.topk.add(x, a, self.dims, input_ids, row_offset)
         self.hist.add(a, mask)
         self._absmax_along(a)
+        self._count_hits(a, mask)
         self._pass(m, a)
 
     def _absmax_along(self, a: torch.Tensor) -> None:
@@ -57,6 +61,14 @@ class SiteStats:
             cur = a.amax(dim=other) if other else a
             setattr(self, attr, _elementwise_max(getattr(self, attr), cur.clamp_min(0)))
 
+    def _count_hits(self, a: torch.Tensor, mask: torch.Tensor) -> None:
+        """Per channel, positions with |x| >= threshold (only for [batch, pos, channel] sites)."""
+        if self.dims != ("batch", "pos", "channel"):
+            return
+        hits = (a >= self.threshold).sum(dim=(0, 1))
+        self.channel_hits = hits if self.channel_hits is None else self.channel_hits + hits
+        self.positions += mask.any(dim=-1).sum()
+
     def _pass(self, m: Moments, a: torch.Tensor) -> None:
         var = m.m2 / m.n.clamp_min(1)
         kurt = torch.where(var > 0, (m.m4 / m.n.clamp_min(1)) / var.clamp_min(1e-300) ** 2, 0.0)
@@ -66,13 +78,18 @@ class SiteStats:
         self.pass_inf = torch.stack([self.pass_inf[0] + inf, torch.maximum(self.pass_inf[1], inf)])
 
     def merge(self, other: "SiteStats") -> "SiteStats":
-        out = SiteStats(self.dims, self.k, self.nonfinite.device)
+        out = SiteStats(self.dims, self.k, self.nonfinite.device, self.threshold)
         out.moments = self.moments.merge(other.moments)
         out.topk = self.topk.merge(other.topk)
         out.hist = self.hist.merge(other.hist)
         out.channel_absmax = _elementwise_max(self.channel_absmax, other.channel_absmax)
         out.position_absmax = _elementwise_max(self.position_absmax, other.position_absmax)
         out.nonfinite = self.nonfinite + other.nonfinite.to(out.nonfinite.device)
+        out.positions = self.positions + other.positions.to(out.positions.device)
+        if self.channel_hits is None or other.channel_hits is None:
+            out.channel_hits = self.channel_hits if other.channel_hits is None else other.channel_hits
+        else:
+            out.channel_hits = self.channel_hits + other.channel_hits.to(self.channel_hits.device)
         out.passes = self.passes + other.passes
         dev = out.nonfinite.device
         out.pass_kurt = torch.stack([self.pass_kurt[0] + other.pass_kurt[0].to(dev),
@@ -83,7 +100,7 @@ class SiteStats:
 
     def to(self, device) -> "SiteStats":
         """A copy on another device (for gathering across ranks)."""
-        out = SiteStats(self.dims, self.k, device)
+        out = SiteStats(self.dims, self.k, device, self.threshold)
         return out.merge(self)
 
     def summary(self, full: bool = True) -> dict:
@@ -103,6 +120,9 @@ class SiteStats:
             s["topk"] = self.top_entries()
             if self.channel_absmax is not None:
                 s["channel_absmax"] = [round(float(v), 6) for v in self.channel_absmax.cpu()]
+            if self.channel_hits is not None:
+                s["channel_hit_fraction"] = [round(float(v) / max(1, int(self.positions)), 6)
+                                             for v in self.channel_hits.cpu()]
             if self.position_absmax is not None:
                 s["position_absmax"] = [round(float(v), 6) for v in self.position_absmax.cpu()]
         return s

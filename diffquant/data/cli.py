@@ -1,0 +1,37 @@
+"""`diffquant data fetch|info NAME`."""
+
+from __future__ import annotations
+
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("data", help="fetch and describe corpora (kjv, gcide, wordnet, pydoc, linuxdoc, debian-mix)")
+    p.add_argument("action", choices=["fetch", "info", "list"])
+    p.add_argument("name", nargs="?", default="kjv", help="corpus name, local file/folder, or hf:NAME")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--tokenizer", default=None, help="a model folder whose tokenizer counts the tokens (info)")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> None:
+    from diffquant.data import corpora
+
+    if args.action == "list":
+        for c in corpora.CORPORA.values():
+            print(f"{c.name:<10} {c.about} (Debian: {', '.join(c.packages)})")
+        print(f"{'debian-mix':<10} all of the above")
+        return
+    if args.action == "fetch":
+        path = corpora.fetch(args.name, args.cache_dir)
+        print(f"{args.name}: {path}")
+        return
+    info = corpora.info(args.name, args.cache_dir)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        from diffquant.data.tokens import encode
+
+        text, _ = corpora.load_text(args.name, args.cache_dir)
+        info["tokens"] = int(len(encode(AutoTokenizer.from_pretrained(args.tokenizer), text)))
+    print(json.dumps(info, indent=2))

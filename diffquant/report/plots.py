@@ -1,0 +1,56 @@
+"""Matplotlib figures (Agg backend, PNG + SVG), drawn from saved numbers only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path, stem: str) -> list[Path]:
+    paths = []
+    for ext in ("png", "svg"):
+        path = out / f"{stem}.{ext}"
+        tmp = out / f".{stem}.tmp.{ext}"
+        fig.savefig(tmp, dpi=130, bbox_inches="tight")
+        tmp.replace(path)
+        paths.append(path)
+    _plt().close(fig)
+    return paths
+
+
+def plot_layer_series(series_by_model: dict[str, dict[str, list[dict]]], out: Path) -> list[Path]:
+    """Kurtosis vs layer, and top-1 and median |x| vs layer (log scale), one line per model."""
+    plt = _plt()
+    kinds = sorted({k for s in series_by_model.values() for k in s})
+    written = []
+    if not kinds:
+        return written
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for label, series in series_by_model.items():
+            rows = series.get(kind, [])
+            ax.plot([r["layer"] for r in rows], [r["kurtosis"] for r in rows], marker="o", label=label)
+        ax.axhline(3.0, color="gray", lw=0.8, ls=":", label="Gaussian (3)")
+        ax.set(title=f"{kind}: kurtosis", xlabel="layer", ylabel="Pearson kurtosis (log)", yscale="log")
+        ax.legend(fontsize=8)
+    written += _save(fig, out, "kurtosis_vs_layer")
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for i, (label, series) in enumerate(series_by_model.items()):
+            rows = series.get(kind, [])
+            color = f"C{i}"
+            ax.plot([r["layer"] for r in rows], [r["absmax"] for r in rows], marker="o", color=color, label=f"{label} top-1")
+            ax.plot([r["layer"] for r in rows], [r["median"] for r in rows], marker="x", ls="--", color=color,
+                    label=f"{label} median")
+        ax.set(title=f"{kind}: |x| top-1 and median", xlabel="layer", ylabel="|x| (log)", yscale="log")
+        ax.legend(fontsize=8)
+    written += _save(fig, out, "absmax_vs_layer")
+    return written

@@ -1,0 +1,28 @@
+"""Markdown and CSV tables."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+
+def fmt(v, digits: int = 5) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}" if abs(v) < 1e5 else f"{v:.1f}"
+    return str(v)
+
+
+def markdown(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(header: list[str], rows: list[list]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buf.getvalue()
