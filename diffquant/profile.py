@@ -79,14 +79,15 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     observers = {s.name: StatsObserver(k) for s in selected if not s.is_weight}
     weight_observers = {s.name: StatsObserver(k) for s in selected if s.is_weight}
     rank, world = _rank()
-    mine = sequences[rank::world]
+    lo, hi = rank * len(sequences) // world, (rank + 1) * len(sequences) // world
+    mine = sequences[lo:hi]  # contiguous shards keep global row numbers simple
     batch = Batch()
     device = input_device(model)
     with tapped(model, {**observers, **weight_observers}, batch), torch.inference_mode():
         bar = tqdm(total=mine.numel(), unit="tok", desc=f"profile {label}", disable=not progress or rank != 0)
         for start in range(0, len(mine), batch_size):
             ids = mine[start:start + batch_size].to(device)
-            batch.input_ids, batch.row_offset = ids, rank + start * world
+            batch.input_ids, batch.row_offset = ids, lo + start
             model(ids, use_cache=False)
             bar.update(ids.numel())
         bar.close()
@@ -116,6 +117,14 @@ def init_distributed() -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def finish_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- command line
@@ -178,7 +187,9 @@ def run_cli(args) -> None:
     if args.tokens <= 0:
         raise DiffquantError(f"--tokens must be positive, got {args.tokens}")
     init_distributed()
-    out = prepare_out(args.out, args.force, "stats.json")
+    out = Path(args.out)
+    if _rank()[0] == 0:
+        prepare_out(out, args.force, "stats.json")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     text, _ = load_text(args.data, args.cache_dir)
     _, val = split(text)
@@ -199,3 +210,4 @@ def run_cli(args) -> None:
         paths = write_report(profiles, out, plots=not args.no_plots)
         print((out / "table5.md").read_text())
         print(f"wrote {', '.join(str(p) for p in paths)}")
+    finish_distributed()
