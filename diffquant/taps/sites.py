@@ -33,6 +33,7 @@ class Point:
 POINTS: dict[str, Point] = {
     p.name: p
     for p in (
+        Point("attn_in", ("batch", "pos", "channel"), "input of q/k/v_proj: output of input_layernorm", "input_layernorm"),
         Point("q", ("batch", "pos", "channel"), "output of q_proj, before RoPE", "self_attn.q_proj"),
         Point("k", ("batch", "pos", "channel"), "output of k_proj, before RoPE", "self_attn.k_proj"),
         Point("v", ("batch", "pos", "channel"), "output of v_proj", "self_attn.v_proj"),

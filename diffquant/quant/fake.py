@@ -1,0 +1,127 @@
+"""FakeQuant: the tap that simulates a quantizer at a site (dynamic, or static after calibration)."""
+
+from __future__ import annotations
+
+import torch
+
+from diffquant import DiffquantError
+from diffquant.quant import math as Q
+from diffquant.quant.config import QuantConfig
+
+MSE_ALPHAS = torch.linspace(0.3, 1.0, 15)
+
+
+class FakeQuant:
+    """Quantize-dequantize the activation (or weight) passing a site, with a straight-through gradient."""
+
+    transforms = True
+
+    def __init__(self, config: QuantConfig):
+        self.config = config
+        self.calibrating = False
+        self.scale: torch.Tensor | None = None  # static scale, after calibration
+        self.zero: torch.Tensor | None = None
+        self._lo = self._hi = None
+        self._mse_err: torch.Tensor | None = None
+        self._hist = None
+        self._cache: tuple | None = None  # weights: (data_ptr, version, result)
+
+    def __repr__(self) -> str:
+        return f"FakeQuant({self.config.label()})"
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor | None:
+        cfg = self.config
+        if self.calibrating:
+            self._observe(x, ctx)
+            return None
+        if ctx.site.is_weight and not torch.is_grad_enabled():
+            key = (x.data_ptr(), x._version)
+            if self._cache is not None and self._cache[:2] == key:
+                return self._cache[2]
+        if cfg.dynamic:
+            y = Q.dynamic_fake_quantize(x, cfg.format, cfg.granularity, ctx.site.dims, ctx.valid)
+        else:
+            if self.scale is None:
+                raise DiffquantError(f"{ctx.site.name}: static quantizer used before calibration; run calibrate()")
+            y = Q.fake_quantize(x, self.scale.to(x.device), self.zero.to(x.device), cfg.format, cfg.granularity)
+        if ctx.valid is not None:
+            y = torch.where(ctx.valid, y, x)  # masked positions stay as they were (and stay masked)
+        if ctx.site.is_weight and not torch.is_grad_enabled():
+            self._cache = (x.data_ptr(), x._version, y)
+        return y
+
+    # -------------------------------------------------------------- calibration
+    def _observe(self, x: torch.Tensor, ctx) -> None:
+        cfg = self.config
+        xg, reduce = Q.grouped(x.detach().float(), cfg.granularity, ctx.site.dims)
+        vg = None if ctx.valid is None else Q.grouped(ctx.valid.expand_as(x), cfg.granularity, ctx.site.dims)[0]
+        if cfg.calibration == "percentile":
+            from diffquant.stats.histogram import LogHistogram
+
+            self._hist = self._hist or LogHistogram(x.device)
+            ok = torch.isfinite(xg) if vg is None else vg & torch.isfinite(xg)
+            self._hist.add(torch.where(ok, xg.abs(), -1.0), ok)
+            return
+        lo, hi = Q.value_range(xg, reduce, vg, cfg.format.symmetric)
+        if self._lo is None:
+            self._lo, self._hi = lo, hi
+        elif self._lo.shape != lo.shape:
+            raise DiffquantError(f"{ctx.site.name}: calibration batches differ in shape for {cfg.label()}; "
+                                 "use per-tensor/channel/head scales or equal batch shapes")
+        elif cfg.calibration == "ema":
+            m = cfg.ema_momentum
+            self._lo, self._hi = m * self._lo + (1 - m) * lo, m * self._hi + (1 - m) * hi
+        else:
+            self._lo, self._hi = torch.minimum(self._lo, lo), torch.maximum(self._hi, hi)
+        if cfg.calibration == "mse":
+            self._mse_observe(xg, reduce, vg)
+
+    def _mse_observe(self, xg: torch.Tensor, reduce: tuple[int, ...], vg) -> None:
+        """Squared error of each candidate clipping ratio, per scale group, on this batch."""
+        cfg = self.config
+        errs = []
+        for alpha in MSE_ALPHAS.tolist():
+            scale, zero = Q.qparams(self._lo * alpha, self._hi * alpha, cfg.format)
+            y = Q.dequantize(Q.quantize(xg, scale, zero, cfg.format), scale, zero, cfg.format)
+            e = (y - xg) ** 2
+            if vg is not None:
+                e = torch.where(vg, e, 0)
+            errs.append(torch.where(torch.isfinite(e), e, 0).sum(dim=reduce, keepdim=True, dtype=torch.float64))
+        err = torch.stack(errs)
+        self._mse_err = err if self._mse_err is None or self._mse_err.shape != err.shape else self._mse_err + err
+
+    def finish_calibration(self) -> None:
+        cfg = self.config
+        self.calibrating = False
+        if cfg.calibration == "percentile":
+            if self._hist is None:
+                raise DiffquantError("calibration saw no data")
+            amax = torch.tensor(self._hist.quantiles([cfg.percentile / 100])[0] or 0.0)
+            self.scale, self.zero = Q.qparams(-amax, amax, cfg.format)
+            return
+        if self._lo is None:
+            raise DiffquantError("calibration saw no data for a static quantizer; feed calibration batches")
+        lo, hi = self._lo, self._hi
+        if cfg.calibration == "mse" and self._mse_err is not None:
+            best = MSE_ALPHAS.to(lo.device)[self._mse_err.argmin(dim=0)].to(lo.dtype)
+            lo, hi = lo * best, hi * best
+        self.scale, self.zero = Q.qparams(lo, hi, cfg.format)
+
+    def start_calibration(self) -> None:
+        if self.config.dynamic:
+            return
+        self.calibrating = True
+        self.scale = self.zero = self._lo = self._hi = self._mse_err = self._hist = None
+
+    def state(self) -> dict:
+        """Static scales as lists (saved with a quantized checkpoint)."""
+        if self.scale is None:
+            return {}
+        return {"scale": self.scale.cpu().tolist(), "zero": self.zero.cpu().tolist(), "shape": list(self.scale.shape)}
+
+    def load_state(self, state: dict) -> None:
+        if state:
+            self.scale = torch.tensor(state["scale"]).reshape(state["shape"])
+            self.zero = torch.tensor(state["zero"]).reshape(state["shape"])
+

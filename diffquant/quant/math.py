@@ -1,0 +1,93 @@
+"""The quantization arithmetic: choose scales, quantize, dequantize, fake-quantize (with STE).
+
+Only this module computes scales. Ranges are taken over valid entries only (masked attention
+positions and non-finite values never set a scale).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffquant.quant.formats import Format, grid
+from diffquant.quant.granularity import Granularity, PerGroup
+
+
+def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """x viewed so that one scale covers the reduced dims (groups split the last dim)."""
+    if isinstance(gran, PerGroup):
+        gran.check(x)
+        return x.unflatten(-1, (-1, gran.size)), (x.dim(),)
+    return x, gran.reduce_dims(x, dims)
+
+
+def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | None, symmetric: bool):
+    """(lo, hi) per scale group with keepdim; symmetric formats only need hi = max |x|."""
+    ok = torch.isfinite(x) if valid is None else valid & torch.isfinite(x)
+    if symmetric:
+        hi = torch.where(ok, x.abs(), 0).amax(dim=reduce, keepdim=True)
+        return -hi, hi
+    lo = torch.where(ok, x, float("inf")).amin(dim=reduce, keepdim=True)
+    hi = torch.where(ok, x, float("-inf")).amax(dim=reduce, keepdim=True)
+    lo = torch.where(torch.isfinite(lo), lo, 0).clamp_max(0)  # zero is always representable
+    hi = torch.where(torch.isfinite(hi), hi, 0).clamp_min(0)
+    return lo, hi
+
+
+def qparams(lo: torch.Tensor, hi: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero_point) covering [lo, hi]: absmax / qmax for symmetric formats, min/max otherwise."""
+    if fmt.symmetric:
+        scale = torch.maximum(lo.abs(), hi.abs()) / fmt.qmax
+        zero = torch.zeros_like(scale)
+    else:
+        scale = (hi - lo) / fmt.qmax
+        zero = None
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group keeps zeros
+    if zero is None:
+        zero = torch.round(-lo / scale).clamp(0, fmt.qmax)
+    return scale, zero
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Integer codes (int formats) or unscaled grid values (float formats), as float tensors."""
+    if fmt.is_int:
+        if fmt.symmetric:
+            return torch.clamp(torch.round(x / scale), -fmt.qmax, fmt.qmax)
+        return torch.clamp(torch.round(x / scale) + zero, 0, fmt.qmax)
+    v = torch.clamp(x / scale, -fmt.qmax, fmt.qmax)
+    if fmt.name == "fp8_e4m3":
+        return v.to(torch.float8_e4m3fn).to(x.dtype)
+    if fmt.name == "fp8_e5m2":
+        return v.to(torch.float8_e5m2).to(x.dtype)
+    values = grid(fmt.name).to(device=x.device, dtype=x.dtype)
+    idx = torch.bucketize(v, (values[1:] + values[:-1]) / 2)
+    return values[idx]
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
+    if fmt.is_int and not fmt.symmetric:
+        return (q - zero) * scale
+    return q * scale
+
+
+def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity | None = None) -> torch.Tensor:
+    """Quantize-dequantize with a straight-through gradient (identity), in x's shape."""
+    shape = x.shape
+    if isinstance(gran, PerGroup):
+        x = x.unflatten(-1, (-1, gran.size))
+    xf = x.float()
+    y = dequantize(quantize(xf, scale, zero, fmt), scale, zero, fmt).to(x.dtype)
+    y = x + (y - x).detach()
+    return y.reshape(shape)
+
+
+def dynamic_fake_quantize(x: torch.Tensor, fmt: Format, gran: Granularity, dims: tuple[str, ...],
+                          valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Scales from this tensor (the paper's dynamic absmax setting), then fake-quantize."""
+    xg, reduce = grouped(x.detach().float(), gran, dims)
+    vg = None
+    if valid is not None:
+        vg = valid.expand_as(x)
+        vg = grouped(vg, gran, dims)[0]
+    lo, hi = value_range(xg, reduce, vg, fmt.symmetric)
+    scale, zero = qparams(lo, hi, fmt)
+    return fake_quantize(x, scale, zero, fmt, gran)

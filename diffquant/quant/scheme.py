@@ -1,0 +1,162 @@
+"""QuantScheme: site patterns → activation quantizers, Linear-weight patterns → weight quantizers.
+
+`quantize_(model, scheme)` attaches FakeQuant taps through the same mechanism the profiler uses and
+returns the Attachment; `remove()` restores the exact float model. DiffLlama's λ vectors and every
+norm stay in full precision: they are not Linear weights, and no activation site reaches them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from diffquant import DiffquantError
+from diffquant.quant import granularity as G
+from diffquant.quant.config import QuantConfig, int_config
+from diffquant.quant.fake import FakeQuant
+from diffquant.quant.formats import Format
+from diffquant.taps import attach
+
+LINEAR_INPUTS = ("*.attn_in", "*.attn_out", "*.mlp_in", "*.down_in")
+LAYER_WEIGHTS = "layers.*.weight"  # lm_head stays in full precision, as is usual for W/A schemes
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    name: str
+    activations: tuple[tuple[str, QuantConfig], ...] = ()
+    weights: tuple[tuple[str, QuantConfig], ...] = ()
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for pattern, _ in self.weights:
+            if not pattern.endswith(".weight"):
+                raise ValueError(f"weight pattern {pattern!r} must end with '.weight'")
+        for pattern, _ in self.activations:
+            if pattern.endswith(".weight"):
+                raise ValueError(f"activation pattern {pattern!r} names a weight; put it under 'weights'")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "description": self.description,
+                "activations": {p: c.to_dict() for p, c in self.activations},
+                "weights": {p: c.to_dict() for p, c in self.weights}}
+
+    @staticmethod
+    def from_dict(d: dict) -> "QuantScheme":
+        unknown = set(d) - {"name", "description", "activations", "weights"}
+        if unknown:
+            raise ValueError(f"unknown scheme keys {sorted(unknown)}")
+        try:
+            return QuantScheme(
+                name=d.get("name", "custom"), description=d.get("description", ""),
+                activations=tuple((p, QuantConfig.from_dict(c)) for p, c in d.get("activations", {}).items()),
+                weights=tuple((p, QuantConfig.from_dict(c)) for p, c in d.get("weights", {}).items()))
+        except (ValueError, TypeError) as e:
+            raise DiffquantError(f"invalid scheme: {e}") from None
+
+    @property
+    def is_identity(self) -> bool:
+        return not self.activations and not self.weights
+
+
+def _w(bits: int, gran=None) -> QuantConfig:
+    return int_config(bits, gran or G.PerChannel(0))
+
+
+def _a(bits: int) -> QuantConfig:
+    return int_config(bits, G.PerToken())
+
+
+def _presets() -> dict[str, QuantScheme]:
+    out = {"fp": QuantScheme("fp", description="no quantization: the model's own precision (the paper's 16 bits)")}
+    for b in (8, 6, 4, 3, 2):
+        out[f"logits-int{b}"] = QuantScheme(
+            f"logits-int{b}", activations=(("*.attn_logits", int_config(b)),),
+            description=f"attention logits, int{b} dynamic absmax per tensor (the paper's Figure 8)")
+    acts = lambda b: tuple((p, _a(b)) for p in LINEAR_INPUTS)  # noqa: E731
+    out["w8a8"] = QuantScheme("w8a8", acts(8), ((LAYER_WEIGHTS, _w(8)),),
+                              "int8 per-channel weights, int8 per-token dynamic Linear inputs")
+    out["w4a16"] = QuantScheme("w4a16", (), ((LAYER_WEIGHTS, _w(4, G.PerGroup(128))),),
+                               "int4 weights in groups of 128, activations in full precision")
+    out["w4a8"] = QuantScheme("w4a8", acts(8), ((LAYER_WEIGHTS, _w(4, G.PerGroup(128))),),
+                              "int4 group-128 weights, int8 per-token Linear inputs")
+    out["w6a6"] = QuantScheme("w6a6", acts(6), ((LAYER_WEIGHTS, _w(6)),),
+                              "int6 per-channel weights, int6 per-token Linear inputs")
+    out["w8a8-static"] = QuantScheme(
+        "w8a8-static", tuple((p, int_config(8, G.PerTensor(), dynamic=False)) for p in LINEAR_INPUTS),
+        ((LAYER_WEIGHTS, _w(8)),), "int8 weights, int8 per-tensor static activations (min-max calibration, "
+                                   "Bondarenko et al.'s W8A8)")
+    out["fp8"] = QuantScheme("fp8", tuple((p, QuantConfig(Format("fp8_e4m3"), G.PerToken())) for p in LINEAR_INPUTS),
+                             ((LAYER_WEIGHTS, QuantConfig(Format("fp8_e4m3"), G.PerChannel(0))),),
+                             "fp8 e4m3 weights (per channel) and Linear inputs (per token)")
+    out["nf4"] = QuantScheme("nf4", (), ((LAYER_WEIGHTS, QuantConfig(Format("nf4"), G.PerGroup(64))),),
+                             "NF4 weights in groups of 64 (QLoRA), activations in full precision")
+    return out
+
+
+PRESETS = _presets()
+
+
+def get_scheme(name_or_path: str) -> QuantScheme:
+    """A preset name, or a JSON/YAML file describing a scheme."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix.lower() in (".json", ".yaml", ".yml"):
+        if not path.is_file():
+            raise DiffquantError(f"scheme file {path} does not exist")
+        text = path.read_text()
+        try:
+            if path.suffix.lower() == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as e:  # noqa: BLE001 - parse errors of either library
+            raise DiffquantError(f"cannot parse {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise DiffquantError(f"{path} must hold a mapping with 'activations' and/or 'weights'")
+        return QuantScheme.from_dict(data)
+    raise DiffquantError(f"unknown scheme {name_or_path!r}; choose one of: {', '.join(PRESETS)}, or a .json/.yaml file")
+
+
+def quantize_(model, scheme: QuantScheme):
+    """Attach the scheme's fake quantizers to `model` in place; returns the Attachment (`.remove()` undoes it).
+
+    The attachment's `quantizers` maps site name → FakeQuant (for calibration and saving scales).
+    """
+    taps, quantizers = {}, {}
+    from diffquant.taps import site_table
+
+    table = site_table(model)
+    for pattern, config in (*scheme.activations, *scheme.weights):
+        for site in table.match(pattern):
+            q = FakeQuant(config)
+            taps[site.name] = q
+            quantizers[site.name] = q
+    attachment = attach(model, taps)
+    attachment.quantizers = quantizers
+    attachment.scheme = scheme
+    return attachment
+
+
+def calibrate(model, attachment, batches, device=None) -> None:
+    """Run calibration batches through the model to fix the static scales of `attachment`'s quantizers."""
+    static = [q for q in attachment.quantizers.values() if not q.config.dynamic]
+    if not static:
+        return
+    for q in static:
+        q.start_calibration()
+    seen = 0
+    with torch.inference_mode():
+        for ids in batches:
+            model(ids.to(device) if device else ids, use_cache=False)
+            seen += 1
+    if seen == 0:
+        raise DiffquantError("calibration needs at least one batch")
+    for q in static:
+        q.finish_calibration()

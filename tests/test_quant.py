@@ -1,0 +1,280 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diffquant import DiffquantError
+from diffquant.quant import granularity as G
+from diffquant.quant import math as Q
+from diffquant.quant.config import QuantConfig, int_config
+from diffquant.quant.fake import FakeQuant
+from diffquant.quant.formats import NF4_VALUES, Format, grid, parse_format
+from diffquant.quant.scheme import PRESETS, QuantScheme, calibrate, get_scheme, quantize_
+from diffquant.taps.sites import POINTS, Site
+from diffquant.taps.tap import TapContext
+
+HIDDEN = ("batch", "pos", "channel")
+
+
+def np_sym(x: np.ndarray, bits: int, axis) -> np.ndarray:
+    """Symmetric absmax reference: scale = max|x| / (2^(b-1) - 1), round half to even."""
+    qmax = 2 ** (bits - 1) - 1
+    amax = np.abs(x).max(axis=axis, keepdims=True)
+    scale = np.where(amax > 0, amax / qmax, 1.0)
+    return np.clip(np.round(x / scale), -qmax, qmax) * scale
+
+
+def np_asym(x: np.ndarray, bits: int, axis) -> np.ndarray:
+    qmax = 2**bits - 1
+    lo = np.minimum(x.min(axis=axis, keepdims=True), 0)
+    hi = np.maximum(x.max(axis=axis, keepdims=True), 0)
+    scale = np.where(hi > lo, (hi - lo) / qmax, 1.0)
+    zero = np.clip(np.round(-lo / scale), 0, qmax)
+    return (np.clip(np.round(x / scale) + zero, 0, qmax) - zero) * scale
+
+
+CASES = [(G.PerTensor(), None), (G.PerToken(), -1), (G.PerChannel(), (0, 1))]
+
+
+@pytest.mark.parametrize("gran,axis", CASES)
+@pytest.mark.parametrize("bits", [2, 4, 6, 8, 16])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int_matches_numpy(gran, axis, bits, symmetric):
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(bits)) * 3
+    got = Q.dynamic_fake_quantize(x, Format("int", bits, symmetric), gran, HIDDEN)
+    ref = (np_sym if symmetric else np_asym)(x.numpy(), bits, axis)  # float32, as the model runs
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_group_matches_numpy():
+    x = torch.randn(2, 3, 12)
+    got = Q.dynamic_fake_quantize(x, Format("int", 4), G.PerGroup(4), HIDDEN)
+    ref = np_sym(x.numpy().reshape(2, 3, 3, 4), 4, -1).reshape(2, 3, 12)
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_matches_torch_fake_quantize_per_tensor_and_channel():
+    x = torch.randn(16, 32) * 2
+    fmt = Format("int", 8, symmetric=False)
+    lo, hi = Q.value_range(x, (0, 1), None, False)
+    scale, zero = Q.qparams(lo, hi, fmt)
+    ours = Q.fake_quantize(x, scale, zero, fmt)
+    theirs = torch.fake_quantize_per_tensor_affine(x, float(scale), int(zero), 0, 255)
+    assert (ours - theirs).abs().max() <= 1e-6
+    fmt = Format("int", 8)
+    lo, hi = Q.value_range(x, (1,), None, True)
+    scale, zero = Q.qparams(lo, hi, fmt)
+    ours = Q.fake_quantize(x, scale, zero, fmt)
+    theirs = torch.fake_quantize_per_channel_affine(x, scale.flatten(), zero.flatten().int(), 0, -127, 127)
+    assert (ours - theirs).abs().max() <= 1e-6
+
+
+def test_float_grids():
+    assert grid("nf4").tolist() == pytest.approx(sorted(NF4_VALUES))
+    assert grid("fp4_e2m1").tolist() == [-6, -4, -3, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    assert float(grid("fp8_e4m3").max()) == 448.0 and float(grid("fp8_e5m2").max()) == 57344.0
+    x = torch.randn(1000) * 100
+    fmt = Format("fp8_e4m3")
+    y = Q.quantize(x, torch.tensor(1.0), torch.tensor(0.0), fmt)
+    # nearest representable value (ties aside): compare with a brute-force search of the grid
+    g = grid("fp8_e4m3")
+    nearest = g[(x.clamp(-448, 448)[:, None] - g[None]).abs().argmin(1)]
+    assert ((y - nearest).abs() <= 1e-6).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("name", ["fp4_e2m1", "nf4"])
+def test_small_float_formats_round_to_nearest(name):
+    x = (torch.rand(500, generator=torch.Generator().manual_seed(1)) * 2.4 - 1.2)  # no exact ties
+    fmt = Format(name)
+    y = Q.dynamic_fake_quantize(x, fmt, G.PerTensor(), ("channel",))
+    scale = x.abs().max() / fmt.qmax
+    g = grid(name) * scale
+    brute = g[(x[:, None] - g[None]).abs().argmin(1)]
+    assert torch.allclose(y, brute, atol=1e-6)
+
+
+floats = st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(floats, st.integers(2, 16), st.booleans())
+def test_properties(values, bits, symmetric):
+    x = torch.tensor(values, dtype=torch.float32)
+    fmt = Format("int", bits, symmetric)
+    lo, hi = Q.value_range(x, (0,), None, symmetric)
+    scale, zero = Q.qparams(lo, hi, fmt)
+    y = Q.fake_quantize(x, scale, zero, fmt)
+    assert torch.all((y - x).abs() <= scale / 2 * (1 + 1e-4) + 1e-6)  # within half a step inside the range
+    assert torch.equal(Q.fake_quantize(y, scale, zero, fmt), y) or torch.allclose(
+        Q.fake_quantize(y, scale, zero, fmt), y, rtol=0, atol=float(scale) * 1e-3)  # idempotent
+    z = Q.fake_quantize(torch.zeros(3), scale, zero, fmt)
+    assert torch.equal(z, torch.zeros(3))  # zero is exact
+
+
+def test_error_decreases_with_bits():
+    x = torch.randn(20000, generator=torch.Generator().manual_seed(0))
+    errs = [float(((Q.dynamic_fake_quantize(x, Format("int", b), G.PerTensor(), ("channel",)) - x) ** 2).mean())
+            for b in range(2, 17)]
+    assert all(a >= b for a, b in zip(errs, errs[1:]))
+
+
+def test_ste_gradient():
+    x = torch.randn(4, 8, requires_grad=True)
+    Q.dynamic_fake_quantize(x, Format("int", 4), G.PerToken(), HIDDEN).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def _logit_ctx(valid):
+    return TapContext(Site("layers.0.attn_logits", 0, POINTS["attn_logits"]), valid=valid)
+
+
+def test_logit_scale_from_valid_positions_only():
+    x = torch.randn(1, 2, 6, 6)
+    valid = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    poisoned = x.masked_fill(~valid, 1e4)
+    y = FakeQuant(int_config(4))(poisoned, _logit_ctx(valid))
+    ref = np_sym(x.masked_fill(~valid, 0).numpy(), 4, None)
+    np.testing.assert_allclose(y[valid.expand_as(y)].numpy(), ref[valid.expand_as(y).numpy()], rtol=1e-5, atol=1e-6)
+    assert torch.equal(y[~valid.expand_as(y)], poisoned[~valid.expand_as(y)])  # masked stay as they were
+
+
+def test_per_head_granularity():
+    x = torch.randn(2, 4, 5, 5)
+    y = Q.dynamic_fake_quantize(x, Format("int", 4), G.PerHead(), POINTS["attn_logits"].dims)
+    ref = np_sym(x.numpy(), 4, (0, 2, 3))
+    np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(DiffquantError, match="head dimension"):
+        Q.dynamic_fake_quantize(torch.randn(2, 3, 4), Format("int", 4), G.PerHead(), HIDDEN)
+
+
+def test_bad_input():
+    for bits in (0, 1, 33, "four", 4.0, True):
+        with pytest.raises(ValueError):
+            Format("int", bits)
+    with pytest.raises(DiffquantError, match="does not divide"):
+        Q.dynamic_fake_quantize(torch.randn(2, 96), Format("int", 4), G.PerGroup(128), ("pos", "channel"))
+    with pytest.raises(DiffquantError):
+        parse_format("four")
+    with pytest.raises(ValueError, match="per token"):
+        QuantConfig(granularity=G.PerToken(), dynamic=False)
+    with pytest.raises(DiffquantError, match="unknown scheme"):
+        get_scheme("w3a3-magic")
+
+
+def _static(calibration, batches, bits=8, **kw):
+    q = FakeQuant(QuantConfig(Format("int", bits), G.PerTensor(), dynamic=False, calibration=calibration, **kw))
+    ctx = TapContext(Site("layers.0.hidden", 0, POINTS["hidden"]))
+    q.start_calibration()
+    for b in batches:
+        assert q(b, ctx) is None
+    q.finish_calibration()
+    return q
+
+
+def test_static_calibrations():
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(4, 8, 16, generator=g) * (i + 1) for i in range(3)]
+    q = _static("minmax", batches)
+    assert float(q.scale) == pytest.approx(max(float(b.abs().max()) for b in batches) / 127, rel=1e-6)
+    q = _static("ema", batches, ema_momentum=0.5)
+    m = [float(b.abs().max()) for b in batches]
+    assert float(q.scale) == pytest.approx(((m[0] * 0.5 + m[1] * 0.5) * 0.5 + m[2] * 0.5) / 127, rel=1e-6)
+    q = _static("percentile", batches, percentile=99.0)
+    ref = float(torch.quantile(torch.cat([b.flatten() for b in batches]).abs(), 0.99))
+    assert float(q.scale) * 127 == pytest.approx(ref, rel=0.01)
+    torch.manual_seed(0)
+    heavy = [torch.distributions.StudentT(2.0).sample((16, 32, 16)) for _ in range(3)]
+    qm, qx = _static("mse", heavy, bits=4), _static("minmax", heavy, bits=4)
+    ctx = TapContext(Site("layers.0.hidden", 0, POINTS["hidden"]))
+    err = lambda q: sum(float(((q(b, ctx) - b) ** 2).sum()) for b in heavy)  # noqa: E731
+    assert float(qm.scale) < float(qx.scale) and err(qm) <= err(qx)
+
+
+def test_scheme_round_trip(tmp_path):
+    for scheme in PRESETS.values():
+        assert QuantScheme.from_dict(json.loads(json.dumps(scheme.to_dict()))) == scheme
+    (tmp_path / "s.yaml").write_text("name: mine\nactivations:\n  '*.attn_logits': {format: int5, granularity: head}\n"
+                                     "weights:\n  'layers.*.mlp.*.weight': {format: nf4, granularity: {kind: group, size: 32}}\n")
+    s = get_scheme(str(tmp_path / "s.yaml"))
+    assert s.activations[0][1].format == Format("int", 5) and s.weights[0][1].granularity == G.PerGroup(32)
+    (tmp_path / "bad.json").write_text('{"activations": {"*.hidden": {"format": "int8", "colour": 1}}}')
+    with pytest.raises(DiffquantError, match="unknown quantizer keys"):
+        get_scheme(str(tmp_path / "bad.json"))
+
+
+def test_identity_and_removal_are_exact(micro_pair):
+    ids = torch.randint(0, 512, (2, 12))
+    for model in micro_pair:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            ref = model(ids).logits
+            a = quantize_(model, PRESETS["fp"])
+            assert torch.equal(model(ids).logits, ref)
+            a.remove()
+            a = quantize_(model, PRESETS["w8a8"])
+            assert not torch.equal(model(ids).logits, ref)
+            a.remove()
+            assert torch.equal(model(ids).logits, ref)
+        after = model.state_dict()
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_16_bit_int_quantizer_is_nearly_exact(micro_pair):
+    ids = torch.randint(0, 512, (1, 12))
+    model = micro_pair[1]
+    with torch.no_grad():
+        ref = model(ids).logits
+        a = quantize_(model, QuantScheme("x", (("*.attn_logits", int_config(16)),)))
+        out = model(ids).logits
+        a.remove()
+    assert (out - ref).abs().max() < 1e-4
+
+
+def test_lambda_and_norms_stay_full_precision(micro_pair):
+    model = micro_pair[1]
+    a = quantize_(model, PRESETS["w4a8"] if model.config.hidden_size % 128 == 0 else
+                  QuantScheme("w4", weights=(("layers.*.weight", int_config(4, G.PerGroup(32))),)))
+    try:
+        for name, module in model.named_modules():
+            if hasattr(module, "parametrizations"):
+                assert isinstance(module, torch.nn.Linear), name
+        attn = model.model.layers[0].self_attn
+        assert isinstance(attn.lambda_q1, torch.nn.Parameter) and not hasattr(attn, "parametrizations")
+        assert not hasattr(model.lm_head, "parametrizations")
+    finally:
+        a.remove()
+
+
+def test_quantization_aware_training_lowers_loss(micro_pair):
+    import copy
+
+    model = copy.deepcopy(micro_pair[0]).train()
+    ids = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+    a = quantize_(model, QuantScheme("w4", weights=(("layers.*.weight", int_config(4, G.PerChannel(0))),)))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    a.remove()
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_static_scheme_needs_calibration(micro_pair):
+    model = micro_pair[0]
+    ids = torch.randint(0, 512, (2, 8))
+    a = quantize_(model, PRESETS["w8a8-static"])
+    try:
+        with pytest.raises(DiffquantError, match="before calibration"):
+            model(ids)
+        calibrate(model, a, [ids, ids])
+        with torch.no_grad():
+            model(ids)
+    finally:
+        a.remove()
