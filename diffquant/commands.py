@@ -8,5 +8,8 @@ def register(sub) -> None:
     from diffquant import profile
     from diffquant.data import cli as data_cli
 
+    from diffquant.quant import cli as quant_cli
+
     profile.add_parser(sub)
+    quant_cli.add_parser(sub)
     data_cli.add_parser(sub)

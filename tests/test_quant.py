@@ -261,7 +261,7 @@ def test_quantization_aware_training_lowers_loss(micro_pair):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     a.remove()
     assert losses[-1] < losses[0] - 0.5
 

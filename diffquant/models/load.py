@@ -52,7 +52,16 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
         elif path.is_dir():
             if not (path / "config.json").is_file():
                 raise DiffquantError(f"{source} is a directory without config.json; point at a save_pretrained folder")
-            model, tokenizer = _from_pretrained(path, kwargs)
+            if (path / "diffquant_backend.json").is_file():
+                from diffquant.quant.backends import load_saved_real
+
+                model, tokenizer = load_saved_real(path), _tokenizer(path)
+            else:
+                model, tokenizer = _from_pretrained(path, kwargs)
+                if (path / "diffquant_scheme.json").is_file():
+                    from diffquant.quant.cli import apply_saved_scheme
+
+                    model._diffquant_quant = apply_saved_scheme(model, path)
         elif hub:
             model, tokenizer = _from_pretrained(source, kwargs, local_files_only=False)
         else:
@@ -103,11 +112,16 @@ def _from_pretrained(path, kwargs: dict, local_files_only: bool = True, **extra)
         raise
     except OSError as e:
         raise DiffquantError(f"could not load {path}: {str(e).splitlines()[0][:300]}") from None
+    return model, _tokenizer(path, local_files_only, **extra)
+
+
+def _tokenizer(path, local_files_only: bool = True, **extra):
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, **extra)
+        return AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, **extra)
     except (OSError, ValueError, TypeError):
-        tokenizer = None
-    return model, tokenizer
+        return None
 
 
 def describe(model) -> dict:

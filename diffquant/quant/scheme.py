@@ -75,12 +75,15 @@ def _presets() -> dict[str, QuantScheme]:
     for b in (8, 6, 4, 3, 2):
         out[f"logits-int{b}"] = QuantScheme(
             f"logits-int{b}", activations=(("*.attn_logits", int_config(b)),),
-            description=f"attention logits, int{b} dynamic absmax per tensor (the paper's Figure 8)")
+            description=f"attention logits, int{b} dynamic absmax per tensor" + (" (the paper's Figure 8)" if b in (8, 6, 4) else ""))
     acts = lambda b: tuple((p, _a(b)) for p in LINEAR_INPUTS)  # noqa: E731
     out["w8a8"] = QuantScheme("w8a8", acts(8), ((LAYER_WEIGHTS, _w(8)),),
                               "int8 per-channel weights, int8 per-token dynamic Linear inputs")
     out["w4a16"] = QuantScheme("w4a16", (), ((LAYER_WEIGHTS, _w(4, G.PerGroup(128))),),
                                "int4 weights in groups of 128, activations in full precision")
+    out["w4a16-g32"] = QuantScheme("w4a16-g32", (), ((LAYER_WEIGHTS, _w(4, G.PerGroup(32))),),
+                                   "int4 weights in groups of 32 (torchao's int4 weight-only setting)")
+    out["w8a16"] = QuantScheme("w8a16", (), ((LAYER_WEIGHTS, _w(8)),), "int8 per-channel weights only")
     out["w4a8"] = QuantScheme("w4a8", acts(8), ((LAYER_WEIGHTS, _w(4, G.PerGroup(128))),),
                               "int4 group-128 weights, int8 per-token Linear inputs")
     out["w6a6"] = QuantScheme("w6a6", acts(6), ((LAYER_WEIGHTS, _w(6)),),
@@ -94,6 +97,8 @@ def _presets() -> dict[str, QuantScheme]:
                              "fp8 e4m3 weights (per channel) and Linear inputs (per token)")
     out["nf4"] = QuantScheme("nf4", (), ((LAYER_WEIGHTS, QuantConfig(Format("nf4"), G.PerGroup(64))),),
                              "NF4 weights in groups of 64 (QLoRA), activations in full precision")
+    out["fp4"] = QuantScheme("fp4", (), ((LAYER_WEIGHTS, QuantConfig(Format("fp4_e2m1"), G.PerGroup(64))),),
+                             "FP4 (e2m1) weights in groups of 64, activations in full precision")
     return out
 
 
