@@ -1,15 +1,124 @@
-"""Sub-commands beyond the basics, registered in one place (explicit, no import side effects)."""
+"""Sub-command parsers, declared in one place. Each command's module is imported only when it runs,
+so `diffquant --help` never loads torch."""
 
 from __future__ import annotations
 
+import importlib
+
+
+def _lazy(module: str, name: str):
+    def run(args):
+        return getattr(importlib.import_module(module), name)(args)
+
+    return run
+
+def _profile(sub) -> None:
+    p = sub.add_parser("profile", help="activation statistics and the paper's Table 5 for one or more models")
+    p.add_argument("--model", action="append", required=True,
+                   help="directory, .gguf, zoo name (smollm2-135m) or preset (tiny:diff); repeat for several; "
+                        "LABEL=SOURCE names it")
+    p.add_argument("--data", default="kjv", help="corpus name, local text file/folder, or hf:NAME (default kjv)")
+    p.add_argument("--tokens", type=int, default=65536, help="tokens to profile per model (default 65536)")
+    p.add_argument("--seq-len", type=int, default=256, help="sequence length (default 256)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--sites", nargs="+", default=["*.attn_logits", "*.hidden"], help="site globs (default: logits, hidden)")
+    p.add_argument("--k", type=int, default=100, help="top-k kept per site (default 100)")
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or auto")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
+    p.add_argument("--hub", action="store_true", help="allow hub ids (needs network)")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--force", action="store_true", help="overwrite an output folder that holds results")
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=_lazy("diffquant.profile", "run_cli"))
+
+
+def _data(sub) -> None:
+    p = sub.add_parser("data", help="fetch and describe corpora (kjv, gcide, wordnet, pydoc, linuxdoc, debian-mix)")
+    p.add_argument("action", choices=["fetch", "info", "list"])
+    p.add_argument("name", nargs="?", default="kjv", help="corpus name, local file/folder, or hf:NAME")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--tokenizer", default=None, help="a model folder whose tokenizer counts the tokens (info)")
+    p.set_defaults(func=_lazy("diffquant.data.cli", "run_cli"))
+
+
+def _quantize(sub) -> None:
+    p = sub.add_parser("quantize", help="apply a quantization scheme (simulated or real low-bit) and save the model")
+    p.add_argument("--list", action="store_true", help="list scheme presets and backends usable here")
+    p.add_argument("--model", help="directory, zoo name, .gguf or preset")
+    p.add_argument("--scheme", default=None, help="preset name or .json/.yaml file (default: the backend's own)")
+    p.add_argument("--backend", default="fake", help="fake (simulation) or a real backend (see --list)")
+    p.add_argument("--data", default="kjv", help="corpus for calibration and the metric gap (default kjv)")
+    p.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (default 8192)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--calib-batches", type=int, default=16, help="calibration batches for static scales")
+    p.add_argument("--out", help="output folder")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--hub", action="store_true")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=_lazy("diffquant.quant.cli", "run_cli"))
+
+
+def _train(sub) -> None:
+    p = sub.add_parser("train", help="train a matched baseline/DIFF pair on a corpus")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--corpus", default="kjv")
+    p.add_argument("--tokens", type=int, default=1_000_000, help="training tokens per model")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--arch", nargs="+", default=["baseline", "diff"], choices=["baseline", "diff"])
+    p.add_argument("--needle-fraction", type=float, default=0.0, help="fraction of training text made of needles")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", required=True)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=_lazy("diffquant.train", "run_cli"))
+
+
+def _sweep(sub) -> None:
+    p = sub.add_parser("sweep", help="evaluate models at every bit-width / granularity / site (resumable)")
+    p.add_argument("--model", action="append", required=True, help="LABEL=SOURCE or SOURCE; repeat")
+    p.add_argument("--sites", default="attn_logits", help="comma-separated points (default attn_logits)")
+    p.add_argument("--bits", default="16,8,6,4", help="activation bit-widths; 16 = the model's own precision")
+    p.add_argument("--granularity", default="tensor", help="comma-separated: tensor,head,token,channel,group:G")
+    p.add_argument("--eval", default="ppl", help="comma-separated: ppl, needle, mc:TASK (BIG-bench name or .jsonl)")
+    p.add_argument("--wa-grid", default=None, help="bit-widths for a weight × activation grid, e.g. 8,6,4")
+    p.add_argument("--per-layer", type=int, default=None, help="BITS: quantize one layer at a time (sensitivity)")
+    p.add_argument("--data", default="kjv")
+    p.add_argument("--tokens", type=int, default=16384, help="held-out tokens for ppl (default 16384)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--mc-limit", type=int, default=200, help="examples per multiple-choice task")
+    p.add_argument("--out", required=True)
+    p.add_argument("--resume", action="store_true", help="continue a sweep in --out")
+    p.add_argument("--force", action="store_true", help="discard results in --out and start again")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=_lazy("diffquant.sweep", "run_cli"))
+
+
+def _plot(sub) -> None:
+    p = sub.add_parser("plot", help="redraw all figures of a profile/sweep/demo folder from its saved results")
+    p.add_argument("folder")
+    p.set_defaults(func=_lazy("diffquant.report.plot_cli", "run_cli"))
+
+
+def _demo(sub) -> None:
+    p = sub.add_parser("demo", help="train, profile, sweep and report end to end (offline; ~15 min on 2 CPU cores)")
+    p.add_argument("--out", default="runs/demo", help="report folder (default runs/demo)")
+    p.add_argument("--quick", action="store_true", help="tiny budgets: the same pipeline in a few minutes")
+    p.add_argument("--force", action="store_true", help="overwrite an existing report folder")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=_lazy("diffquant.demo", "run_cli"))
+
+
 
 def register(sub) -> None:
-    """Add each feature's sub-command parser (each module keeps its heavy imports inside functions)."""
-    from diffquant import profile
-    from diffquant.data import cli as data_cli
-
-    from diffquant.quant import cli as quant_cli
-
-    profile.add_parser(sub)
-    quant_cli.add_parser(sub)
-    data_cli.add_parser(sub)
+    for add in (_profile, _quantize, _train, _sweep, _plot, _data, _demo):
+        add(sub)

@@ -33,3 +33,34 @@ def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progr
             total += target.numel()
     loss = total_nll / total
     return {"loss": loss, "ppl": math.exp(min(loss, 700)), "accuracy": total_correct / total, "tokens": total}
+
+
+def multiple_choice(model, tokenizer, examples: list[dict], progress: bool = False) -> dict:
+    """Zero-shot multiple choice scored like lm-eval's HellaSwag: each choice's summed log-likelihood
+    given the context (`acc`), and the same divided by the choice's length in bytes (`acc_norm`).
+
+    Each example is {"input": str, "target_scores": {choice: score}}; the correct choice has the top score.
+    """
+    from tqdm.auto import tqdm
+
+    if not examples:
+        raise DiffquantError("the multiple-choice task has no examples")
+    device = input_device(model)
+    correct = correct_norm = 0
+    with torch.inference_mode():
+        for ex in tqdm(examples, desc="mc", disable=not progress, leave=False):
+            choices = list(ex["target_scores"])
+            gold = max(range(len(choices)), key=lambda i: ex["target_scores"][choices[i]])
+            ctx = tokenizer(ex["input"], add_special_tokens=False)["input_ids"]
+            scores, norms = [], []
+            for choice in choices:
+                cont = tokenizer(" " + choice.strip(), add_special_tokens=False)["input_ids"]
+                ids = torch.tensor([(ctx + cont)[-2048:]], device=device)
+                logits = model(ids, use_cache=False).logits[0, -len(cont) - 1:-1].float()
+                ll = float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(cont, device=device)[:, None]).sum())
+                scores.append(ll)
+                norms.append(ll / max(1, len((" " + choice.strip()).encode("utf-8"))))
+            correct += max(range(len(scores)), key=scores.__getitem__) == gold
+            correct_norm += max(range(len(norms)), key=norms.__getitem__) == gold
+    n = len(examples)
+    return {"acc": correct / n, "acc_norm": correct_norm / n, "examples": n}

@@ -127,31 +127,6 @@ def finish_distributed() -> None:
         dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------- command line
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("profile", help="activation statistics and the paper's Table 5 for one or more models")
-    p.add_argument("--model", action="append", required=True,
-                   help="directory, .gguf, zoo name (smollm2-135m) or preset (tiny:diff); repeat for several; "
-                        "LABEL=SOURCE names it")
-    p.add_argument("--data", default="kjv", help="corpus name, local text file/folder, or hf:NAME (default kjv)")
-    p.add_argument("--tokens", type=int, default=65536, help="tokens to profile per model (default 65536)")
-    p.add_argument("--seq-len", type=int, default=256, help="sequence length (default 256)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--sites", nargs="+", default=list(DEFAULT_SITES), help="site globs (default: logits, hidden)")
-    p.add_argument("--k", type=int, default=100, help="top-k kept per site (default 100)")
-    p.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or auto")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
-    p.add_argument("--hub", action="store_true", help="allow hub ids (needs network)")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--force", action="store_true", help="overwrite an output folder that holds results")
-    p.add_argument("--no-plots", action="store_true")
-    p.set_defaults(func=run_cli)
-
-
 def parse_model_args(values: list[str]) -> list[tuple[str, str]]:
     out = []
     for v in values:

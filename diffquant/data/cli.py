@@ -5,15 +5,6 @@ from __future__ import annotations
 import json
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("data", help="fetch and describe corpora (kjv, gcide, wordnet, pydoc, linuxdoc, debian-mix)")
-    p.add_argument("action", choices=["fetch", "info", "list"])
-    p.add_argument("name", nargs="?", default="kjv", help="corpus name, local file/folder, or hf:NAME")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--tokenizer", default=None, help="a model folder whose tokenizer counts the tokens (info)")
-    p.set_defaults(func=run_cli)
-
-
 def run_cli(args) -> None:
     from diffquant.data import corpora
 

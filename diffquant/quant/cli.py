@@ -14,23 +14,6 @@ from diffquant.paths import atomic_write_json
 SCHEME_FILE = "diffquant_scheme.json"
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("quantize", help="apply a quantization scheme (simulated or real low-bit) and save the model")
-    p.add_argument("--list", action="store_true", help="list scheme presets and backends usable here")
-    p.add_argument("--model", help="directory, zoo name, .gguf or preset")
-    p.add_argument("--scheme", default=None, help="preset name or .json/.yaml file (default: the backend's own)")
-    p.add_argument("--backend", default="fake", help="fake (simulation) or a real backend (see --list)")
-    p.add_argument("--data", default="kjv", help="corpus for calibration and the metric gap (default kjv)")
-    p.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (default 8192)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--calib-batches", type=int, default=16, help="calibration batches for static scales")
-    p.add_argument("--out", help="output folder")
-    p.add_argument("--force", action="store_true")
-    p.add_argument("--hub", action="store_true")
-    p.add_argument("--cache-dir", default=None)
-    p.set_defaults(func=run_cli)
-
-
 def list_text() -> str:
     from diffquant.quant.backends import BACKENDS, backend_status
     from diffquant.quant.scheme import PRESETS
@@ -46,11 +29,13 @@ def list_text() -> str:
 
 
 def save_fake(model, tokenizer, attachment, out: Path) -> None:
-    """The float model, its tokenizer and the scheme (with static scales), applied again on load."""
+    """The float model, its tokenizer and the scheme (with static scales), applied again on load.
+    The attachment is removed first, so the float weights (not their parametrizations) are saved."""
+    scales = {name: q.state() for name, q in attachment.quantizers.items() if q.state()}
+    attachment.remove()
     model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    scales = {name: q.state() for name, q in attachment.quantizers.items() if q.state()}
     atomic_write_json(out / SCHEME_FILE, {"scheme": attachment.scheme.to_dict(), "scales": scales})
 
 
@@ -98,7 +83,6 @@ def run_cli(args) -> None:
     result["simulated"] = language_modeling(model, evalset)
     if not real:
         save_fake(model, tokenizer, attachment, out)
-        attachment.remove()
     else:
         attachment.remove()
         with tempfile.TemporaryDirectory() as tmp:

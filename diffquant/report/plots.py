@@ -54,3 +54,26 @@ def plot_layer_series(series_by_model: dict[str, dict[str, list[dict]]], out: Pa
         ax.legend(fontsize=8)
     written += _save(fig, out, "absmax_vs_layer")
     return written
+
+
+def plot_histograms(models: list[dict], out: Path) -> list[Path]:
+    """Density of |x| (log-log) for attention logits and hidden states, pooled over layers, per model."""
+    plt = _plt()
+    kinds = [k for k in ("attn_logits", "hidden") if any(k in m.get("histograms", {}) for m in models)]
+    if not kinds:
+        return []
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for m in models:
+            h = m.get("histograms", {}).get(kind)
+            if not h:
+                continue
+            bins = sorted((int(i), c) for i, c in h["bins"].items() if int(i) > 0)
+            total = sum(h["bins"].values())
+            xs = [h["lo"] * h["ratio"] ** (i - 0.5) for i, _ in bins]
+            widths = [h["lo"] * h["ratio"] ** (i - 1) * (h["ratio"] - 1) for i, _ in bins]
+            ys = [c / total / w for (_, c), w in zip(bins, widths)]
+            ax.plot(xs, ys, label=m["label"], lw=1)
+        ax.set(xscale="log", yscale="log", xlabel="|x|", ylabel="density", title=f"{kind}: distribution of |x|")
+        ax.legend(fontsize=8)
+    return _save(fig, out, "histograms")

@@ -79,6 +79,21 @@ def massive_activations(prof, kind: str = "hidden", minimum: float = 100.0, rati
     return found
 
 
+def pooled_histograms(prof) -> dict:
+    """Sparse |x| histograms pooled over layers, per kind (to redraw histogram figures)."""
+    from diffquant.stats.histogram import LO, RATIO
+
+    out = {}
+    for kind in sorted(set(prof.kind_of.values())):
+        pooled = prof.pooled(kind)
+        if pooled is None or kind == "weight":
+            continue
+        counts = pooled.hist.counts.cpu()
+        nz = counts.nonzero().flatten().tolist()
+        out[kind] = {"lo": LO, "ratio": RATIO, "bins": {str(i): int(counts[i]) for i in nz}}
+    return out
+
+
 def profile_json(prof) -> dict:
     return {
         "label": prof.label,
@@ -89,6 +104,7 @@ def profile_json(prof) -> dict:
         "layers": layer_series(prof),
         "int8_outlier_features": int8_outlier_features(prof),
         "massive_activations": massive_activations(prof),
+        "histograms": pooled_histograms(prof),
     }
 
 
@@ -103,11 +119,13 @@ def write_report(profiles, out: Path, plots: bool = True) -> list[Path]:
     md += "\nPaper (3B parameters, 350B training tokens, 0.4M tokens profiled):\n\n"
     md += markdown(["model", "activation", "top-1", "top-2", "top-3", "top-10", "top-100", "median"], paper)
     written = [out / "stats.json", out / "table5.md", out / "table5.csv"]
-    atomic_write_json(out / "stats.json", {"models": [profile_json(p) for p in profiles]})
+    models = [profile_json(p) for p in profiles]
+    atomic_write_json(out / "stats.json", {"models": models})
     atomic_write_text(out / "table5.md", md)
     atomic_write_text(out / "table5.csv", to_csv(TABLE5_HEADER, rows))
     if plots:
-        from diffquant.report.plots import plot_layer_series
+        from diffquant.report.plots import plot_histograms, plot_layer_series
 
         written += plot_layer_series({p.label: layer_series(p) for p in profiles}, out)
+        written += plot_histograms(models, out)
     return written

@@ -1,0 +1,122 @@
+"""Multi-needle retrieval (the paper's §3.4): needles "the magic number of CITY is NNNN" hidden at
+depths 0/25/50/75/100% of a haystack of corpus text, then R of the N cities are asked for.
+
+Used two ways: mixed into training text at a chosen fraction (so a small model acquires the skill),
+and as an evaluation whose accuracy can be measured under quantization.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from diffquant import DiffquantError
+
+CITIES = ("Paris", "London", "Tokyo", "Cairo", "Lima", "Oslo", "Rome", "Delhi", "Sydney", "Toronto", "Madrid", "Berlin",
+          "Dublin", "Vienna", "Prague", "Athens", "Lisbon", "Warsaw", "Seoul", "Bangkok", "Nairobi", "Quito", "Havana",
+          "Manila", "Jakarta", "Hanoi", "Kyiv", "Riga", "Tunis", "Dakar", "Accra", "Bogota", "Santiago", "Montreal",
+          "Boston", "Denver", "Chicago", "Houston", "Phoenix", "Seattle", "Austin", "Miami", "Geneva", "Zurich",
+          "Munich", "Milan", "Naples", "Porto", "Seville", "Krakow")
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass(frozen=True)
+class NeedleExample:
+    context: str  # haystack with needles
+    queries: tuple[tuple[str, str], ...]  # (prompt, answer)
+    numbers: tuple[str, ...]  # all needle numbers in the context (the choices)
+
+
+def needle(city: str, number: str) -> str:
+    return f" The magic number of {city} is {number}. "
+
+
+def make_example(haystack: list[str], n_needles: int, n_queries: int, rng: random.Random,
+                 context_chars: int = 600) -> NeedleExample:
+    if not 1 <= n_queries <= n_needles <= len(CITIES):
+        raise DiffquantError(f"need 1 <= queries ({n_queries}) <= needles ({n_needles}) <= {len(CITIES)}")
+    start = rng.randrange(max(1, len(haystack) - 50))
+    hay = ""
+    for line in haystack[start:]:
+        if len(hay) >= context_chars:
+            break
+        hay += line.strip() + " "
+    cities = rng.sample(CITIES, n_needles)
+    numbers = [str(rng.randrange(1000, 10000)) for _ in cities]
+    # each needle goes at one of the paper's depths, cycling through them
+    inserts = sorted(((DEPTHS[i % len(DEPTHS)], c, n) for i, (c, n) in enumerate(zip(cities, numbers))),
+                     key=lambda t: t[0])
+    words = hay.split(" ")
+    pieces, last = [], 0
+    for depth, city, number in inserts:
+        cut = int(depth * len(words))
+        pieces.append(" ".join(words[last:cut]))
+        pieces.append(needle(city, number).strip())
+        last = cut
+    pieces.append(" ".join(words[last:]))
+    context = " ".join(p for p in pieces if p)
+    asked = rng.sample(range(n_needles), n_queries)
+    queries = tuple((f" What is the magic number of {cities[i]}? The magic number of {cities[i]} is", f" {numbers[i]}")
+                    for i in asked)
+    return NeedleExample(context, queries, tuple(numbers))
+
+
+def mix_needles(text: str, fraction: float, seed: int, n_needles: int = 4) -> str:
+    """Append needle documents (context, then every query with its answer) until they make `fraction` of the text."""
+    if fraction <= 0:
+        return text
+    rng = random.Random(seed)
+    lines = text.splitlines()
+    target = int(len(text) * fraction / (1 - fraction))
+    docs, size = [], 0
+    while size < target:
+        ex = make_example(lines, n_needles, n_needles, rng)
+        doc = ex.context + "".join(q + a + "." for q, a in ex.queries)
+        docs.append(doc)
+        size += len(doc)
+    # interleave needle documents with the text in blocks so every part of training sees some
+    step = max(1, len(lines) // max(1, len(docs)))
+    out = []
+    for i, doc in enumerate(docs):
+        out.extend(lines[i * step:(i + 1) * step])
+        out.append(doc)
+    out.extend(lines[len(docs) * step:])
+    return "\n".join(out)
+
+
+def needle_accuracy(model, tokenizer, haystack_text: str, n_needles: int = 6, n_queries: int = 2,
+                    examples: int = 20, seed: int = 1234) -> dict:
+    """Accuracy of retrieving the asked number: `choice` = the right number is the likeliest of the
+    N needle numbers in the context; `exact` = greedy decoding reproduces it."""
+    rng = random.Random(seed)
+    lines = haystack_text.splitlines()
+    device = model.get_input_embeddings().weight.device
+    correct_choice = correct_exact = total = 0
+    with torch.inference_mode():
+        for _ in range(examples):
+            ex = make_example(lines, n_needles, n_queries, rng)
+            for prompt, answer in ex.queries:
+                prefix = tokenizer(ex.context + prompt, add_special_tokens=False)["input_ids"]
+                scores = [_continuation_logprob(model, prefix, tokenizer(f" {n}", add_special_tokens=False)["input_ids"],
+                                                device) for n in ex.numbers]
+                best = ex.numbers[max(range(len(scores)), key=scores.__getitem__)]
+                correct_choice += best == answer.strip()
+                target = tokenizer(answer, add_special_tokens=False)["input_ids"]
+                correct_exact += _greedy(model, prefix, len(target), device) == target
+                total += 1
+    return {"choice": correct_choice / total, "exact": correct_exact / total, "queries": total,
+            "chance": 1 / n_needles, "needles": n_needles}
+
+
+def _continuation_logprob(model, prefix: list[int], cont: list[int], device) -> float:
+    ids = torch.tensor([prefix + cont], device=device)
+    logp = torch.log_softmax(model(ids, use_cache=False).logits[0, len(prefix) - 1:-1].float(), -1)
+    return float(logp.gather(-1, torch.tensor(cont, device=device)[:, None]).sum())
+
+
+def _greedy(model, prefix: list[int], n: int, device) -> list[int]:
+    ids = torch.tensor([prefix], device=device)
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prefix):].tolist()

@@ -1,0 +1,93 @@
+"""Sweep figures: metric vs bit-width (the paper's Figure 8 layout), W × A heatmaps, layer sensitivity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffquant.report.plots import _plt, _save
+
+METRIC_LABEL = {"ppl": "perplexity (log)", "loss": "loss (nats)", "next_token_acc": "next-token accuracy",
+                "needle_choice": "needle retrieval accuracy (choice)", "needle_exact": "needle retrieval (exact)"}
+
+
+def _metrics(rows: list[dict]) -> list[str]:
+    keys = [k for k in ("ppl", "next_token_acc", "needle_choice") if any(k in r for r in rows)]
+    keys += sorted({k for r in rows for k in r if k.endswith("_acc_norm")})
+    return keys
+
+
+def plot_bits(rows: list[dict], out: Path) -> list[Path]:
+    act = [r for r in rows if r["kind"] == "act"]
+    metrics = _metrics(act)
+    if not act or not metrics:
+        return []
+    plt = _plt()
+    panels = sorted({(r["site"], r["granularity"]) for r in act})
+    fig, axes = plt.subplots(len(metrics), len(panels), figsize=(4.2 * len(panels), 3.4 * len(metrics)),
+                             squeeze=False)
+    bits = sorted({r["bits"] for r in act}, reverse=True)
+    for i, metric in enumerate(metrics):
+        for j, (site, gran) in enumerate(panels):
+            ax = axes[i][j]
+            for label in sorted({r["model"] for r in act}):
+                pts = {r["bits"]: r.get(metric) for r in act if r["model"] == label and r["site"] == site
+                       and r["granularity"] == gran}
+                ax.plot(range(len(bits)), [pts.get(b) for b in bits], marker="o", label=label)
+            ax.set_xticks(range(len(bits)), [f"{b}" + (" (fp)" if b == 16 else "") for b in bits])
+            ax.set(xlabel="bits", ylabel=METRIC_LABEL.get(metric, metric), title=f"{site}, per {gran}")
+            if metric == "ppl":
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle("Quantized at the site only; 16 = the model's own precision (cf. paper Figure 8)", fontsize=10)
+    return _save(fig, out, "metric_vs_bits")
+
+
+def plot_wa(rows: list[dict], out: Path) -> list[Path]:
+    wa = [r for r in rows if r["kind"] == "wa" and "ppl" in r]
+    if not wa:
+        return []
+    plt = _plt()
+    labels = sorted({r["model"] for r in wa})
+    ws = sorted({r["wbits"] for r in wa}, reverse=True)
+    acts = sorted({r["bits"] for r in wa}, reverse=True)
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels), 3.6), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        grid = [[next((r["ppl"] for r in wa if r["model"] == label and r["wbits"] == w and r["bits"] == a), None)
+                 for a in acts] for w in ws]
+        import numpy as np
+
+        arr = np.array([[np.nan if v is None else v for v in row] for row in grid], dtype=float)
+        im = ax.imshow(np.log10(arr), cmap="viridis")
+        for y in range(len(ws)):
+            for x in range(len(acts)):
+                ax.text(x, y, f"{arr[y, x]:.3g}", ha="center", va="center", color="w", fontsize=8)
+        ax.set_xticks(range(len(acts)), [f"A{a}" for a in acts])
+        ax.set_yticks(range(len(ws)), [f"W{w}" for w in ws])
+        ax.set_title(f"{label}: perplexity")
+        fig.colorbar(im, ax=ax, label="log10 perplexity")
+    return _save(fig, out, "wa_grid")
+
+
+def plot_sensitivity(rows: list[dict], out: Path) -> list[Path]:
+    layer = [r for r in rows if r["kind"] == "layer" and "ppl" in r]
+    fp = {r["model"]: r["ppl"] for r in rows if r["scheme"] == "fp" and "ppl" in r}
+    if not layer:
+        return []
+    plt = _plt()
+    labels = sorted({r["model"] for r in layer})
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.5 * len(labels), 3.4), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        rs = sorted((r for r in layer if r["model"] == label), key=lambda r: r["layer"])
+        base = fp.get(label)
+        ys = [r["ppl"] - base if base else r["ppl"] for r in rs]
+        ax.bar([r["layer"] for r in rs], ys)
+        bits = rs[0]["bits"] if rs else ""
+        ax.set(xlabel="layer quantized alone", ylabel="perplexity increase" if base else "perplexity",
+               title=f"{label}: {rs[0]['site'] if rs else ''} int{bits}")
+    return _save(fig, out, "layer_sensitivity")
+
+
+def plot_sweep(rows: list[dict], out: Path) -> list[Path]:
+    out = Path(out)
+    return plot_bits(rows, out) + plot_wa(rows, out) + plot_sensitivity(rows, out)

@@ -1,0 +1,240 @@
+"""Bit-width sweeps: every (model, site, bits, granularity) cell, a weight × activation grid, and
+per-layer sensitivity. Each finished cell is appended to `cells.jsonl` at once, so an interrupted sweep
+resumes without redoing finished cells; `results.csv`/`results.json` are rewritten atomically after each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from diffquant import DiffquantError
+from diffquant.paths import atomic_write_json, atomic_write_text
+from diffquant.quant import granularity as G
+from diffquant.quant.config import int_config
+from diffquant.quant.scheme import LAYER_WEIGHTS, LINEAR_INPUTS, QuantScheme
+from diffquant.report.tables import to_csv
+
+NATIVE = 16  # "16 bits": the model's own precision, as in the paper's Figure 8
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    kind: str  # "act": one site everywhere; "wa": weights × Linear inputs; "layer": one site of one layer
+    site: str = "attn_logits"
+    bits: int = NATIVE  # activation bits
+    granularity: str = "tensor"
+    wbits: int = NATIVE
+    layer: int | None = None
+
+    def key(self) -> str:
+        return "|".join(str(v) for v in asdict(self).values())
+
+    def scheme(self) -> QuantScheme:
+        if self.kind == "wa":
+            acts = () if self.bits == NATIVE else tuple((p, int_config(self.bits, G.PerToken())) for p in LINEAR_INPUTS)
+            weights = () if self.wbits == NATIVE else ((LAYER_WEIGHTS, int_config(self.wbits, G.PerChannel(0))),)
+            return QuantScheme(f"w{self.wbits}a{self.bits}", acts, weights)
+        if self.bits == NATIVE:
+            return QuantScheme("fp")
+        pattern = f"layers.{self.layer}.{self.site}" if self.kind == "layer" else f"*.{self.site}"
+        config = int_config(self.bits, G.parse_granularity(self.granularity))
+        return QuantScheme(f"{self.site}-int{self.bits}-{self.granularity}", ((pattern, config),))
+
+
+def parse_bits(text: str) -> list[int]:
+    try:
+        bits = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise DiffquantError(f"bits must be integers such as 16,8,6,4, got {text!r}") from None
+    bad = [b for b in bits if not 2 <= b <= 16]
+    if bad or not bits:
+        raise DiffquantError(f"bit-widths must be 2..16 (16 = the model's own precision), got {text!r}")
+    return bits
+
+
+def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: list[str], wa: list[int] | None,
+                layer_bits: int | None, layers: dict[str, int]) -> list[Cell]:
+    for g in grans:
+        G.parse_granularity(g)  # fail before any model runs
+    cells = []
+    for label in labels:
+        for site in sites:
+            for g in grans:
+                cells += [Cell(label, "act", site, b, g) for b in bits]
+        if wa:
+            cells += [Cell(label, "wa", "linear", a, "token", w) for w in wa for a in wa]
+        if layer_bits:
+            for site in sites:
+                cells += [Cell(label, "layer", site, layer_bits, grans[0], layer=i) for i in range(layers[label])]
+    return cells
+
+
+class Evaluator:
+    """Runs the requested evaluations of one model; `fp` results are computed once per model."""
+
+    def __init__(self, evals: list[str], sequences, tokenizer, haystack: str, mc: dict[str, list]):
+        self.evals, self.sequences, self.tokenizer, self.haystack, self.mc = evals, sequences, tokenizer, haystack, mc
+
+    def __call__(self, model) -> dict:
+        from diffquant.data.needle import needle_accuracy
+        from diffquant.evaluate import language_modeling, multiple_choice
+
+        out = {}
+        for e in self.evals:
+            if e == "ppl":
+                r = language_modeling(model, self.sequences)
+                out.update({"loss": r["loss"], "ppl": r["ppl"], "next_token_acc": r["accuracy"]})
+            elif e == "needle":
+                r = needle_accuracy(model, self.tokenizer, self.haystack)
+                out.update({"needle_choice": r["choice"], "needle_exact": r["exact"]})
+            elif e.startswith("mc:"):
+                r = multiple_choice(model, self.tokenizer, self.mc[e[3:]])
+                name = task_label(e[3:])
+                out.update({f"{name}_acc": r["acc"], f"{name}_acc_norm": r["acc_norm"]})
+        return out
+
+
+def task_label(spec: str) -> str:
+    """Column prefix of a multiple-choice task: a file's stem, or the BIG-bench name with / as _."""
+    path = Path(spec)
+    return path.stem if path.suffix in (".json", ".jsonl") else spec.replace("/", "_")
+
+
+def check_evals(evals: list[str]) -> None:
+    for e in evals:
+        if e not in ("ppl", "needle") and not (e.startswith("mc:") and len(e) > 3):
+            raise DiffquantError(f"unknown evaluation {e!r}; choose ppl, needle or mc:TASK")
+
+
+def load_done(out: Path) -> dict[str, dict]:
+    path = out / "cells.jsonl"
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut by an interruption
+            done[row["key"]] = row
+    return done
+
+
+def append_row(out: Path, row: dict) -> None:
+    with open(out / "cells.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_results(out: Path, rows: list[dict]) -> None:
+    atomic_write_json(out / "results.json", {"rows": rows})
+    if rows:
+        header = sorted({k for r in rows for k in r if k != "key"}, key=lambda k: (k not in asdict(Cell("", "")), k))
+        atomic_write_text(out / "results.csv", to_csv(header, [[r.get(k) for k in header] for r in rows]))
+
+
+def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str, Evaluator], out: Path,
+              progress: bool = True) -> list[dict]:
+    """Evaluate every cell not yet in out/cells.jsonl; returns all rows (old and new) in cell order."""
+    from tqdm.auto import tqdm
+
+    from diffquant.quant.scheme import quantize_
+
+    done = load_done(out)
+    fp_cache: dict[str, dict] = {r["model"]: r["metrics"] for r in done.values() if r["scheme"] == "fp"}
+    todo = [c for c in cells if c.key() not in done]
+    bar = tqdm(todo, desc="sweep", unit="cell", disable=not progress)
+    for cell in bar:
+        bar.set_postfix_str(f"{cell.model} {cell.kind} {cell.site} w{cell.wbits}a{cell.bits} {cell.granularity}")
+        model = models[cell.model][0]
+        scheme = cell.scheme()
+        t0 = time.perf_counter()
+        if scheme.is_identity and cell.model in fp_cache:
+            metrics = fp_cache[cell.model]
+        else:
+            attachment = quantize_(model, scheme)
+            try:
+                metrics = evaluators[cell.model](model)
+            finally:
+                attachment.remove()
+            if scheme.is_identity:
+                fp_cache[cell.model] = metrics
+        row = {"key": cell.key(), **asdict(cell), "scheme": scheme.name, "metrics": metrics,
+               "seconds": time.perf_counter() - t0}
+        append_row(out, row)
+        done[cell.key()] = row
+        write_results(out, [_flat(done[c.key()]) for c in cells if c.key() in done])
+    return [_flat(done[c.key()]) for c in cells]
+
+
+def _flat(row: dict) -> dict:
+    return {**{k: v for k, v in row.items() if k != "metrics"}, **row["metrics"]}
+
+
+def run_cli(args) -> None:
+    from diffquant.data.corpora import load_text, split
+    from diffquant.data.tasks import load_task
+    from diffquant.data.tokens import encode, sequences
+    from diffquant.models.load import load_model
+    from diffquant.profile import parse_model_args
+
+    evals = [e.strip() for e in args.eval.split(",") if e.strip()]
+    check_evals(evals)
+    bits = parse_bits(args.bits)
+    wa = parse_bits(args.wa_grid) if args.wa_grid else None
+    grans = [g.strip() for g in args.granularity.split(",") if g.strip()]
+    sites = [s.strip() for s in args.sites.split(",") if s.strip()]
+    if args.tokens <= 0:
+        raise DiffquantError(f"--tokens must be positive, got {args.tokens}")
+    out = Path(args.out)
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "resume", "force", "no_plots", "debug")}
+    if (out / "cells.jsonl").exists():
+        if args.force:
+            for name in ("cells.jsonl", "results.json", "results.csv"):
+                (out / name).unlink(missing_ok=True)
+        elif not args.resume:
+            raise DiffquantError(f"{out} already holds a sweep; pass --resume to continue it or --force to restart")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "sweep_config.json", config)
+    text, _ = load_text(args.data, args.cache_dir)
+    _, val = split(text)
+    mc = {e[3:]: load_task(e[3:], args.mc_limit, cache=args.cache_dir) for e in evals if e.startswith("mc:")}
+    models, evaluators = {}, {}
+    for label, source in parse_model_args(args.model):
+        model, tokenizer = load_model(source, cache=args.cache_dir)
+        if tokenizer is None:
+            raise DiffquantError(f"{source} has no tokenizer")
+        models[label] = (model, tokenizer)
+        evaluators[label] = Evaluator(evals, sequences(encode(tokenizer, val), args.seq_len, args.tokens), tokenizer,
+                                      val, mc)
+    layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
+    cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers)
+    rows = run_cells(models, cells, evaluators, out)
+    if not args.no_plots:
+        from diffquant.report.sweep_plots import plot_sweep
+
+        plot_sweep(rows, out)
+    print(summary_table(rows))
+    print(f"results in {out / 'results.csv'}")
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Markdown: one line per (model, site, granularity), one column per bit-width, first metric."""
+    from diffquant.report.tables import markdown
+
+    act = [r for r in rows if r["kind"] == "act"]
+    if not act:
+        return ""
+    metric = next(k for k in ("ppl", "needle_choice") if k in act[0]) if any(
+        k in act[0] for k in ("ppl", "needle_choice")) else next(k for k in act[0] if k.endswith("_acc"))
+    bits = sorted({r["bits"] for r in act}, reverse=True)
+    groups: dict[tuple, dict] = {}
+    for r in act:
+        groups.setdefault((r["model"], r["site"], r["granularity"]), {})[r["bits"]] = r.get(metric)
+    body = [[m, s, g, *[v.get(b) for b in bits]] for (m, s, g), v in groups.items()]
+    return f"{metric} by bit-width:\n" + markdown(["model", "site", "granularity", *[f"{b}-bit" for b in bits]], body)

@@ -1,0 +1,320 @@
+"""Matched-pair training: the baseline and the DIFF model of a preset on identical data.
+
+Both models see the same batches in the same order (a permutation of training windows fixed by the
+seed), with the same schedule and token budget. The data order and the LR are functions of the step
+alone, so `--resume` continues bit-exactly from the last checkpoint (weights in safetensors,
+optimizer state beside them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffquant import DiffquantError
+from diffquant.paths import atomic_write_json
+
+ARCHS = ("baseline", "diff")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    preset: str = "tiny"
+    corpus: str = "kjv"
+    tokens: int = 1_000_000  # training tokens per model
+    batch_size: int = 16
+    seq_len: int | None = None  # default: the preset's
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_frac: float = 0.05
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 100
+    eval_tokens: int = 32768
+    save_every: int = 200
+    archs: tuple[str, ...] = ARCHS
+    needle_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.tokens <= 0:
+            raise ValueError(f"tokens must be positive, got {self.tokens}")
+        if self.schedule not in ("cosine", "linear"):
+            raise ValueError(f"schedule must be cosine or linear, got {self.schedule!r}")
+        if self.batch_size <= 0 or self.lr <= 0:
+            raise ValueError("batch_size and lr must be positive")
+        unknown = set(self.archs) - set(ARCHS)
+        if unknown:
+            raise ValueError(f"unknown architectures {sorted(unknown)}; choose from {ARCHS}")
+        if not 0 <= self.needle_fraction < 1:
+            raise ValueError("needle_fraction must be in [0, 1)")
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    warmup = max(1, int(cfg.warmup_frac * total))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay)
+
+
+def batch_at(windows: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:
+    """The step's batch: a seeded permutation per epoch, so any step can be recomputed on resume."""
+    per_epoch = len(windows) // batch_size
+    if per_epoch == 0:
+        raise DiffquantError(f"the training split has {len(windows)} sequences, fewer than one batch of {batch_size}")
+    epoch, i = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(len(windows), generator=g)
+    return windows[perm[i * batch_size:(i + 1) * batch_size]]
+
+
+def _param_groups(model, weight_decay: float):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 else no_decay).append(p)  # no decay on norms, biases, λ vectors
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def unigram_entropy(stream: np.ndarray) -> float:
+    """Entropy (nats) of the token unigram distribution: the loss of a model that learned nothing else."""
+    counts = np.bincount(stream)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+@dataclass
+class Data:
+    tokenizer: object
+    train: torch.Tensor  # [n, seq_len] windows
+    val: torch.Tensor
+    sha256: str
+    unigram_entropy: float
+    meta: dict = field(default_factory=dict)
+
+
+def prepare_data(cfg: TrainConfig, out: Path, cache: str | None = None) -> Data:
+    """Train (or reuse) the tokenizer in out/tokenizer and cut the corpus into windows."""
+    from transformers import AutoTokenizer
+
+    from diffquant.data.corpora import load_text, sha256, split
+    from diffquant.data.tokens import encode, sequences, train_tokenizer
+    from diffquant.models.presets import get_preset
+
+    spec = get_preset(cfg.preset)
+    seq_len = cfg.seq_len or spec.seq_len
+    text, _ = load_text(cfg.corpus, cache)
+    train_text, val_text = split(text)
+    tok_dir = out / "tokenizer"
+    if (tok_dir / "tokenizer.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    else:
+        tokenizer = train_tokenizer(train_text, spec.vocab)
+        tokenizer.save_pretrained(tok_dir)
+    if cfg.needle_fraction > 0:
+        from diffquant.data.needle import mix_needles
+
+        train_text = mix_needles(train_text, cfg.needle_fraction, cfg.seed)
+    train_ids = encode(tokenizer, train_text)
+    val_ids = encode(tokenizer, val_text)
+    if len(val_ids) < seq_len + 1:
+        raise DiffquantError(f"the validation split has {len(val_ids)} tokens, fewer than one sequence of {seq_len}")
+    return Data(tokenizer, sequences(train_ids, seq_len), sequences(val_ids, seq_len, cfg.eval_tokens),
+                sha256(text), unigram_entropy(train_ids),
+                {"train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids)), "seq_len": seq_len})
+
+
+def _rank_world():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str = "cpu", resume: bool = False,
+                progress: bool = True, stop_after: int | None = None) -> dict:
+    """Train one model of the pair; checkpoints in out/<arch>. Returns its metrics."""
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from diffquant.evaluate import language_modeling
+    from diffquant.models.presets import get_preset
+
+    spec = get_preset(cfg.preset)
+    rank, world = _rank_world()
+    seq_len = data.train.shape[1]
+    total = max(1, cfg.tokens // (cfg.batch_size * seq_len))
+    if cfg.batch_size % world:
+        raise DiffquantError(f"batch size {cfg.batch_size} must divide by the {world} ranks")
+    ckpt = out / arch
+    state_path = ckpt / "trainer_state.pt"
+    metrics = {"arch": arch, "steps": total, "curve": [], "val": []}
+    if resume and state_path.is_file():
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        state = torch.load(state_path, weights_only=False)
+        start = state["step"]
+        metrics = state["metrics"]
+        if start >= total and "tokens_per_s" in metrics:
+            return metrics  # already finished
+    else:
+        torch.manual_seed(cfg.seed)
+        config = spec.config(arch)
+        model = AutoModelForCausalLM.from_config(config)
+        state, start = None, 0
+    model.to(device).train()
+    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+    ddp_model = model
+    if world > 1:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    use_amp = device.startswith("cuda")
+    bar = tqdm(total=total, initial=start, desc=f"train {arch}", unit="step", disable=not progress or rank != 0)
+    t0, tokens_done = time.perf_counter(), 0
+    step = start
+    for step in range(start, total):
+        if stop_after is not None and step >= stop_after:
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, cfg)
+        batch = batch_at(data.train, step, cfg.batch_size, cfg.seed)
+        batch = batch[rank * len(batch) // world:(rank + 1) * len(batch) // world].to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
+            loss = ddp_model(batch, labels=batch, use_cache=False).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        tokens_done += batch.numel() * world
+        if step % 10 == 0 or step == total - 1:
+            tps = tokens_done / max(1e-9, time.perf_counter() - t0)
+            metrics["curve"].append({"step": step, "loss": float(loss.detach()), "lr": lr_at(step, total, cfg)})
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tok_s=f"{tps:,.0f}")
+        bar.update(1)
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == total:
+            model.eval()
+            metrics["val"].append({"step": done, **language_modeling(model, data.val.to(device))})
+            model.train()
+        if rank == 0 and (done % cfg.save_every == 0 or done == total):
+            _save(model, opt, data, ckpt, done, metrics)
+        step = done
+    bar.close()
+    elapsed = time.perf_counter() - t0
+    metrics["tokens_per_s"] = tokens_done / max(1e-9, elapsed) if tokens_done else metrics.get("tokens_per_s", 0.0)
+    metrics["finished_step"] = step
+    metrics["parameters"] = sum(p.numel() for p in model.parameters())
+    if rank == 0 and step == total:
+        _save_state(ckpt, opt, step, metrics)
+    return metrics
+
+
+def _save_state(ckpt: Path, opt, step: int, metrics: dict) -> None:
+    tmp = ckpt / "trainer_state.pt.tmp"
+    torch.save({"step": step, "optimizer": opt.state_dict(), "metrics": metrics}, tmp)
+    tmp.replace(ckpt / "trainer_state.pt")
+
+
+def _save(model, opt, data: Data, ckpt: Path, step: int, metrics: dict) -> None:
+    """Write the checkpoint into a temporary folder, then swap it in: a crash leaves the old one whole."""
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    data.tokenizer.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": opt.state_dict(), "metrics": metrics}, tmp / "trainer_state.pt")
+    old = ckpt.with_name(ckpt.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if ckpt.exists():
+        ckpt.rename(old)
+    tmp.rename(ckpt)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def environment_record(device: str) -> dict:
+    import platform
+
+    import transformers
+
+    rev = None
+    try:
+        import subprocess
+
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        pass
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": device, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "git_revision": rev}
+
+
+def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, resume: bool = False,
+               force: bool = False, cache: str | None = None, progress: bool = True) -> dict:
+    """Train every arch of `cfg` into out/<arch>; writes out/metrics.json and returns it."""
+    out = Path(out)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg_path = out / "train_config.json"
+    if cfg_path.exists() and not (resume or force):
+        raise DiffquantError(f"{out} already holds a training run; pass --resume to continue it or --force to restart")
+    if resume and cfg_path.exists():
+        saved = json.loads(cfg_path.read_text())
+        saved["archs"] = tuple(saved["archs"])
+        if saved != asdict(cfg) | {"archs": tuple(cfg.archs)}:
+            raise DiffquantError(f"{out} was trained with other settings ({cfg_path}); resume with the same settings")
+    if force and not resume:
+        for arch in ARCHS:
+            shutil.rmtree(out / arch, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    rank, _ = _rank_world()
+    if rank == 0:
+        atomic_write_json(cfg_path, asdict(cfg))
+    data = prepare_data(cfg, out, cache)
+    results = {"config": asdict(cfg), "data": {"corpus": cfg.corpus, "sha256": data.sha256,
+                                               "unigram_entropy": data.unigram_entropy, **data.meta},
+               "environment": environment_record(device), "models": {}}
+    metrics_path = out / "metrics.json"
+    if metrics_path.exists() and resume:
+        results["models"] = json.loads(metrics_path.read_text()).get("models", {})
+    for arch in cfg.archs:
+        m = train_model(arch, cfg, data, out, device, resume=resume, progress=progress)
+        m["final_val"] = m["val"][-1] if m["val"] else None
+        results["models"][arch] = m
+        if rank == 0:
+            atomic_write_json(metrics_path, results)
+    return results
+
+
+def run_cli(args) -> None:
+    from diffquant.profile import finish_distributed, init_distributed
+
+    try:
+        cfg = TrainConfig(preset=args.preset, corpus=args.corpus, tokens=args.tokens, batch_size=args.batch_size,
+                          seq_len=args.seq_len, lr=args.lr, schedule=args.schedule, seed=args.seed,
+                          eval_every=args.eval_every, save_every=args.save_every, archs=tuple(args.arch),
+                          needle_fraction=args.needle_fraction)
+    except ValueError as e:
+        raise DiffquantError(str(e)) from None
+    init_distributed()
+    device = args.device
+    if device is None and torch.cuda.is_available():
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    results = train_pair(cfg, args.out, device, resume=args.resume, force=args.force, cache=args.cache_dir)
+    if _rank_world()[0] == 0:
+        print(f"unigram entropy of the training tokens: {results['data']['unigram_entropy']:.3f} nats")
+        for arch, m in results["models"].items():
+            v = m["final_val"]
+            print(f"{arch:<9} params {m['parameters']:,}  val loss {v['loss']:.3f}  ppl {v['ppl']:.2f}  "
+                  f"acc {v['accuracy']:.3f}  {m['tokens_per_s']:,.0f} tok/s")
+        print(f"checkpoints in {Path(args.out) / 'baseline'} and {Path(args.out) / 'diff'}")
+    finish_distributed()

@@ -1,0 +1,77 @@
+"""Weight × activation grid: W 8/6/4 × A 8/6/4 (per-channel weights, per-token dynamic Linear inputs)
+on a matched pair; perplexity per cell, heatmaps per model.
+
+    python experiments/weight_act_grid.py [--quick] [--seeds 0 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@dataclass
+class Settings:
+    preset: str = "tiny"  # paper: 3B (the paper has no W×A grid; this asks whether DIFF helps beyond logits)
+    corpus: str = "kjv"
+    train_tokens: int = 600_000
+    eval_tokens: int = 16_384
+    bits: list[int] = field(default_factory=lambda: [8, 6, 4])
+    seeds: list[int] = field(default_factory=lambda: [0])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--out", default="runs/wa_grid")
+    a = p.parse_args(argv)
+    s = Settings(seeds=a.seeds)
+    if a.quick:
+        s.train_tokens, s.eval_tokens, s.bits = 20_000, 1024, [8, 4]
+    run(s, Path(a.out))
+
+
+def run(s: Settings, out: Path) -> None:
+    import torch
+
+    from pairs import trained_pairs
+
+    from diffquant.data.corpora import load_text, split
+    from diffquant.data.tokens import encode, sequences
+    from diffquant.models.load import load_model
+    from diffquant.paths import atomic_write_text
+    from diffquant.report.sweep_plots import plot_sweep
+    from diffquant.report.tables import markdown
+    from diffquant.runs import fmt_ms, start_run
+    from diffquant.sweep import Evaluator, build_cells, run_cells
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = start_run(out, s, device)
+    _, val = split(load_text(s.corpus)[0])
+    groups: dict[tuple, list[float]] = {}
+    for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, out / "pairs")):
+        models = {label: load_model(str(folder / arch), device=device)
+                  for arch, label in (("baseline", "Transformer"), ("diff", "DIFF"))}
+        evalset = sequences(encode(models["DIFF"][1], val), 256, s.eval_tokens)
+        evaluators = {label: Evaluator(["ppl"], evalset, t, val, {}) for label, (_, t) in models.items()}
+        cells = build_cells(list(models), [], [], ["tensor"], s.bits, None, {})
+        seed_dir = out / f"seed{seed}"
+        seed_dir.mkdir(exist_ok=True)
+        rows = run_cells(models, cells, evaluators, seed_dir, progress=False)
+        plot_sweep(rows, seed_dir)
+        for r in rows:
+            groups.setdefault((r["model"], r["wbits"]), {}).setdefault(r["bits"], []).append(r["ppl"])
+    body = [[m, f"W{w}", *[fmt_ms(v[a]) for a in s.bits]] for (m, w), v in sorted(groups.items())]
+    table = (f"Perplexity, W×A grid, {s.preset} pair, {s.train_tokens:,} training tokens, seeds {s.seeds}.\n\n"
+             + markdown(["model", "weights", *[f"A{a}" for a in s.bits]], body))
+    atomic_write_text(out / "wa_grid.md", table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+import subprocess
+import sys
+
+import pytest
+
+from diffquant.cli import build_parser, main
+
+COMMANDS = ["env", "models", "sites", "profile", "quantize", "train", "sweep", "plot", "data", "demo"]
+
+
+def test_help_for_every_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    for cmd in COMMANDS:
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0, cmd
+    out = capsys.readouterr().out
+    assert all(c in out for c in COMMANDS)
+
+
+def test_help_is_fast_and_light():
+    code = "import sys; from diffquant.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"  # heavy imports are lazy
+
+
+def test_models_lists_matched_counts(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "5,261,568" in out and "5,262,080" in out and "smollm2-135m" in out
+
+
+def test_env(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "transformers" in out and "diffquant" in out
+
+
+def test_sites(capsys):
+    assert main(["sites"]) == 0
+    assert "attn_logits" in capsys.readouterr().out
+    assert main(["sites", "--model", "micro:diff", "--select", "layers.1.*"]) == 0
+    assert "layers.1.attn_map" in capsys.readouterr().out
+
+
+def test_errors_are_one_line(capsys, tmp_path):
+    assert main(["sites", "--model", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("diffquant: error:") and "\n" not in err and "Traceback" not in err
+    assert main(["train", "--preset", "huge", "--out", str(tmp_path / "t")]) == 2
+    assert "choose one of" in capsys.readouterr().err
+    assert main(["data", "info", "no-such-corpus"]) == 2
+    assert main(["plot", str(tmp_path)]) == 2
+    build_parser()

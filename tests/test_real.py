@@ -1,0 +1,104 @@
+"""End to end with the offline sources (Debian packages, PyPI wheels): corpora, SmolLM2, demo, notebook."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffquant.cli import main
+
+ROOT = Path(__file__).parent.parent
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+
+def test_kjv_corpus_cached_and_repaired(tmp_path):
+    from diffquant.data.corpora import fetch, info
+
+    path = fetch("kjv")
+    text = path.read_text()
+    assert text.startswith("In the beginning God created the heaven and the earth.")
+    assert text.count("\n") + 1 == 31102
+    meta = path.parent / "meta.json"
+    assert json.loads(meta.read_text())["lines"] == 31102
+    assert info("kjv")["train_chars"] > 20 * info("kjv")["val_chars"] / 2
+
+
+def test_corrupt_cache_is_fetched_again(tmp_path):
+    from diffquant.data.corpora import fetch
+
+    path = fetch("kjv", str(tmp_path))
+    good = path.read_text()
+    path.write_text(good[:1000])  # truncated
+    assert fetch("kjv", str(tmp_path)).read_text() == good
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from diffquant.models.load import load_model
+
+    return load_model("smollm2-135m")
+
+
+def test_smollm2_generates_paris(smollm):
+    model, tok = smollm
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_smollm2_profile_matches_output_hidden_states(smollm):
+    from diffquant.profile import profile_model
+
+    model, tok = smollm
+    ids = tok("In the beginning God created the heaven and the earth. And the earth was without form, and void.",
+              return_tensors="pt").input_ids
+    prof = profile_model(model, ids, ["*.hidden"], progress=False)
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    for i in range(model.config.num_hidden_layers - 1):
+        assert prof.sites[f"layers.{i}.hidden"].topk.rank(1) == pytest.approx(float(hs[i + 1].abs().max()), rel=1e-5)
+    assert prof.pooled("hidden").topk.rank(1) > 1000  # massive activations
+
+
+def test_demo_quick(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "Scale of this run" in report and "3B parameters, 350B training tokens" in report
+    for name in ("profile/table5.md", "profile/absmax_vs_layer.png", "sweep/metric_vs_bits.png", "sweep/wa_grid.png",
+                 "smollm2/table5.md", "summary.json"):
+        assert (out / name).exists(), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert {r["bits"] for r in summary["sweep"] if r["kind"] == "act"} == {16, 8, 6, 4}
+    assert "report:" in capsys.readouterr().out
+    assert main(["plot", str(out)]) == 0
+
+
+def test_notebook_runs(tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(ROOT / "notebooks" / "walkthrough.ipynb", as_version=4)
+    os.environ["DIFFQUANT_QUICK"] = "1"
+    os.environ["DIFFQUANT_NOTEBOOK_OUT"] = str(tmp_path)
+    try:
+        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        os.environ.pop("DIFFQUANT_QUICK")
+        os.environ.pop("DIFFQUANT_NOTEBOOK_OUT")
+    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "logits int4" in outputs and "hidden-state top-1" in outputs
+
+
+@pytest.mark.parametrize("script", ["table5_outliers.py", "fig8_logit_quant.py", "weight_act_grid.py",
+                                    "needle_under_quant.py", "gpu_recipe.py", "real_model_profile.py"])
+def test_experiments_quick(script, tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "experiments" / script), "--quick", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "settings.json").exists() and (tmp_path / "environment.json").exists()
+    assert "|" in result.stdout  # printed its headline table

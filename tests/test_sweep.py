@@ -1,0 +1,94 @@
+import json
+
+import pytest
+import torch
+
+from diffquant import DiffquantError
+from diffquant.cli import main
+from diffquant.evaluate import language_modeling, multiple_choice
+from diffquant.sweep import Cell, build_cells, parse_bits
+
+
+def test_cells_and_bits():
+    assert parse_bits("16,8,6,4") == [16, 8, 6, 4]
+    for bad in ("0", "1", "33", "four", ""):
+        with pytest.raises(DiffquantError):
+            parse_bits(bad)
+    cells = build_cells(["a", "b"], ["attn_logits"], [16, 4], ["tensor", "head"], [8, 4], 4, {"a": 2, "b": 2})
+    assert len(cells) == 2 * (2 * 2 + 4 + 2)
+    assert Cell("a", "act", bits=16).scheme().is_identity
+    assert Cell("a", "layer", bits=4, layer=1).scheme().activations[0][0] == "layers.1.attn_logits"
+    with pytest.raises(DiffquantError):
+        build_cells(["a"], ["attn_logits"], [4], ["rows"], None, None, {})
+
+
+def test_language_modeling_matches_hand_computation(micro_pair):
+    model = micro_pair[0]
+    ids = torch.randint(0, 512, (3, 10))
+    r = language_modeling(model, ids, batch_size=2)
+    with torch.no_grad():
+        logits = model(ids).logits[:, :-1]
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), ids[:, 1:].reshape(-1))
+    assert r["loss"] == pytest.approx(float(ref), rel=1e-5)
+    assert r["tokens"] == 27
+
+
+class CharTok:
+    """A tokenizer with one id per character, to hand-check multiple-choice scoring."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 512 for c in text]}
+
+
+def test_multiple_choice_acc_and_acc_norm(micro_pair):
+    model = micro_pair[1]
+    tok = CharTok()
+    ex = [{"input": "ab", "target_scores": {"c": 1, "dddd": 0}}]
+    r = multiple_choice(model, tok, ex)
+
+    def ll(ctx, cont):
+        ids = torch.tensor([tok(ctx + cont)["input_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0], -1)
+        n = len(ctx)
+        return sum(float(logp[n - 1 + i, t]) for i, t in enumerate(tok(cont)["input_ids"]))
+
+    a, b = ll("ab", " c"), ll("ab", " dddd")
+    assert r["acc"] == float(a > b)
+    assert r["acc_norm"] == float(a / 2 > b / 5)
+
+
+def test_sweep_cli_resumes(tmp_path, micro_pair, capsys):
+    from diffquant.data.tokens import train_tokenizer
+
+    text = "\n".join(f"the {w} of the {v} is good and {u}." for w, v, u in
+                     zip(["king", "man", "son"] * 300, ["land", "city", "house", "field"] * 225, ["old", "new"] * 450))
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(text)
+    tok = train_tokenizer(text, 300)
+    for model in micro_pair:
+        model.save_pretrained(tmp_path / model.config.model_type)
+        tok.save_pretrained(tmp_path / model.config.model_type)
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps({"input": f"the {w} of the", "target_scores": {"land": 1, "moon": 0}}) + "\n"
+                            for w in ("king", "man", "son")))
+    out = tmp_path / "sweep"
+    args = ["sweep", "--model", f"T={tmp_path / 'llama'}", "--model", f"D={tmp_path / 'diffllama'}", "--data",
+            str(corpus), "--tokens", "256", "--seq-len", "32", "--bits", "16,8,4", "--granularity", "tensor,head",
+            "--eval", f"ppl,mc:{task}", "--wa-grid", "8,4", "--per-layer", "4", "--out", str(out)]
+    assert main(args) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert len(rows) == 2 * (3 * 2 + 4 + 2)
+    assert all("ppl" in r and "task_acc" in r for r in rows)
+    for name in ("metric_vs_bits.png", "wa_grid.png", "layer_sensitivity.png", "results.csv"):
+        assert (out / name).exists()
+    fp = {r["model"]: r["ppl"] for r in rows if r["scheme"] == "fp"}
+    assert all(r["ppl"] == fp[r["model"]] for r in rows if r["bits"] == 16 and r["kind"] == "act")
+    assert main(args) == 2 and "already holds a sweep" in capsys.readouterr().err
+    lines = (out / "cells.jsonl").read_text().splitlines()
+    (out / "cells.jsonl").write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # interrupted mid-write
+    assert main([*args, "--resume"]) == 0
+    again = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["key"] for r in again] == [r["key"] for r in rows]
+    assert [r["ppl"] for r in again] == [r["ppl"] for r in rows]  # deterministic on CPU
+    assert main(["plot", str(out)]) == 0
