@@ -76,7 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: finally-blocks run, partial work stays consistent
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    if threading_main():
+        signal.signal(signal.SIGTERM, _terminate)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -98,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diffquant: error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         return 1
     return 0
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":

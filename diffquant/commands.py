@@ -119,6 +119,20 @@ def _demo(sub) -> None:
 
 
 
+def _lm_eval(sub) -> None:
+    p = sub.add_parser("lm-eval", help="run lm-eval tasks on a model with a quantization scheme applied")
+    p.add_argument("--model", required=True)
+    p.add_argument("--scheme", default="fp", help="preset or .json/.yaml (default fp: none)")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    p.add_argument("--include-path", default=None, help="folder of local lm-eval task YAMLs")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--out", required=True)
+    p.add_argument("--hub", action="store_true")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=_lazy("diffquant.lm_eval_adapter", "run_cli"))
+
+
 def register(sub) -> None:
-    for add in (_profile, _quantize, _train, _sweep, _plot, _data, _demo):
+    for add in (_profile, _quantize, _train, _sweep, _plot, _data, _demo, _lm_eval):
         add(sub)

@@ -37,7 +37,8 @@ def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progr
 
 def multiple_choice(model, tokenizer, examples: list[dict], progress: bool = False) -> dict:
     """Zero-shot multiple choice scored like lm-eval's HellaSwag: each choice's summed log-likelihood
-    given the context (`acc`), and the same divided by the choice's length in bytes (`acc_norm`).
+    given the context (`acc`), and the same divided by the choice's length in characters (`acc_norm`, as
+    lm-eval computes it).
 
     Each example is {"input": str, "target_scores": {choice: score}}; the correct choice has the top score.
     """
@@ -59,7 +60,7 @@ def multiple_choice(model, tokenizer, examples: list[dict], progress: bool = Fal
                 logits = model(ids, use_cache=False).logits[0, -len(cont) - 1:-1].float()
                 ll = float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(cont, device=device)[:, None]).sum())
                 scores.append(ll)
-                norms.append(ll / max(1, len((" " + choice.strip()).encode("utf-8"))))
+                norms.append(ll / max(1, len(choice.strip())))  # lm-eval divides by the choice's length
             correct += max(range(len(scores)), key=scores.__getitem__) == gold
             correct_norm += max(range(len(norms)), key=norms.__getitem__) == gold
     n = len(examples)

@@ -55,7 +55,7 @@ def test_multiple_choice_acc_and_acc_norm(micro_pair):
 
     a, b = ll("ab", " c"), ll("ab", " dddd")
     assert r["acc"] == float(a > b)
-    assert r["acc_norm"] == float(a / 2 > b / 5)
+    assert r["acc_norm"] == float(a / 1 > b / 4)
 
 
 def test_sweep_cli_resumes(tmp_path, micro_pair, capsys):
@@ -92,3 +92,25 @@ def test_sweep_cli_resumes(tmp_path, micro_pair, capsys):
     assert [r["key"] for r in again] == [r["key"] for r in rows]
     assert [r["ppl"] for r in again] == [r["ppl"] for r in rows]  # deterministic on CPU
     assert main(["plot", str(out)]) == 0
+
+
+def test_lm_eval_adapter_agrees_with_own_scoring(tmp_path, micro_pair):
+    pytest.importorskip("lm_eval")
+    from diffquant.data.tokens import train_tokenizer
+    from diffquant.lm_eval_adapter import evaluate, write_local_task
+    from diffquant.quant.scheme import get_scheme
+
+    text = " ".join(f"the {w} of the {v}" for w, v in zip(["king", "man", "son"] * 50, ["land", "city", "sea"] * 50))
+    tok = train_tokenizer(text, 300)
+    examples = [{"input": f"the {w} of the", "target_scores": {"land": 1, "city": 0, "sea": 0}}
+                for w in ("king", "man", "son", "king man")]
+    folder = write_local_task(examples, tmp_path / "tasks")
+    model = micro_pair[1]
+    for scheme in ("fp", "logits-int4"):
+        res = evaluate(model, tok, ["diffquant_local"], get_scheme(scheme), folder)["diffquant_local"]
+        from diffquant.quant.scheme import quantize_
+
+        handle = quantize_(model, get_scheme(scheme))
+        ours = multiple_choice(model, tok, examples)
+        handle.remove()
+        assert res["acc"] == pytest.approx(ours["acc"]) and res["acc_norm"] == pytest.approx(ours["acc_norm"])
