@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from diffquant.models.presets import PRESETS, build_pair
-from diffquant.profile import StatsObserver, profile_model
+from diffquant.profile import StatsObserver
 from diffquant.quant import granularity as G
 from diffquant.quant import math as Q
 from diffquant.quant.formats import Format

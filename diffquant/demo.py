@@ -6,9 +6,8 @@ bits 16/8/6/4 and a W × A grid, profile SmolLM2-135M, and write a report folder
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -49,7 +48,7 @@ def _pair(cfg: DemoConfig, cache: str | None, device: str) -> tuple[Path, dict]:
 def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool = False) -> dict:
     from diffquant.data.corpora import load_text, split
     from diffquant.data.tokens import encode, sequences
-    from diffquant.models.load import load_model
+    from diffquant.models.load import load_model, load_pair
     from diffquant.profile import prepare_out, profile_model
     from diffquant.report.profile_report import table5_rows, write_report
     from diffquant.sweep import Evaluator, build_cells, run_cells, write_results
@@ -64,10 +63,7 @@ def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool =
     timings["train"] = time.perf_counter() - t0
     text, _ = load_text(cfg.corpus, cache)
     _, val = split(text)
-    models = {}
-    for arch, label in (("baseline", "Transformer"), ("diff", "DIFF")):
-        model, tok = load_model(str(pair_dir / arch), device=device)
-        models[label] = (model, tok)
+    models = load_pair(pair_dir, device)
     tokenizer = models["DIFF"][1]
     val_ids = encode(tokenizer, val)
 
@@ -131,7 +127,7 @@ def _verdict(rows: list[list]) -> list[str]:
 
 
 def render_report(s: dict, profiles) -> str:
-    from diffquant.report.profile_report import PAPER_TABLE5, TABLE5_HEADER
+    from diffquant.report.profile_report import KIND_TITLE, PAPER_TABLE5, TABLE5_HEADER
     from diffquant.report.tables import markdown
     from diffquant.sweep import summary_table
 
@@ -153,7 +149,7 @@ def render_report(s: dict, profiles) -> str:
         *_verdict(s["table5"]), "",
         "Paper (Table 5):", "",
         markdown(["model", "activation", "top-1", "top-2", "top-3", "top-10", "top-100", "median"],
-                 [[m, k, *v] for (m, k), v in PAPER_TABLE5.items()]),
+                 [[m, KIND_TITLE[k], *v] for (m, k), v in PAPER_TABLE5.items()]),
         "![top-1 and median by layer](profile/absmax_vs_layer.png)", "",
         "![kurtosis by layer](profile/kurtosis_vs_layer.png)", "",
         "![distribution of |x|](profile/histograms.png)", "",

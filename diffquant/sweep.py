@@ -237,4 +237,4 @@ def summary_table(rows: list[dict]) -> str:
     for r in act:
         groups.setdefault((r["model"], r["site"], r["granularity"]), {})[r["bits"]] = r.get(metric)
     body = [[m, s, g, *[v.get(b) for b in bits]] for (m, s, g), v in groups.items()]
-    return f"{metric} by bit-width:\n" + markdown(["model", "site", "granularity", *[f"{b}-bit" for b in bits]], body)
+    return f"{metric} by bit-width:\n\n" + markdown(["model", "site", "granularity", *[f"{b}-bit" for b in bits]], body)

@@ -40,26 +40,22 @@ def main(argv=None) -> None:
 
 
 def run(s: Settings, out: Path) -> list[dict]:
-    import torch
+    from pairs import device, trained_pairs, validation_text
 
-    from pairs import trained_pairs
-
-    from diffquant.data.corpora import load_text, split
     from diffquant.data.tokens import encode, sequences
-    from diffquant.models.load import load_model
+    from diffquant.models.load import load_pair
     from diffquant.paths import atomic_write_text
     from diffquant.report.sweep_plots import plot_sweep
     from diffquant.report.tables import markdown
     from diffquant.runs import fmt_ms, start_run
     from diffquant.sweep import Evaluator, build_cells, run_cells
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = start_run(out, s, device)
-    _, val = split(load_text(s.corpus)[0])
+    dev = device()
+    out = start_run(out, s, dev)
+    val = validation_text(s.corpus)
     all_rows = []
     for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, out / "pairs")):
-        models = {label: load_model(str(folder / arch), device=device)
-                  for arch, label in (("baseline", "Transformer"), ("diff", "DIFF"))}
+        models = load_pair(folder, dev)
         tok = models["DIFF"][1]
         evalset = sequences(encode(tok, val), 256, s.eval_tokens)
         evaluators = {label: Evaluator(["ppl"], evalset, t, val, {}) for label, (_, t) in models.items()}

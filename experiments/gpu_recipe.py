@@ -45,13 +45,10 @@ def main(argv=None) -> None:
 
 
 def run(s: Settings, out: Path) -> None:
-    import torch
+    from pairs import device, trained_pairs, validation_text
 
-    from pairs import trained_pairs
-
-    from diffquant.data.corpora import load_text, split
     from diffquant.data.tokens import encode, sequences
-    from diffquant.models.load import load_model
+    from diffquant.models.load import load_pair
     from diffquant.paths import atomic_write_json
     from diffquant.profile import profile_model
     from diffquant.report.profile_report import write_report
@@ -59,15 +56,14 @@ def run(s: Settings, out: Path) -> None:
     from diffquant.runs import start_run
     from diffquant.sweep import Evaluator, build_cells, run_cells, summary_table
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = start_run(out, s, device)
+    dev = device()
+    out = start_run(out, s, dev)
     t0 = time.perf_counter()
     folder = trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds[:1], out / "pairs", batch_size=s.batch_size,
                            lr=s.lr)[0]
     t_train = time.perf_counter() - t0
-    _, val = split(load_text(s.corpus)[0])
-    models = {label: load_model(str(folder / arch), device=device)
-              for arch, label in (("baseline", "Transformer"), ("diff", "DIFF"))}
+    val = validation_text(s.corpus)
+    models = load_pair(folder, dev)
     val_ids = encode(models["DIFF"][1], val)
     from diffquant.models.presets import get_preset
 

@@ -38,26 +38,22 @@ def main(argv=None) -> None:
 
 
 def run(s: Settings, out: Path) -> None:
-    import torch
+    from pairs import device, trained_pairs, validation_text
 
-    from pairs import trained_pairs
-
-    from diffquant.data.corpora import load_text, split
     from diffquant.data.tokens import encode, sequences
-    from diffquant.models.load import load_model
+    from diffquant.models.load import load_pair
     from diffquant.paths import atomic_write_text
     from diffquant.report.tables import markdown
     from diffquant.runs import fmt_ms, start_run
     from diffquant.sweep import Evaluator, build_cells, run_cells
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = start_run(out, s, device)
-    _, val = split(load_text(s.corpus)[0])
+    dev = device()
+    out = start_run(out, s, dev)
+    val = validation_text(s.corpus)
     groups: dict[tuple, list[float]] = {}
     folders = trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, out / "pairs", s.needle_fraction)
     for seed, folder in zip(s.seeds, folders):
-        models = {label: load_model(str(folder / arch), device=device)
-                  for arch, label in (("baseline", "Transformer"), ("diff", "DIFF"))}
+        models = load_pair(folder, dev)
         evalset = sequences(encode(models["DIFF"][1], val), 256, 1024)
         evaluators = {label: Evaluator(["needle"], evalset, t, val, {}) for label, (_, t) in models.items()}
         cells = build_cells(list(models), ["attn_logits"], s.bits, ["tensor"], None, None, {})

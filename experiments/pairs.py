@@ -9,15 +9,25 @@ import torch
 from diffquant.train import TrainConfig, train_pair
 
 
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def validation_text(corpus: str) -> str:
+    """The held-out split of a corpus (never trained on)."""
+    from diffquant.data.corpora import load_text, split
+
+    return split(load_text(corpus)[0])[1]
+
+
 def trained_pairs(preset: str, corpus: str, tokens: int, seeds: list[int], root: Path, needle_fraction: float = 0.0,
                   batch_size: int = 16, lr: float = 3e-3) -> list[Path]:
     """One trained pair folder per seed under root (resumed if already there)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     folders = []
     for seed in seeds:
         folder = root / (f"{preset}-{corpus}-{tokens}-s{seed}" + (f"-n{needle_fraction}" if needle_fraction else ""))
         cfg = TrainConfig(preset=preset, corpus=corpus, tokens=tokens, seed=seed, batch_size=batch_size, lr=lr,
                           needle_fraction=needle_fraction, eval_every=100, save_every=200)
-        train_pair(cfg, folder, device, resume=(folder / "train_config.json").exists())
+        train_pair(cfg, folder, device(), resume=(folder / "train_config.json").exists())
         folders.append(folder)
     return folders

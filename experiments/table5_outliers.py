@@ -39,29 +39,23 @@ def main(argv=None) -> None:
 
 
 def run(s: Settings, out: Path) -> None:
-    import torch
+    from pairs import device, trained_pairs, validation_text
 
-    from pairs import trained_pairs
-
-    from diffquant.data.corpora import load_text, split
     from diffquant.data.tokens import encode, sequences
-    from diffquant.models.load import load_model
+    from diffquant.models.load import load_pair
     from diffquant.paths import atomic_write_text
     from diffquant.profile import profile_model
     from diffquant.report.profile_report import TABLE5_RANKS, write_report
     from diffquant.report.tables import markdown
     from diffquant.runs import fmt_ms, start_run
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = start_run(out, s, device)
-    _, val = split(load_text(s.corpus)[0])
+    dev = device()
+    out = start_run(out, s, dev)
+    val = validation_text(s.corpus)
     per_seed: dict[tuple[str, str], dict[str, list[float]]] = {}
     for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, out / "pairs")):
-        profiles = []
-        for arch, label in (("baseline", "Transformer"), ("diff", "DIFF")):
-            model, tok = load_model(str(folder / arch), device=device)
-            seqs = sequences(encode(tok, val), 256, s.profile_tokens)
-            profiles.append(profile_model(model, seqs, label=label, progress=False))
+        profiles = [profile_model(model, sequences(encode(tok, val), 256, s.profile_tokens), label=label, progress=False)
+                    for label, (model, tok) in load_pair(folder, dev).items()]
         write_report(profiles, out / f"seed{seed}")
         for prof in profiles:
             for kind in ("attn_logits", "hidden"):

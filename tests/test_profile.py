@@ -6,10 +6,9 @@ import sys
 import pytest
 import torch
 
-from diffquant import DiffquantError
 from diffquant.cli import main
 from diffquant.profile import profile_model
-from diffquant.report.profile_report import int8_outlier_features, massive_activations, table5_rows
+from diffquant.report.profile_report import int8_outlier_features, massive_activations
 
 TEXT = "\n".join(f"And the {w} said unto the {v}, behold the {u} of the land." for w, v, u in
                  zip(["lord", "king", "man", "woman"] * 60, ["people", "city", "servant", "son"] * 60,

@@ -201,8 +201,6 @@ def test_model_without_attention_interface(bloom):
 
 
 def test_diff_map_and_lambda(micro_pair):
-    from diffquant.taps.attention import diff_lambda
-
     model = micro_pair[1]
     got = {}
 

@@ -27,8 +27,6 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
     a directory written by `save_pretrained`, a `.gguf` file, or a hub id when `hub=True`. Nothing is
     downloaded from a hub unless `hub=True`.
     """
-    from transformers import AutoModelForCausalLM
-
     kwargs = {"dtype": _dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -74,6 +72,14 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
     return model.eval(), tokenizer
 
 
+PAIR_LABELS = (("baseline", "Transformer"), ("diff", "DIFF"))
+
+
+def load_pair(folder: str | Path, device: str | None = None) -> dict[str, tuple]:
+    """{"Transformer": (model, tokenizer), "DIFF": (...)} from a folder written by `diffquant train`."""
+    return {label: load_model(str(Path(folder) / arch), device=device) for arch, label in PAIR_LABELS}
+
+
 def _load_zoo(name: str, kwargs: dict, cache: str | None):
     """Load a zoo model; the first load converts the GGUF once into a safetensors folder beside it."""
     gguf = zoo_file(name, cache)
@@ -94,7 +100,7 @@ def _load_zoo(name: str, kwargs: dict, cache: str | None):
 
 
 def _from_pretrained(path, kwargs: dict, local_files_only: bool = True, **extra):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if "gguf_file" not in extra:

@@ -6,8 +6,6 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
-
 from diffquant import DiffquantError
 from diffquant.paths import atomic_write_json
 

@@ -8,7 +8,7 @@ norm stay in full precision: they are not Linear weights, and no activation site
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

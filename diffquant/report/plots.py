@@ -33,7 +33,7 @@ def plot_layer_series(series_by_model: dict[str, dict[str, list[dict]]], out: Pa
     written = []
     if not kinds:
         return written
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False, layout="constrained")
     for ax, kind in zip(axes[0], kinds):
         for label, series in series_by_model.items():
             rows = series.get(kind, [])
@@ -42,7 +42,7 @@ def plot_layer_series(series_by_model: dict[str, dict[str, list[dict]]], out: Pa
         ax.set(title=f"{kind}: kurtosis", xlabel="layer", ylabel="Pearson kurtosis (log)", yscale="log")
         ax.legend(fontsize=8)
     written += _save(fig, out, "kurtosis_vs_layer")
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False, layout="constrained")
     for ax, kind in zip(axes[0], kinds):
         for i, (label, series) in enumerate(series_by_model.items()):
             rows = series.get(kind, [])
@@ -62,13 +62,13 @@ def plot_histograms(models: list[dict], out: Path) -> list[Path]:
     kinds = [k for k in ("attn_logits", "hidden") if any(k in m.get("histograms", {}) for m in models)]
     if not kinds:
         return []
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False, layout="constrained")
     for ax, kind in zip(axes[0], kinds):
         for m in models:
             h = m.get("histograms", {}).get(kind)
             if not h:
                 continue
-            bins = sorted((int(i), c) for i, c in h["bins"].items() if int(i) > 0)
+            bins = sorted((int(i), c) for i, c in h["bins"].items() if int(i) > 0 and c >= 10)  # drop sparse tails
             total = sum(h["bins"].values())
             xs = [h["lo"] * h["ratio"] ** (i - 0.5) for i, _ in bins]
             widths = [h["lo"] * h["ratio"] ** (i - 1) * (h["ratio"] - 1) for i, _ in bins]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from diffquant.report.plots import _plt, _save
 
-METRIC_LABEL = {"ppl": "perplexity (log)", "loss": "loss (nats)", "next_token_acc": "next-token accuracy",
+METRIC_LABEL = {"ppl": "perplexity", "loss": "loss (nats)", "next_token_acc": "next-token accuracy",
                 "needle_choice": "needle retrieval accuracy (choice)", "needle_exact": "needle retrieval (exact)"}
 
 
@@ -24,7 +24,7 @@ def plot_bits(rows: list[dict], out: Path) -> list[Path]:
     plt = _plt()
     panels = sorted({(r["site"], r["granularity"]) for r in act})
     fig, axes = plt.subplots(len(metrics), len(panels), figsize=(4.2 * len(panels), 3.4 * len(metrics)),
-                             squeeze=False)
+                             squeeze=False, layout="constrained")
     bits = sorted({r["bits"] for r in act}, reverse=True)
     for i, metric in enumerate(metrics):
         for j, (site, gran) in enumerate(panels):
@@ -35,7 +35,8 @@ def plot_bits(rows: list[dict], out: Path) -> list[Path]:
                 ax.plot(range(len(bits)), [pts.get(b) for b in bits], marker="o", label=label)
             ax.set_xticks(range(len(bits)), [f"{b}" + (" (fp)" if b == 16 else "") for b in bits])
             ax.set(xlabel="bits", ylabel=METRIC_LABEL.get(metric, metric), title=f"{site}, per {gran}")
-            if metric == "ppl":
+            values = [r.get(metric) for r in act if r.get(metric)]
+            if metric == "ppl" and values and max(values) / min(values) > 3:
                 ax.set_yscale("log")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
@@ -51,7 +52,7 @@ def plot_wa(rows: list[dict], out: Path) -> list[Path]:
     labels = sorted({r["model"] for r in wa})
     ws = sorted({r["wbits"] for r in wa}, reverse=True)
     acts = sorted({r["bits"] for r in wa}, reverse=True)
-    fig, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels), 3.6), squeeze=False, layout="constrained")
     for ax, label in zip(axes[0], labels):
         grid = [[next((r["ppl"] for r in wa if r["model"] == label and r["wbits"] == w and r["bits"] == a), None)
                  for a in acts] for w in ws]
@@ -76,7 +77,7 @@ def plot_sensitivity(rows: list[dict], out: Path) -> list[Path]:
         return []
     plt = _plt()
     labels = sorted({r["model"] for r in layer})
-    fig, axes = plt.subplots(1, len(labels), figsize=(4.5 * len(labels), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.5 * len(labels), 3.4), squeeze=False, layout="constrained")
     for ax, label in zip(axes[0], labels):
         rs = sorted((r for r in layer if r["model"] == label), key=lambda r: r["layer"])
         base = fp.get(label)

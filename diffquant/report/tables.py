@@ -9,6 +9,10 @@ import io
 def fmt(v, digits: int = 5) -> str:
     if v is None:
         return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
     if isinstance(v, float):
         return f"{v:.{digits}g}" if abs(v) < 1e5 else f"{v:.1f}"
     return str(v)
