@@ -75,25 +75,33 @@ def bench_fake_quant(device, mb: int = 64) -> dict:
     return out
 
 
-def bench_diff_vs_baseline(spec_name: str, device, batch: int, seq: int) -> dict:
-    baseline, diff = build_pair(PRESETS[spec_name])
+def bench_diff_vs_baseline(spec_name: str, device, batch: int, seq: int, rounds: int = 5) -> dict:
+    """Tokens/s of the matched pair with SDPA; the two models are timed in alternation, so machine noise
+    hits both alike, and each figure is the median over rounds."""
+    pair = dict(zip(("baseline", "diff"), build_pair(PRESETS[spec_name])))
     ids = torch.randint(0, PRESETS[spec_name].vocab, (batch, seq), device=device)
-    out = {}
-    for label, model in (("baseline", baseline), ("diff", diff)):
+    steps = {}
+    for label, model in pair.items():
         model.to(device).set_attn_implementation("sdpa")
-        with torch.inference_mode():
-            t_inf = timeit(lambda: model(ids, use_cache=False), device)
-        model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step():
+        def step(model=model, opt=opt):
             loss = model(ids, labels=ids, use_cache=False).loss
             opt.zero_grad()
             loss.backward()
             opt.step()
 
-        t_train = timeit(step, device, repeats=3)
-        out[label] = {"inference_tok_s": ids.numel() / t_inf, "training_tok_s": ids.numel() / t_train}
+        def infer(model=model):
+            with torch.inference_mode():
+                model(ids, use_cache=False)
+
+        steps[label] = (infer, step)
+    times = {label: {"inference": [], "training": []} for label in pair}
+    for _ in range(rounds):
+        for label, (infer, step) in steps.items():
+            times[label]["inference"].append(timeit(infer, device, repeats=1))
+            times[label]["training"].append(timeit(step, device, repeats=1))
+    out = {label: {f"{k}_tok_s": ids.numel() / statistics.median(v) for k, v in t.items()} for label, t in times.items()}
     out["inference_ratio"] = out["diff"]["inference_tok_s"] / out["baseline"]["inference_tok_s"]
     out["training_ratio"] = out["diff"]["training_tok_s"] / out["baseline"]["training_tok_s"]
     out["target"] = 0.85

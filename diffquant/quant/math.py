@@ -22,6 +22,10 @@ def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...]) -> tuple[
 
 def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | None, symmetric: bool):
     """(lo, hi) per scale group with keepdim; symmetric formats only need hi = max |x|."""
+    if symmetric and valid is None:
+        hi = _absmax(x, reduce)
+        if bool(torch.isfinite(hi).all()):
+            return -hi, hi
     ok = torch.isfinite(x) if valid is None else valid & torch.isfinite(x)
     if symmetric:
         hi = torch.where(ok, x.abs(), 0).amax(dim=reduce, keepdim=True)
@@ -31,6 +35,17 @@ def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | 
     lo = torch.where(torch.isfinite(lo), lo, 0).clamp_max(0)  # zero is always representable
     hi = torch.where(torch.isfinite(hi), hi, 0).clamp_min(0)
     return lo, hi
+
+
+def _absmax(x: torch.Tensor, reduce: tuple[int, ...]) -> torch.Tensor:
+    """max |x| over `reduce` (keepdim) in one pass: aminmax is the fastest reduction where it applies."""
+    if len(reduce) == x.dim():
+        lo, hi = torch.aminmax(x)
+        return torch.maximum(-lo, hi).reshape([1] * x.dim())
+    if len(reduce) == 1:
+        lo, hi = torch.aminmax(x, dim=reduce[0], keepdim=True)
+        return torch.maximum(-lo, hi)
+    return torch.linalg.vector_norm(x, ord=float("inf"), dim=reduce, keepdim=True)
 
 
 def qparams(lo: torch.Tensor, hi: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,9 +65,10 @@ def qparams(lo: torch.Tensor, hi: torch.Tensor, fmt: Format) -> tuple[torch.Tens
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Integer codes (int formats) or unscaled grid values (float formats), as float tensors."""
     if fmt.is_int:
+        q = torch.div(x, scale).round_()  # one new tensor, then in place
         if fmt.symmetric:
-            return torch.clamp(torch.round(x / scale), -fmt.qmax, fmt.qmax)
-        return torch.clamp(torch.round(x / scale) + zero, 0, fmt.qmax)
+            return q.clamp_(-fmt.qmax, fmt.qmax)
+        return q.add_(zero).clamp_(0, fmt.qmax)
     v = torch.clamp(x / scale, -fmt.qmax, fmt.qmax)
     if fmt.name == "fp8_e4m3":
         return v.to(torch.float8_e4m3fn).to(x.dtype)
@@ -64,9 +80,10 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Form
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Values from codes; works in place on `q`, which `quantize` created."""
     if fmt.is_int and not fmt.symmetric:
-        return (q - zero) * scale
-    return q * scale
+        return q.sub_(zero).mul_(scale)
+    return q.mul_(scale)
 
 
 def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity | None = None) -> torch.Tensor:
@@ -74,16 +91,18 @@ def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity |
     shape = x.shape
     if isinstance(gran, PerGroup):
         x = x.unflatten(-1, (-1, gran.size))
-    xf = x.float()
+    xf = x.detach() if x.dtype == torch.float32 else x.detach().float()
     y = dequantize(quantize(xf, scale, zero, fmt), scale, zero, fmt).to(x.dtype)
-    y = x + (y - x).detach()
+    if x.requires_grad:
+        y = x + (y - x).detach()  # straight-through estimator
     return y.reshape(shape)
 
 
 def dynamic_fake_quantize(x: torch.Tensor, fmt: Format, gran: Granularity, dims: tuple[str, ...],
                           valid: torch.Tensor | None = None) -> torch.Tensor:
     """Scales from this tensor (the paper's dynamic absmax setting), then fake-quantize."""
-    xg, reduce = grouped(x.detach().float(), gran, dims)
+    xd = x.detach() if x.dtype == torch.float32 else x.detach().float()
+    xg, reduce = grouped(xd, gran, dims)
     vg = None
     if valid is not None:
         vg = valid.expand_as(x)

@@ -23,8 +23,8 @@ class LogHistogram:
 
     def add(self, a: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Count |x| values `a` (float32, ≥ 0) where mask is True."""
-        idx = torch.floor((torch.log(a.clamp_min(LO)) - _LOG_LO) / _LOG_R).long() + 1
-        idx = torch.where(a < LO, 0, idx.clamp(1, NBINS + 1))
+        # log(|x|) below LO (zeros: -inf) lands at or below 0 and is clamped into the underflow bin
+        idx = torch.log(a).sub_(_LOG_LO).div_(_LOG_R).floor_().add_(1).clamp_(0, NBINS + 1).long()
         if mask is not None:
             idx = torch.where(mask, idx, NBINS + 2)  # dropped below
         self.counts += torch.bincount(idx.reshape(-1), minlength=NBINS + 3)[: NBINS + 2]

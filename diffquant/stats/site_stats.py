@@ -39,26 +39,33 @@ class SiteStats:
             x = x.float()
         if valid is not None and valid.shape != x.shape:
             valid = valid.expand_as(x)
-        finite = torch.isfinite(x)
-        bad = ~finite if valid is None else valid & ~finite
-        self.nonfinite += bad.sum()
-        mask = finite if valid is None else valid & finite
-        a = torch.where(mask, x.abs(), -1.0)
+        if valid is None and bool(torch.isfinite(x.sum())):
+            mask, a = None, x.abs()  # fast path: every value counts (a finite sum means no inf/NaN)
+        else:
+            finite = torch.isfinite(x)
+            bad = ~finite if valid is None else valid & ~finite
+            self.nonfinite += bad.sum()
+            mask = finite if valid is None else valid & finite
+            a = torch.where(mask, x.abs(), -1.0)
         m = Moments.of(x, mask)
         self.moments = self.moments.merge(m)
-        self.topk.add(x, a, self.dims, input_ids, row_offset)
+        rowmax = a.amax(dim=-1) if a.dim() >= 2 else None
+        self.topk.add(x, a, self.dims, input_ids, row_offset, rowmax)
         self.hist.add(a, mask)
-        self._absmax_along(a)
+        self._absmax_along(a, rowmax)
         self._count_hits(a, mask)
-        self._pass(m, a)
+        self._pass(m, a if rowmax is None else rowmax)
 
-    def _absmax_along(self, a: torch.Tensor) -> None:
+    def _absmax_along(self, a: torch.Tensor, rowmax: torch.Tensor | None) -> None:
         for names, attr in ((_CHANNEL_DIMS, "channel_absmax"), (_POSITION_DIMS, "position_absmax")):
             dim = next((i for i, d in enumerate(self.dims) if d in names), None)
             if dim is None:
                 continue
-            other = [i for i in range(a.dim()) if i != dim]
-            cur = a.amax(dim=other) if other else a
+            src = a
+            if rowmax is not None and dim < a.dim() - 1:
+                src = rowmax  # reduce the (already reduced) last dim once, not again
+            other = [i for i in range(src.dim()) if i != dim]
+            cur = src.amax(dim=other) if other else src
             setattr(self, attr, _elementwise_max(getattr(self, attr), cur.clamp_min(0)))
 
     def _count_hits(self, a: torch.Tensor, mask: torch.Tensor) -> None:
@@ -67,7 +74,7 @@ class SiteStats:
             return
         hits = (a >= self.threshold).sum(dim=(0, 1))
         self.channel_hits = hits if self.channel_hits is None else self.channel_hits + hits
-        self.positions += mask.any(dim=-1).sum()
+        self.positions += a.shape[0] * a.shape[1] if mask is None else mask.any(dim=-1).sum()
 
     def _pass(self, m: Moments, a: torch.Tensor) -> None:
         var = m.m2 / m.n.clamp_min(1)

@@ -18,13 +18,23 @@ class TopK:
         self.values = torch.empty(0, dtype=torch.float32, device=device)
         self.coords = torch.empty(0, ndim + 1, dtype=torch.int64, device=device)
 
-    def add(self, x: torch.Tensor, a: torch.Tensor, dims: tuple[str, ...], input_ids=None, row_offset: int = 0) -> None:
-        """Offer |x| values `a` (invalid entries set to -1) of tensor x, shaped by `dims`."""
+    def add(self, x: torch.Tensor, a: torch.Tensor, dims: tuple[str, ...], input_ids=None, row_offset: int = 0,
+            rowmax: torch.Tensor | None = None) -> None:
+        """Offer |x| values `a` (invalid entries set to -1) of tensor x, shaped by `dims`.
+
+        With `rowmax` (a.amax(-1)), only the k rows with the largest maxima are searched: every element
+        of the top k lies in one of them (a row outside them has k larger elements elsewhere)."""
         flat = a.reshape(-1)
         k = min(self.k, flat.numel())
         if k == 0:
             return
-        top, idx = torch.topk(flat, k)
+        if rowmax is not None and rowmax.numel() > k:
+            width = a.shape[-1]
+            _, rows = torch.topk(rowmax.reshape(-1), k)
+            top, col = torch.topk(a.reshape(-1, width)[rows].reshape(-1), k)
+            idx = rows[col // width] * width + col % width
+        else:
+            top, idx = torch.topk(flat, k)
         keep = top >= 0
         top, idx = top[keep], idx[keep]
         coords = torch.stack(torch.unravel_index(idx, a.shape), dim=1) if a.dim() else idx[:, None] * 0
