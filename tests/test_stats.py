@@ -20,7 +20,7 @@ def test_moments_match_scipy():
     s = Moments.of(x, None).summary()
     ref = x.double().numpy().ravel()
     assert s["count"] == ref.size
-    assert s["mean"] == pytest.approx(ref.mean(), rel=1e-9, abs=1e-12)
+    assert s["mean"] == pytest.approx(ref.mean(), rel=1e-6, abs=1e-9)  # float32 row sums, float64 across rows
     assert s["std"] == pytest.approx(ref.std(), rel=1e-7)
     assert s["kurtosis"] == pytest.approx(sps.kurtosis(ref, fisher=False), rel=1e-6)
 

@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 
 
+def sum64(t: torch.Tensor) -> torch.Tensor:
+    """Sum with a float64 accumulator without a float64 copy of the tensor: rows are summed in float32
+    (short, so exact to float32 rounding), the row sums in float64."""
+    if t.dim() >= 2:
+        return t.sum(dim=-1).double().sum()
+    return t.double().sum()
+
+
 class Moments:
     """Moments of every valid value seen; all state lives on the activation's device as float64."""
 
@@ -18,18 +26,18 @@ class Moments:
         m = Moments(x.device)
         if mask is None:
             m.n = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
-            s1 = x.sum(dtype=torch.float64)
+            s1 = sum64(x)
         else:
             m.n = mask.sum(dtype=torch.float64)
-            s1 = torch.where(mask, x, 0).sum(dtype=torch.float64)
+            s1 = sum64(torch.where(mask, x, 0))
         m.mean = s1 / m.n.clamp_min(1)
         d = x - m.mean.to(x.dtype)
         if mask is not None:
             d = torch.where(mask, d, 0)
         d2 = d * d
-        m.m2 = d2.sum(dtype=torch.float64)
-        m.m3 = (d2 * d).sum(dtype=torch.float64)
-        m.m4 = (d2 * d2).sum(dtype=torch.float64)
+        m.m2 = sum64(d2)
+        m.m3 = sum64(d2 * d)
+        m.m4 = sum64(d2.mul_(d2))
         return m
 
     def merge(self, other: "Moments") -> "Moments":
