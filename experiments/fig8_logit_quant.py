@@ -40,30 +40,19 @@ def main(argv=None) -> None:
 
 
 def run(s: Settings, out: Path) -> list[dict]:
-    from pairs import device, trained_pairs, validation_text
+    from pairs import device, sweep_pair, trained_pairs, validation_text
 
-    from diffquant.data.tokens import encode, sequences
-    from diffquant.models.load import load_pair
     from diffquant.paths import atomic_write_text
-    from diffquant.report.sweep_plots import plot_sweep
     from diffquant.report.tables import markdown
     from diffquant.runs import fmt_ms, start_run
-    from diffquant.sweep import Evaluator, build_cells, run_cells
 
     dev = device()
     out = start_run(out, s, dev)
     val = validation_text(s.corpus)
     all_rows = []
     for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, out / "pairs")):
-        models = load_pair(folder, dev)
-        tok = models["DIFF"][1]
-        evalset = sequences(encode(tok, val), 256, s.eval_tokens)
-        evaluators = {label: Evaluator(["ppl"], evalset, t, val, {}) for label, (_, t) in models.items()}
-        cells = build_cells(list(models), ["attn_logits"], s.bits, s.granularity, None, None, {})
-        seed_dir = out / f"seed{seed}"
-        seed_dir.mkdir(exist_ok=True)
-        rows = run_cells(models, cells, evaluators, seed_dir, progress=False)
-        plot_sweep(rows, seed_dir)
+        rows = sweep_pair(folder, dev, val, ["ppl"], s.eval_tokens, out / f"seed{seed}", ["attn_logits"], s.bits,
+                          s.granularity)
         all_rows += [{**r, "seed": seed} for r in rows]
     groups: dict[tuple, list[float]] = {}
     for r in all_rows:

@@ -38,14 +38,11 @@ def main(argv=None) -> None:
 
 
 def run(s: Settings, out: Path) -> None:
-    from pairs import device, trained_pairs, validation_text
+    from pairs import device, sweep_pair, trained_pairs, validation_text
 
-    from diffquant.data.tokens import encode, sequences
-    from diffquant.models.load import load_pair
     from diffquant.paths import atomic_write_text
     from diffquant.report.tables import markdown
     from diffquant.runs import fmt_ms, start_run
-    from diffquant.sweep import Evaluator, build_cells, run_cells
 
     dev = device()
     out = start_run(out, s, dev)
@@ -53,13 +50,7 @@ def run(s: Settings, out: Path) -> None:
     groups: dict[tuple, list[float]] = {}
     folders = trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, out / "pairs", s.needle_fraction)
     for seed, folder in zip(s.seeds, folders):
-        models = load_pair(folder, dev)
-        evalset = sequences(encode(models["DIFF"][1], val), 256, 1024)
-        evaluators = {label: Evaluator(["needle"], evalset, t, val, {}) for label, (_, t) in models.items()}
-        cells = build_cells(list(models), ["attn_logits"], s.bits, ["tensor"], None, None, {})
-        seed_dir = out / f"seed{seed}"
-        seed_dir.mkdir(exist_ok=True)
-        for r in run_cells(models, cells, evaluators, seed_dir, progress=False):
+        for r in sweep_pair(folder, dev, val, ["needle"], 1024, out / f"seed{seed}", ["attn_logits"], s.bits):
             groups.setdefault((r["model"], r["bits"]), []).append(r["needle_choice"])
     body = [[m, *[fmt_ms(groups[(m, b)]) for b in s.bits]] for m in sorted({k[0] for k in groups})]
     table = (f"Needle retrieval accuracy (the right number is the likeliest of the 6 in context; chance 0.167), "

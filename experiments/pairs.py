@@ -31,3 +31,21 @@ def trained_pairs(preset: str, corpus: str, tokens: int, seeds: list[int], root:
         train_pair(cfg, folder, device(), resume=(folder / "train_config.json").exists())
         folders.append(folder)
     return folders
+
+
+def sweep_pair(folder: Path, dev: str, val: str, evals: list[str], eval_tokens: int, out: Path, sites=(),
+               bits=(), granularities=("tensor",), wa=None) -> list[dict]:
+    """Load a trained pair and run sweep cells on it (results and figures in `out`)."""
+    from diffquant.data.tokens import encode, sequences
+    from diffquant.models.load import load_pair
+    from diffquant.report.sweep_plots import plot_sweep
+    from diffquant.sweep import Evaluator, build_cells, run_cells
+
+    models = load_pair(folder, dev)
+    evalset = sequences(encode(models["DIFF"][1], val), 256, eval_tokens)
+    evaluators = {label: Evaluator(evals, evalset, tok, val, {}) for label, (_, tok) in models.items()}
+    cells = build_cells(list(models), list(sites), list(bits), list(granularities), wa, None, {})
+    out.mkdir(parents=True, exist_ok=True)
+    rows = run_cells(models, cells, evaluators, out, progress=False)
+    plot_sweep(rows, out)
+    return rows

@@ -37,30 +37,18 @@ def main(argv=None) -> None:
 
 
 def run(s: Settings, out: Path) -> None:
-    from pairs import device, trained_pairs, validation_text
+    from pairs import device, sweep_pair, trained_pairs, validation_text
 
-    from diffquant.data.tokens import encode, sequences
-    from diffquant.models.load import load_pair
     from diffquant.paths import atomic_write_text
-    from diffquant.report.sweep_plots import plot_sweep
     from diffquant.report.tables import markdown
     from diffquant.runs import fmt_ms, start_run
-    from diffquant.sweep import Evaluator, build_cells, run_cells
 
     dev = device()
     out = start_run(out, s, dev)
     val = validation_text(s.corpus)
     groups: dict[tuple, list[float]] = {}
     for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, out / "pairs")):
-        models = load_pair(folder, dev)
-        evalset = sequences(encode(models["DIFF"][1], val), 256, s.eval_tokens)
-        evaluators = {label: Evaluator(["ppl"], evalset, t, val, {}) for label, (_, t) in models.items()}
-        cells = build_cells(list(models), [], [], ["tensor"], s.bits, None, {})
-        seed_dir = out / f"seed{seed}"
-        seed_dir.mkdir(exist_ok=True)
-        rows = run_cells(models, cells, evaluators, seed_dir, progress=False)
-        plot_sweep(rows, seed_dir)
-        for r in rows:
+        for r in sweep_pair(folder, dev, val, ["ppl"], s.eval_tokens, out / f"seed{seed}", wa=s.bits):
             groups.setdefault((r["model"], r["wbits"]), {}).setdefault(r["bits"], []).append(r["ppl"])
     body = [[m, f"W{w}", *[fmt_ms(v[a]) for a in s.bits]] for (m, w), v in sorted(groups.items())]
     table = (f"Perplexity, W×A grid, {s.preset} pair, {s.train_tokens:,} training tokens, seeds {s.seeds}.\n\n"
