@@ -53,12 +53,18 @@ def bench_profiler(model, ids, device) -> dict:
         plain = timeit(fwd, device)
         with tapped(model, {p: StatsObserver() for p in ["*.hidden", *LINEAR_INPUT_SITES]}):
             module_taps = timeit(fwd, device)
+        with tapped(model, {p: StatsObserver(compile=True) for p in ["*.hidden", *LINEAR_INPUT_SITES]}):
+            t0 = time.perf_counter()
+            fwd()  # compiles once per activation shape
+            compile_s = time.perf_counter() - t0
+            compiled_taps = timeit(fwd, device)
         model.set_attn_implementation("eager")
         eager = timeit(fwd, device)
         model.set_attn_implementation("sdpa")
         with tapped(model, {"*.attn_logits": StatsObserver()}):
             logits_taps = timeit(fwd, device)
-    return {"forward_s": plain, "hidden_and_linear_inputs_ratio": module_taps / plain, "target_1": 1.15,
+    return {"forward_s": plain, "hidden_and_linear_inputs_ratio": module_taps / plain,
+            "hidden_and_linear_inputs_ratio_compiled": compiled_taps / plain, "compile_s": compile_s, "target_1": 1.15,
             "eager_s": eager, "attn_logits_vs_eager_ratio": logits_taps / eager, "target_2": 1.5}
 
 

@@ -31,6 +31,8 @@ def _profile(sub) -> None:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--force", action="store_true", help="overwrite an output folder that holds results")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--compile", action="store_true",
+                   help="fuse the statistics with torch.compile (one-off compile, then several times faster)")
     p.set_defaults(func=_lazy("diffquant.profile", "run_cli"))
 
 

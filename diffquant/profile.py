@@ -27,13 +27,13 @@ class StatsObserver:
 
     transforms = False
 
-    def __init__(self, k: int = 100):
-        self.k = k
+    def __init__(self, k: int = 100, compile: bool = False):
+        self.k, self.compile = k, compile
         self.stats: SiteStats | None = None
 
     def __call__(self, x: torch.Tensor, ctx) -> None:
         if self.stats is None:
-            self.stats = SiteStats(ctx.site.dims, self.k, x.device)
+            self.stats = SiteStats(ctx.site.dims, self.k, x.device, compile=self.compile)
         self.stats.update(x, ctx.valid, ctx.batch.input_ids, ctx.batch.row_offset)
 
 
@@ -64,8 +64,11 @@ def input_device(model) -> torch.device:
 
 
 def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT_SITES, *, batch_size: int = 8,
-                  k: int = 100, progress: bool = True, label: str = "model") -> ModelProfile:
-    """Run `sequences` ([n, seq_len] token ids) through `model` with observers on `sites`."""
+                  k: int = 100, progress: bool = True, label: str = "model", compile: bool = False) -> ModelProfile:
+    """Run `sequences` ([n, seq_len] token ids) through `model` with observers on `sites`.
+
+    `compile=True` fuses the statistics of token sites with torch.compile: several times faster once
+    compiled (a one-off ~20 s per activation shape on CPU), worth it for long runs."""
     from tqdm.auto import tqdm
 
     if sequences.numel() == 0:
@@ -76,7 +79,7 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
                              "the data was tokenized with another tokenizer")
     table = site_table(model)
     selected = table.match(list(sites))
-    observers = {s.name: StatsObserver(k) for s in selected if not s.is_weight}
+    observers = {s.name: StatsObserver(k, compile) for s in selected if not s.is_weight}
     weight_observers = {s.name: StatsObserver(k) for s in selected if s.is_weight}
     rank, world = _rank()
     lo, hi = rank * len(sequences) // world, (rank + 1) * len(sequences) // world
@@ -176,7 +179,8 @@ def run_cli(args) -> None:
             raise DiffquantError(f"{source} has no tokenizer; train with 'diffquant train' (it saves one) or "
                                  "pass a checkpoint folder holding tokenizer files")
         seqs = sequences(encode(tokenizer, val), args.seq_len, args.tokens)
-        prof = profile_model(model, seqs, args.sites, batch_size=args.batch_size, k=args.k, label=label)
+        prof = profile_model(model, seqs, args.sites, batch_size=args.batch_size, k=args.k, label=label,
+                             compile=args.compile)
         prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,
                                 "device": str(input_device(model))})
         profiles.append(prof)

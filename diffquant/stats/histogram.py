@@ -14,6 +14,13 @@ import torch
 LO, HI, RATIO = 1e-8, 1e8, 1.01
 NBINS = math.ceil(math.log(HI / LO) / math.log(RATIO))
 _LOG_LO, _LOG_R = math.log(LO), math.log(RATIO)
+_SCALE, _SHIFT = 1 / _LOG_R, 1 - _LOG_LO / _LOG_R
+
+
+def bin_index(a: torch.Tensor) -> torch.Tensor:
+    """Bin of each |x| (≥ 0): floor((log|x| − log LO) / log r) + 1, clamped into [0, NBINS + 1].
+    Below LO (zeros: log = −inf) lands in bin 0; after the clamp truncation equals floor."""
+    return (torch.log(a) * _SCALE + _SHIFT).clamp(0, NBINS + 1).long()
 
 
 class LogHistogram:
@@ -23,10 +30,13 @@ class LogHistogram:
 
     def add(self, a: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Count |x| values `a` (float32, ≥ 0) where mask is True."""
-        # log(|x|) below LO (zeros: -inf) lands at or below 0 and is clamped into the underflow bin
-        idx = torch.log(a).sub_(_LOG_LO).div_(_LOG_R).floor_().add_(1).clamp_(0, NBINS + 1).long()
+        idx = bin_index(a)
         if mask is not None:
             idx = torch.where(mask, idx, NBINS + 2)  # dropped below
+        self.add_index(idx)
+
+    def add_index(self, idx: torch.Tensor) -> None:
+        """Count precomputed bin indices (NBINS + 2 = not counted)."""
         self.counts += torch.bincount(idx.reshape(-1), minlength=NBINS + 3)[: NBINS + 2]
 
     def merge(self, other: "LogHistogram") -> "LogHistogram":

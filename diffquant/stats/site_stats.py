@@ -4,21 +4,48 @@ from __future__ import annotations
 
 import torch
 
-from diffquant.stats.histogram import LogHistogram
-from diffquant.stats.moments import Moments
+from diffquant.stats.histogram import LogHistogram, bin_index
+from diffquant.stats.moments import Moments, sum64
 from diffquant.stats.topk import TopK
 
 QUANTILES = {"median": 0.5, "p99": 0.99, "p99.9": 0.999, "p99.99": 0.9999}
 _CHANNEL_DIMS = ("channel", "head", "out_channel")
 _POSITION_DIMS = ("pos", "q_pos")
+TOKEN_DIMS = ("batch", "pos", "channel")
+
+
+def _token_core(x: torch.Tensor):
+    """Every elementwise statistic of an unmasked [batch, pos, channel] activation in one function, so
+    torch.compile can fuse it into a few passes: sums for the moments, row maxima, histogram bins,
+    channel maxima and LLM.int8 hit counts."""
+    s1 = sum64(x)
+    d = x - (s1 / x.numel()).to(x.dtype)
+    d2 = d * d
+    a = x.abs()
+    return (s1, sum64(d2), sum64(d2 * d), sum64(d2 * d2), a.amax(dim=-1), bin_index(a), a.amax(dim=(0, 1)),
+            (a >= 6.0).sum(dim=(0, 1)))
+
+
+_compiled_core = None
+
+
+def _core(compiled: bool):
+    """The fused core (compiled once per process; falls back to eager where compilation fails)."""
+    global _compiled_core
+    if not compiled:
+        return _token_core
+    if _compiled_core is None:
+        _compiled_core = torch.compile(_token_core, dynamic=None)
+    return _compiled_core
 
 
 class SiteStats:
     """Pooled moments, top-k with locations, |x| histogram, per-channel and per-position absmax,
     non-finite count, and per-pass (Bondarenko et al.) kurtosis and ∞-norm, for one site."""
 
-    def __init__(self, dims: tuple[str, ...], k: int = 100, device=None, outlier_threshold: float = 6.0):
-        self.dims, self.k, self.threshold = dims, k, outlier_threshold
+    def __init__(self, dims: tuple[str, ...], k: int = 100, device=None, outlier_threshold: float = 6.0,
+                 compile: bool = False):
+        self.dims, self.k, self.threshold, self.compile = dims, k, outlier_threshold, compile
         self.moments = Moments(device)
         self.topk = TopK(k, len(dims), device)
         self.hist = LogHistogram(device)
@@ -39,6 +66,9 @@ class SiteStats:
             x = x.float()
         if valid is not None and valid.shape != x.shape:
             valid = valid.expand_as(x)
+        if valid is None and self.dims == TOKEN_DIMS and self.threshold == 6.0 and self._update_tokens(x, input_ids,
+                                                                                                        row_offset):
+            return
         if valid is None and bool(torch.isfinite(x.sum())):
             mask, a = None, x.abs()  # fast path: every value counts (a finite sum means no inf/NaN)
         else:
@@ -55,6 +85,30 @@ class SiteStats:
         self._absmax_along(a, rowmax)
         self._count_hits(a, mask)
         self._pass(m, a if rowmax is None else rowmax)
+
+    def _update_tokens(self, x: torch.Tensor, input_ids, row_offset: int) -> bool:
+        """The fast path for unmasked token activations; False (nothing recorded) if x is not all finite."""
+        try:
+            s1, m2, m3, m4, rowmax, idx, chan, hits = _core(self.compile)(x)
+        except Exception:  # noqa: BLE001 - no compiler or backend here: stay eager from now on
+            if not self.compile:
+                raise
+            self.compile = False
+            return self._update_tokens(x, input_ids, row_offset)
+        if not bool(torch.isfinite(s1)):
+            return False
+        m = Moments(x.device)
+        m.n = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+        m.mean, m.m2, m.m3, m.m4 = s1 / m.n, m2, m3, m4
+        self.moments = self.moments.merge(m)
+        self.topk.add(x, None, self.dims, input_ids, row_offset, rowmax)
+        self.hist.add_index(idx)
+        self.channel_absmax = _elementwise_max(self.channel_absmax, chan)
+        self.position_absmax = _elementwise_max(self.position_absmax, rowmax.amax(dim=0))
+        self.channel_hits = hits if self.channel_hits is None else self.channel_hits + hits
+        self.positions += x.shape[0] * x.shape[1]
+        self._pass(m, rowmax)
+        return True
 
     def _absmax_along(self, a: torch.Tensor, rowmax: torch.Tensor | None) -> None:
         for names, attr in ((_CHANNEL_DIMS, "channel_absmax"), (_POSITION_DIMS, "position_absmax")):
@@ -85,7 +139,7 @@ class SiteStats:
         self.pass_inf = torch.stack([self.pass_inf[0] + inf, torch.maximum(self.pass_inf[1], inf)])
 
     def merge(self, other: "SiteStats") -> "SiteStats":
-        out = SiteStats(self.dims, self.k, self.nonfinite.device, self.threshold)
+        out = SiteStats(self.dims, self.k, self.nonfinite.device, self.threshold, self.compile)
         out.moments = self.moments.merge(other.moments)
         out.topk = self.topk.merge(other.topk)
         out.hist = self.hist.merge(other.hist)

@@ -20,30 +20,30 @@ class TopK:
 
     def add(self, x: torch.Tensor, a: torch.Tensor, dims: tuple[str, ...], input_ids=None, row_offset: int = 0,
             rowmax: torch.Tensor | None = None) -> None:
-        """Offer |x| values `a` (invalid entries set to -1) of tensor x, shaped by `dims`.
+        """Offer |x| values `a` (invalid entries set to -1; None: all valid, |x| taken here) of x, shaped by `dims`.
 
         With `rowmax` (a.amax(-1)), only the k rows with the largest maxima are searched: every element
         of the top k lies in one of them (a row outside them has k larger elements elsewhere)."""
-        flat = a.reshape(-1)
-        k = min(self.k, flat.numel())
+        k = min(self.k, x.numel())
         if k == 0:
             return
         if rowmax is not None and rowmax.numel() > k:
-            width = a.shape[-1]
+            width = x.shape[-1]
             _, rows = torch.topk(rowmax.reshape(-1), k)
-            top, col = torch.topk(a.reshape(-1, width)[rows].reshape(-1), k)
+            cand = x.reshape(-1, width)[rows].abs() if a is None else a.reshape(-1, width)[rows]
+            top, col = torch.topk(cand.reshape(-1), k)
             idx = rows[col // width] * width + col % width
         else:
-            top, idx = torch.topk(flat, k)
+            top, idx = torch.topk((x.abs() if a is None else a).reshape(-1), k)
         keep = top >= 0
         top, idx = top[keep], idx[keep]
-        coords = torch.stack(torch.unravel_index(idx, a.shape), dim=1) if a.dim() else idx[:, None] * 0
-        token = torch.full((len(idx), 1), -1, dtype=torch.int64, device=a.device)
+        coords = torch.stack(torch.unravel_index(idx, x.shape), dim=1) if x.dim() else idx[:, None] * 0
+        token = torch.full((len(idx), 1), -1, dtype=torch.int64, device=x.device)
         if "batch" in dims:
             b = dims.index("batch")
             pos_dim = dims.index("pos") if "pos" in dims else dims.index("q_pos") if "q_pos" in dims else None
-            if input_ids is not None and pos_dim is not None and input_ids.shape[1] == a.shape[pos_dim]:
-                ids = input_ids.to(a.device)
+            if input_ids is not None and pos_dim is not None and input_ids.shape[1] == x.shape[pos_dim]:
+                ids = input_ids.to(x.device)
                 token[:, 0] = ids[coords[:, b], coords[:, pos_dim]]
             coords[:, b] += row_offset
         self._merge_raw(top, x.reshape(-1)[idx].float(), torch.cat([coords, token], dim=1))
