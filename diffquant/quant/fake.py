@@ -57,11 +57,10 @@ class FakeQuant:
         xg, reduce = Q.grouped(x.detach().float(), cfg.granularity, ctx.site.dims)
         vg = None if ctx.valid is None else Q.grouped(ctx.valid.expand_as(x), cfg.granularity, ctx.site.dims)[0]
         if cfg.calibration == "percentile":
-            from diffquant.stats.histogram import LogHistogram
+            from diffquant.stats.histogram import AbsHistogram
 
-            self._hist = self._hist or LogHistogram(x.device)
-            ok = torch.isfinite(xg) if vg is None else vg & torch.isfinite(xg)
-            self._hist.add(torch.where(ok, xg.abs(), -1.0), ok)
+            self._hist = self._hist or AbsHistogram(x.device)
+            self._hist.add(xg, vg)  # non-finite values are never counted
             return
         lo, hi = Q.value_range(xg, reduce, vg, cfg.format.symmetric)
         if self._lo is None:

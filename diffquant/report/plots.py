@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 
@@ -69,11 +70,21 @@ def plot_histograms(models: list[dict], out: Path) -> list[Path]:
             if not h:
                 continue
             bins = sorted((int(i), c) for i, c in h["bins"].items() if int(i) > 0 and c >= 10)  # drop sparse tails
+            if not bins:
+                continue
+            lo, hi = _bin_edges(h, [i for i, _ in bins])
             total = sum(h["bins"].values())
-            xs = [h["lo"] * h["ratio"] ** (i - 0.5) for i, _ in bins]
-            widths = [h["lo"] * h["ratio"] ** (i - 1) * (h["ratio"] - 1) for i, _ in bins]
-            ys = [c / total / w for (_, c), w in zip(bins, widths)]
-            ax.plot(xs, ys, label=m["label"], lw=1)
+            ys = [c / total / (b - a) for (_, c), a, b in zip(bins, lo, hi)]
+            ax.plot([(a * b) ** 0.5 for a, b in zip(lo, hi)], ys, label=m["label"], lw=1)
         ax.set(xscale="log", yscale="log", xlabel="|x|", ylabel="density", title=f"{kind}: distribution of |x|")
         ax.legend(fontsize=8)
     return _save(fig, out, "histograms")
+
+
+def _bin_edges(h: dict, idx: list[int]) -> tuple[list[float], list[float]]:
+    """Edges of histogram bins as profile reports store them: float32 magnitude bins, or the log-spaced
+    bins ({"lo", "ratio"}) of reports written before them."""
+    if h.get("format") == "float32-high16":  # bin i: floats whose bit pattern starts with the 16 bits i
+        edge = lambda i: struct.unpack("<f", struct.pack("<I", i << 16))[0]  # noqa: E731
+        return [edge(i) for i in idx], [edge(i + 1) for i in idx]
+    return [h["lo"] * h["ratio"] ** (i - 1) for i in idx], [h["lo"] * h["ratio"] ** i for i in idx]

@@ -81,16 +81,12 @@ def massive_activations(prof, kind: str = "hidden", minimum: float = 100.0, rati
 
 def pooled_histograms(prof) -> dict:
     """Sparse |x| histograms pooled over layers, per kind (to redraw histogram figures)."""
-    from diffquant.stats.histogram import LO, RATIO
-
     out = {}
     for kind in sorted(set(prof.kind_of.values())):
         pooled = prof.pooled(kind)
         if pooled is None or kind == "weight":
             continue
-        counts = pooled.hist.counts.cpu()
-        nz = counts.nonzero().flatten().tolist()
-        out[kind] = {"lo": LO, "ratio": RATIO, "bins": {str(i): int(counts[i]) for i in nz}}
+        out[kind] = pooled.hist.sparse()
     return out
 
 

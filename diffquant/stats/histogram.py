@@ -1,59 +1,69 @@
-"""Log-spaced histogram of |x| for quantiles with bounded relative error.
+"""Histogram of |x| over float32 bit patterns, for quantiles with bounded relative error.
 
-Bins grow by a ratio of 1.01 from 1e-8 to 1e8, so the geometric centre of a bin is within 0.5% of any
-value inside it. |x| below 1e-8 (zeros included) goes to an underflow bin reported as 0; values above
-1e8 to an overflow bin reported as the bin's lower edge.
+Bin i holds the float32 magnitudes whose upper 16 bits (sign cleared) equal i, i.e. [f(i), f(i + 1))
+with f(i) the float whose bit pattern is i << 16 (bfloat16 truncation). Every finite float32 has a bin,
+each bin is 2^-7 wide relative to its lower edge, so its midpoint lies within 0.4% of any value in it.
+Finding the bin is a shift and a mask of the bit pattern, not a logarithm; then one bincount.
+Bin 0 ([0, 9.2e-41): zeros and the smallest subnormals) is reported as 0.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-LO, HI, RATIO = 1e-8, 1e8, 1.01
-NBINS = math.ceil(math.log(HI / LO) / math.log(RATIO))
-_LOG_LO, _LOG_R = math.log(LO), math.log(RATIO)
-_SCALE, _SHIFT = 1 / _LOG_R, 1 - _LOG_LO / _LOG_R
+NBINS = 0x7F80  # bins of finite magnitudes; patterns from 0x7F80 up are inf and NaN
+_DROP = 0x7FFF  # a NaN pattern: where masked-out values are sent (never counted)
 
 
-def bin_index(a: torch.Tensor) -> torch.Tensor:
-    """Bin of each |x| (≥ 0): floor((log|x| − log LO) / log r) + 1, clamped into [0, NBINS + 1].
-    Below LO (zeros: log = −inf) lands in bin 0; after the clamp truncation equals floor."""
-    return (torch.log(a) * _SCALE + _SHIFT).clamp(0, NBINS + 1).long()
+def magnitude_bins(x: torch.Tensor) -> torch.Tensor:
+    """The bin of each |x| (x float32) as int32: the upper 16 bits of its bit pattern, sign cleared."""
+    return torch.bitwise_right_shift(x.view(torch.int32), 16).bitwise_and_(0x7FFF)
 
 
-class LogHistogram:
+def bin_edges(i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower and upper edges (float64) of bins i."""
+    i = torch.as_tensor(i, dtype=torch.int64)
+    lo = (i << 16).to(torch.int32).view(torch.float32).double()
+    hi = ((i + 1) << 16).to(torch.int32).view(torch.float32).double()
+    return lo, hi.clamp_max(torch.finfo(torch.float32).max)  # the last finite bin ends at float32 max
+
+
+def bin_value(i: torch.Tensor) -> torch.Tensor:
+    """The value reported for bins i: their midpoint, 0 for bin 0."""
+    lo, hi = bin_edges(i)
+    return torch.where(torch.as_tensor(i) == 0, 0.0, (lo + hi) / 2)
+
+
+class AbsHistogram:
+    """Counts of finite |x| by float32 magnitude bin (non-finite values are never counted)."""
+
     def __init__(self, device=None):
-        # bin 0: |x| < LO; bins 1..NBINS: [LO·r^(i-1), LO·r^i); bin NBINS+1: ≥ HI
-        self.counts = torch.zeros(NBINS + 2, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(NBINS, dtype=torch.int64, device=device)
 
-    def add(self, a: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Count |x| values `a` (float32, ≥ 0) where mask is True."""
-        idx = bin_index(a)
-        if mask is not None:
-            idx = torch.where(mask, idx, NBINS + 2)  # dropped below
-        self.add_index(idx)
+    def add(self, x: torch.Tensor, ok: torch.Tensor | None = None) -> None:
+        """Count |x| (x float32) where `ok` (broadcastable to x) is True; inf and NaN are skipped."""
+        bins = magnitude_bins(x)
+        if ok is not None:
+            bins = torch.where(ok, bins, _DROP)
+        self.counts += torch.bincount(bins.reshape(-1), minlength=_DROP + 1)[:NBINS]
 
-    def add_index(self, idx: torch.Tensor) -> None:
-        """Count precomputed bin indices (NBINS + 2 = not counted)."""
-        self.counts += torch.bincount(idx.reshape(-1), minlength=NBINS + 3)[: NBINS + 2]
-
-    def merge(self, other: "LogHistogram") -> "LogHistogram":
-        out = LogHistogram(self.counts.device)
+    def merge(self, other: "AbsHistogram") -> "AbsHistogram":
+        out = AbsHistogram(self.counts.device)
         out.counts = self.counts + other.counts.to(self.counts.device)
         return out
 
     def quantiles(self, qs: list[float]) -> list[float | None]:
-        counts = self.counts.cpu().double()
-        total = float(counts.sum())
+        """Quantiles of |x| with torch.quantile's rank convention (linear, 0-based), to within 0.4%."""
+        counts = self.counts.cpu()
+        cum = torch.cumsum(counts, 0)
+        total = int(cum[-1])
         if total == 0:
             return [None for _ in qs]
-        cum = torch.cumsum(counts, 0)
-        out = []
-        for q in qs:
-            rank = q * (total - 1)  # same convention as torch.quantile (linear, 0-based rank)
-            i = int(torch.searchsorted(cum, torch.tensor(rank, dtype=torch.float64), right=True))
-            i = min(i, NBINS + 1)
-            out.append(0.0 if i == 0 else LO * RATIO ** (i - 1) if i == NBINS + 1 else LO * RATIO ** (i - 0.5))
-        return out
+        ranks = torch.tensor([q * (total - 1) for q in qs], dtype=torch.float64)
+        idx = torch.searchsorted(cum.double(), ranks, right=True).clamp_max(NBINS - 1)
+        return bin_value(idx).tolist()
+
+    def sparse(self) -> dict:
+        """The non-empty bins, self-describing, for JSON (plots redraw densities from it)."""
+        nz = self.counts.nonzero().flatten()
+        return {"format": "float32-high16", "bins": dict(zip(map(str, nz.tolist()), self.counts[nz].tolist()))}

@@ -21,6 +21,20 @@ class Moments:
         self.n, self.mean, self.m2, self.m3, self.m4 = z(), z(), z(), z(), z()
 
     @staticmethod
+    def pool(n: torch.Tensor, s1: torch.Tensor, m2: torch.Tensor, m3: torch.Tensor, m4: torch.Tensor) -> "Moments":
+        """Moments of several batches at once, from each one's count, sum and central power sums (vectors):
+        each batch's sums are moved to the pooled mean (Σ(d + δ)^p expanded, Σd = 0), then added."""
+        m = Moments(n.device)
+        m.n = n.sum()
+        m.mean = s1.sum() / m.n.clamp_min(1)
+        delta = torch.where(n > 0, s1 / n.clamp_min(1) - m.mean, 0.0)
+        d2 = delta * delta
+        m.m2 = (m2 + n * d2).sum()
+        m.m3 = (m3 + 3 * delta * m2 + n * d2 * delta).sum()
+        m.m4 = (m4 + 4 * delta * m3 + 6 * d2 * m2 + n * d2 * d2).sum()
+        return m
+
+    @staticmethod
     def of(x: torch.Tensor, mask: torch.Tensor | None) -> "Moments":
         """Moments of one tensor (float32 differences, float64 sums)."""
         m = Moments(x.device)

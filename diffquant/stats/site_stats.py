@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from diffquant.stats.histogram import LogHistogram, bin_index
+from diffquant.stats.histogram import AbsHistogram
 from diffquant.stats.moments import Moments, sum64
 from diffquant.stats.topk import TopK
 
@@ -14,29 +14,55 @@ _POSITION_DIMS = ("pos", "q_pos")
 TOKEN_DIMS = ("batch", "pos", "channel")
 
 
-def _token_core(x: torch.Tensor):
-    """Every elementwise statistic of an unmasked [batch, pos, channel] activation in one function, so
-    torch.compile can fuse it into a few passes: sums for the moments, row maxima, histogram bins,
-    channel maxima and LLM.int8 hit counts."""
-    s1 = sum64(x)
-    d = x - (s1 / x.numel()).to(x.dtype)
-    d2 = d * d
+def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: int | None, pos_dim: int | None,
+            threshold: float | None):
+    """Every full-tensor pass of one update in one function, so torch.compile can fuse them: count, sum and
+    central power sums (float32 terms, float64 sums), row maxima of |x|, maxima along the channel and
+    position dims, LLM.int8 hit counts per channel. Values outside `valid` (broadcastable) are left out;
+    with `check`, non-finite values too (and counted)."""
+    nonfinite = torch.zeros((), dtype=torch.int64, device=x.device)
+    ok = valid
+    if check:
+        finite = torch.isfinite(x)
+        ok = finite if valid is None else finite & valid
+        nonfinite = (~ok).sum() if valid is None else (valid & ~finite).sum()
+    if ok is None:
+        n = torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)
+        s1 = sum64(x)
+    else:  # a broadcast mask repeats along its size-1 dims
+        n = (ok.sum() * (x.numel() // ok.numel())).double()
+        s1 = sum64(torch.where(ok, x, 0.0))
+    d = x - (s1 / n.clamp_min(1)).to(x.dtype)
     a = x.abs()
-    return (s1, sum64(d2), sum64(d2 * d), sum64(d2 * d2), a.amax(dim=-1), bin_index(a), a.amax(dim=(0, 1)),
-            (a >= 6.0).sum(dim=(0, 1)))
+    if ok is not None:
+        d, a = torch.where(ok, d, 0.0), torch.where(ok, a, -1.0)
+    d2 = d * d
+    rowmax = a.amax(dim=-1)
+    chan = pos = hits = None
+    if chan_dim is not None:
+        src = a if chan_dim == x.dim() - 1 else rowmax
+        other = tuple(i for i in range(src.dim()) if i != chan_dim)
+        chan = (src.amax(dim=other) if other else src).clamp_min(0)
+    if pos_dim is not None:
+        other = tuple(i for i in range(rowmax.dim()) if i != pos_dim)
+        pos = rowmax.amax(dim=other).clamp_min(0)
+    if threshold is not None:  # [batch, pos, channel] sites
+        hits = (a >= threshold).sum(dim=(0, 1))
+    return ok, n, s1, sum64(d2), sum64(d2 * d), sum64(d2 * d2), rowmax, chan, pos, hits, nonfinite
 
 
-_compiled_core = None
+_compiled_passes = None
+_FOLD_EVERY = 64  # updates whose sums wait in SiteStats._batches before they are folded in
 
 
-def _core(compiled: bool):
-    """The fused core (compiled once per process; falls back to eager where compilation fails)."""
-    global _compiled_core
+def _passes_fn(compiled: bool):
+    """The fused passes (compiled once per process and argument pattern)."""
+    global _compiled_passes
     if not compiled:
-        return _token_core
-    if _compiled_core is None:
-        _compiled_core = torch.compile(_token_core, dynamic=None)
-    return _compiled_core
+        return _passes
+    if _compiled_passes is None:
+        _compiled_passes = torch.compile(_passes, dynamic=None)
+    return _compiled_passes
 
 
 class SiteStats:
@@ -48,7 +74,7 @@ class SiteStats:
         self.dims, self.k, self.threshold, self.compile = dims, k, outlier_threshold, compile
         self.moments = Moments(device)
         self.topk = TopK(k, len(dims), device)
-        self.hist = LogHistogram(device)
+        self.hist = AbsHistogram(device)
         self.channel_absmax: torch.Tensor | None = None
         self.position_absmax: torch.Tensor | None = None
         # LLM.int8 outlier features: per channel, how many positions have |x| >= threshold
@@ -59,86 +85,60 @@ class SiteStats:
         self.passes = 0
         self.pass_kurt = torch.zeros(2, dtype=torch.float64, device=device)
         self.pass_inf = torch.zeros(2, dtype=torch.float64, device=device)
+        self._batches: list[torch.Tensor] = []  # per update: count, sum, central power sums, ∞-norm
 
     def update(self, x: torch.Tensor, valid: torch.Tensor | None = None, input_ids=None, row_offset: int = 0) -> None:
+        """Add one activation (values where `valid`, broadcastable to x, is True; non-finite ones counted
+        apart). Every value is trusted once their sum is finite; only then are they checked one by one."""
         x = x.detach()
         if x.dtype != torch.float32:
             x = x.float()
-        if valid is not None and valid.shape != x.shape:
-            valid = valid.expand_as(x)
-        if valid is None and self.dims == TOKEN_DIMS and self.threshold == 6.0 and self._update_tokens(x, input_ids,
-                                                                                                        row_offset):
-            return
-        if valid is None and bool(torch.isfinite(x.sum())):
-            mask, a = None, x.abs()  # fast path: every value counts (a finite sum means no inf/NaN)
-        else:
-            finite = torch.isfinite(x)
-            bad = ~finite if valid is None else valid & ~finite
-            self.nonfinite += bad.sum()
-            mask = finite if valid is None else valid & finite
-            a = torch.where(mask, x.abs(), -1.0)
-        m = Moments.of(x, mask)
-        self.moments = self.moments.merge(m)
-        rowmax = a.amax(dim=-1) if a.dim() >= 2 else None
-        self.topk.add(x, a, self.dims, input_ids, row_offset, rowmax)
-        self.hist.add(a, mask)
-        self._absmax_along(a, rowmax)
-        self._count_hits(a, mask)
-        self._pass(m, a if rowmax is None else rowmax)
+        out = self._passes(x, valid, check=False)
+        if not bool(torch.isfinite(out[2])):
+            out = self._passes(x, valid, check=True)  # inf or NaN among the values: leave them out
+        ok, n, s1, m2, m3, m4, rowmax, chan, pos, hits, nonfinite = out
+        self._batches.append(torch.stack([n, s1, m2, m3, m4, rowmax.max().double()]))
+        if len(self._batches) >= _FOLD_EVERY:
+            self._fold()
+        self.topk.add(x, ok, self.dims, input_ids, row_offset, rowmax)
+        self.hist.add(x, ok)
+        self.channel_absmax = _elementwise_max(self.channel_absmax, chan)
+        self.position_absmax = _elementwise_max(self.position_absmax, pos)
+        if hits is not None:
+            self.channel_hits = hits if self.channel_hits is None else self.channel_hits + hits
+            self.positions += x.shape[0] * x.shape[1] if ok is None else ok.any(dim=-1).sum()
+        self.nonfinite += nonfinite
 
-    def _update_tokens(self, x: torch.Tensor, input_ids, row_offset: int) -> bool:
-        """The fast path for unmasked token activations; False (nothing recorded) if x is not all finite."""
+    def _passes(self, x: torch.Tensor, valid: torch.Tensor | None, check: bool):
+        chan_dim = next((i for i, d in enumerate(self.dims) if d in _CHANNEL_DIMS), None)
+        pos_dim = next((i for i, d in enumerate(self.dims) if d in _POSITION_DIMS), None)
+        args = (x, valid, check, chan_dim, pos_dim, self.threshold if self.dims == TOKEN_DIMS else None)
         try:
-            s1, m2, m3, m4, rowmax, idx, chan, hits = _core(self.compile)(x)
+            return _passes_fn(self.compile)(*args)
         except Exception:  # noqa: BLE001 - no compiler or backend here: stay eager from now on
             if not self.compile:
                 raise
             self.compile = False
-            return self._update_tokens(x, input_ids, row_offset)
-        if not bool(torch.isfinite(s1)):
-            return False
-        m = Moments(x.device)
-        m.n = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
-        m.mean, m.m2, m.m3, m.m4 = s1 / m.n, m2, m3, m4
-        self.moments = self.moments.merge(m)
-        self.topk.add(x, None, self.dims, input_ids, row_offset, rowmax)
-        self.hist.add_index(idx)
-        self.channel_absmax = _elementwise_max(self.channel_absmax, chan)
-        self.position_absmax = _elementwise_max(self.position_absmax, rowmax.amax(dim=0))
-        self.channel_hits = hits if self.channel_hits is None else self.channel_hits + hits
-        self.positions += x.shape[0] * x.shape[1]
-        self._pass(m, rowmax)
-        return True
+            return _passes(*args)
 
-    def _absmax_along(self, a: torch.Tensor, rowmax: torch.Tensor | None) -> None:
-        for names, attr in ((_CHANNEL_DIMS, "channel_absmax"), (_POSITION_DIMS, "position_absmax")):
-            dim = next((i for i, d in enumerate(self.dims) if d in names), None)
-            if dim is None:
-                continue
-            src = a
-            if rowmax is not None and dim < a.dim() - 1:
-                src = rowmax  # reduce the (already reduced) last dim once, not again
-            other = [i for i in range(src.dim()) if i != dim]
-            cur = src.amax(dim=other) if other else src
-            setattr(self, attr, _elementwise_max(getattr(self, attr), cur.clamp_min(0)))
-
-    def _count_hits(self, a: torch.Tensor, mask: torch.Tensor) -> None:
-        """Per channel, positions with |x| >= threshold (only for [batch, pos, channel] sites)."""
-        if self.dims != ("batch", "pos", "channel"):
+    def _fold(self) -> None:
+        """Fold the pending per-update sums into the pooled moments and per-pass statistics, all at once
+        (a few vector ops instead of dozens of scalar ops per update)."""
+        if not self._batches:
             return
-        hits = (a >= self.threshold).sum(dim=(0, 1))
-        self.channel_hits = hits if self.channel_hits is None else self.channel_hits + hits
-        self.positions += a.shape[0] * a.shape[1] if mask is None else mask.any(dim=-1).sum()
-
-    def _pass(self, m: Moments, a: torch.Tensor) -> None:
-        var = m.m2 / m.n.clamp_min(1)
-        kurt = torch.where(var > 0, (m.m4 / m.n.clamp_min(1)) / var.clamp_min(1e-300) ** 2, 0.0)
-        inf = a.max().double().clamp_min(0)
-        self.passes += 1
-        self.pass_kurt = torch.stack([self.pass_kurt[0] + kurt, torch.maximum(self.pass_kurt[1], kurt)])
-        self.pass_inf = torch.stack([self.pass_inf[0] + inf, torch.maximum(self.pass_inf[1], inf)])
+        n, s1, m2, m3, m4, inf = torch.stack(self._batches).unbind(1)
+        self._batches = []
+        self.moments = self.moments.merge(Moments.pool(n, s1, m2, m3, m4))
+        var = m2 / n.clamp_min(1)
+        kurt = torch.where(var > 0, (m4 / n.clamp_min(1)) / var.clamp_min(1e-300) ** 2, 0.0)
+        inf = inf.clamp_min(0)
+        self.passes += len(n)
+        self.pass_kurt = torch.stack([self.pass_kurt[0] + kurt.sum(), torch.maximum(self.pass_kurt[1], kurt.max())])
+        self.pass_inf = torch.stack([self.pass_inf[0] + inf.sum(), torch.maximum(self.pass_inf[1], inf.max())])
 
     def merge(self, other: "SiteStats") -> "SiteStats":
+        self._fold()
+        other._fold()
         out = SiteStats(self.dims, self.k, self.nonfinite.device, self.threshold, self.compile)
         out.moments = self.moments.merge(other.moments)
         out.topk = self.topk.merge(other.topk)
@@ -166,6 +166,7 @@ class SiteStats:
 
     def summary(self, full: bool = True) -> dict:
         """Every number as plain Python, for JSON."""
+        self._fold()
         s = self.moments.summary()
         s["nonfinite"] = int(self.nonfinite)
         s["absmax"] = self.topk.rank(1)

@@ -18,26 +18,31 @@ class TopK:
         self.values = torch.empty(0, dtype=torch.float32, device=device)
         self.coords = torch.empty(0, ndim + 1, dtype=torch.int64, device=device)
 
-    def add(self, x: torch.Tensor, a: torch.Tensor, dims: tuple[str, ...], input_ids=None, row_offset: int = 0,
-            rowmax: torch.Tensor | None = None) -> None:
-        """Offer |x| values `a` (invalid entries set to -1; None: all valid, |x| taken here) of x, shaped by `dims`.
+    def add(self, x: torch.Tensor, ok: torch.Tensor | None, dims: tuple[str, ...], input_ids=None,
+            row_offset: int = 0, rowmax: torch.Tensor | None = None) -> None:
+        """Offer the values of x (shaped by `dims`) where `ok` (broadcastable) is True (None: all of them).
 
-        With `rowmax` (a.amax(-1)), only the k rows with the largest maxima are searched: every element
-        of the top k lies in one of them (a row outside them has k larger elements elsewhere)."""
+        With `rowmax` (|x| maxima along the last dim, -1 for rows without a valid value), only the k rows
+        with the largest maxima are searched: every element of the top k lies in one of them (a row
+        outside them has k larger elements elsewhere)."""
         k = min(self.k, x.numel())
         if k == 0:
             return
-        if rowmax is not None and rowmax.numel() > k:
+        if rowmax is not None and x.dim() >= 2 and rowmax.numel() > k:
             width = x.shape[-1]
             _, rows = torch.topk(rowmax.reshape(-1), k)
-            cand = x.reshape(-1, width)[rows].abs() if a is None else a.reshape(-1, width)[rows]
+            cand = x.reshape(-1, width)[rows].abs()
+            if ok is not None:  # index the (maybe broadcast) mask by row coordinates: no full-size copy
+                lead = torch.unravel_index(rows, x.shape[:-1])
+                cand = torch.where(ok.expand(x.shape)[lead], cand, -1.0)
             top, col = torch.topk(cand.reshape(-1), k)
             idx = rows[col // width] * width + col % width
         else:
-            top, idx = torch.topk((x.abs() if a is None else a).reshape(-1), k)
+            a = x.abs() if ok is None else torch.where(ok, x.abs(), -1.0)
+            top, idx = torch.topk(a.reshape(-1), k)
         keep = top >= 0
         top, idx = top[keep], idx[keep]
-        coords = torch.stack(torch.unravel_index(idx, x.shape), dim=1) if x.dim() else idx[:, None] * 0
+        coords = torch.stack(torch.unravel_index(idx, x.shape), dim=1) if x.dim() else idx.new_zeros(len(idx), 0)
         token = torch.full((len(idx), 1), -1, dtype=torch.int64, device=x.device)
         if "batch" in dims:
             b = dims.index("batch")

@@ -70,13 +70,20 @@ def tapped_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def _probabilities(module, taps, query, key, attention_mask, scaling, softcap):
-    logits = torch.matmul(query, key.transpose(2, 3)) * scaling
+    logits = torch.matmul(query, key.transpose(2, 3)).mul_(scaling)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     valid = valid_positions(attention_mask, query.shape[2], key.shape[2], query.device)
-    logits = run_taps(taps.get("attn_logits"), logits, valid)
-    probs = torch.softmax(logits.float().masked_fill(~valid, float("-inf")), dim=-1)
-    probs = probs.masked_fill(~valid.any(-1, keepdim=True), 0.0).to(query.dtype)  # fully masked rows (padding)
+    tapped = run_taps(taps.get("attn_logits"), logits, valid)
+    scores = tapped.float()
+    # mask in place when the tensor is ours (taps see it during their call only) and autograd allows it
+    ours = (tapped is logits or scores is not tapped) and not scores.requires_grad
+    scores = scores.masked_fill_(~valid, float("-inf")) if ours else scores.masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    empty = ~valid.any(-1, keepdim=True)
+    if bool(empty.any()):  # fully masked rows (padding): zeros, not NaN
+        probs = probs.masked_fill(empty, 0.0)
+    probs = probs.to(query.dtype)
     probs = run_taps(taps.get("attn_probs"), probs, valid)
     if "attn_map" in taps or "lambda" in taps:
         lam = diff_lambda(module)

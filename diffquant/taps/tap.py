@@ -4,6 +4,8 @@ A tap is a callable `tap(x, ctx) -> Tensor | None`. Returning a tensor replaces 
 (a transform, e.g. a fake quantizer); returning None leaves it (an observer). A tap with
 `transforms = True` on a weight site is installed as a `torch.nn.utils.parametrize` parametrization
 (reversible, differentiable); an observer on a weight site sees the weight once, at attach time.
+A tap sees an activation during its call only: the model may reuse the tensor afterwards (the tapped
+attention masks its logits in place), so an observer copies whatever it keeps.
 """
 
 from __future__ import annotations
