@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from diffquant.stats.histogram import AbsHistogram
+from diffquant.stats.histogram import AbsHistogram, magnitude_bins
 from diffquant.stats.moments import Moments, sum64
 from diffquant.stats.topk import TopK
 
@@ -27,16 +27,17 @@ def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: 
         ok = finite if valid is None else finite & valid
         nonfinite = (~ok).sum() if valid is None else (valid & ~finite).sum()
     if ok is None:
-        n = torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)
-        s1 = sum64(x)
-    else:  # a broadcast mask repeats along its size-1 dims
-        n = (ok.sum() * (x.numel() // ok.numel())).double()
-        s1 = sum64(torch.where(ok, x, 0.0))
-    d = x - (s1 / n.clamp_min(1)).to(x.dtype)
-    a = x.abs()
-    if ok is not None:
-        d, a = torch.where(ok, d, 0.0), torch.where(ok, a, -1.0)
+        left_out = torch.zeros((), dtype=torch.int64, device=x.device)
+        xz = x
+    else:  # left-out values become 0 (harmless in maxima; uncounted from histogram bin 0 by the caller)
+        left_out = x.numel() - ok.sum() * (x.numel() // ok.numel())  # a broadcast mask repeats
+        xz = torch.where(ok, x, 0.0)
+    n = (x.numel() - left_out).double()
+    s1 = sum64(xz)
+    mean = (s1 / n.clamp_min(1)).to(x.dtype)
+    d = x - mean if ok is None else torch.where(ok, x - mean, 0.0)  # left out: no deviation at all
     d2 = d * d
+    a = xz.abs()
     rowmax = a.amax(dim=-1)
     chan = pos = hits = None
     if chan_dim is not None:
@@ -48,7 +49,8 @@ def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: 
         pos = rowmax.amax(dim=other).clamp_min(0)
     if threshold is not None:  # [batch, pos, channel] sites
         hits = (a >= threshold).sum(dim=(0, 1))
-    return ok, n, s1, sum64(d2), sum64(d2 * d), sum64(d2 * d2), rowmax, chan, pos, hits, nonfinite
+    return (ok, magnitude_bins(xz), left_out, n, s1, sum64(d2), sum64(d2 * d), sum64(d2 * d2), rowmax, chan, pos,
+            hits, nonfinite)
 
 
 _compiled_passes = None
@@ -94,14 +96,14 @@ class SiteStats:
         if x.dtype != torch.float32:
             x = x.float()
         out = self._passes(x, valid, check=False)
-        if not bool(torch.isfinite(out[2])):
+        if not bool(torch.isfinite(out[4])):
             out = self._passes(x, valid, check=True)  # inf or NaN among the values: leave them out
-        ok, n, s1, m2, m3, m4, rowmax, chan, pos, hits, nonfinite = out
+        ok, bins, left_out, n, s1, m2, m3, m4, rowmax, chan, pos, hits, nonfinite = out
         self._batches.append(torch.stack([n, s1, m2, m3, m4, rowmax.max().double()]))
         if len(self._batches) >= _FOLD_EVERY:
             self._fold()
         self.topk.add(x, ok, self.dims, input_ids, row_offset, rowmax)
-        self.hist.add(x, ok)
+        self.hist.add_bins(bins, zeros_left_out=left_out)
         self.channel_absmax = _elementwise_max(self.channel_absmax, chan)
         self.position_absmax = _elementwise_max(self.position_absmax, pos)
         if hits is not None:
