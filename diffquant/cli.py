@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _terminate)
     parser = build_parser()
     args = parser.parse_args(argv)
+    from diffquant.allocator import keep_freed_memory
+
+    keep_freed_memory()  # faster CPU forwards; see diffquant/allocator.py
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -131,14 +131,30 @@ def _logit_ctx(valid):
     return TapContext(Site("layers.0.attn_logits", 0, POINTS["attn_logits"]), valid=valid)
 
 
-def test_logit_scale_from_valid_positions_only():
-    x = torch.randn(1, 2, 6, 6)
+@pytest.mark.parametrize("poison", [1e4, float("inf"), float("nan")])
+@pytest.mark.parametrize("symmetric,gran,axis", [(True, G.PerTensor(), None), (False, G.PerTensor(), None),
+                                                 (True, G.PerToken(), -1), (False, G.PerHead(), (0, 2, 3))])
+def test_logit_scale_from_valid_positions_only(poison, symmetric, gran, axis):
+    x = torch.randn(2, 3, 6, 6)
     valid = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
-    poisoned = x.masked_fill(~valid, 1e4)
-    y = FakeQuant(int_config(4))(poisoned, _logit_ctx(valid))
-    ref = np_sym(x.masked_fill(~valid, 0).numpy(), 4, None)
-    np.testing.assert_allclose(y[valid.expand_as(y)].numpy(), ref[valid.expand_as(y).numpy()], rtol=1e-5, atol=1e-6)
-    assert torch.equal(y[~valid.expand_as(y)], poisoned[~valid.expand_as(y)])  # masked stay as they were
+    poisoned = x.masked_fill(~valid, poison)
+    y = FakeQuant(QuantConfig(Format("int", 4, symmetric), gran))(poisoned, _logit_ctx(valid))
+    ref = (np_sym if symmetric else np_asym)(x.masked_fill(~valid, 0).numpy(), 4, axis)
+    v = valid.expand_as(y)
+    np.testing.assert_allclose(y[v].numpy(), ref[v.numpy()], rtol=1e-5, atol=1e-6)
+    assert torch.equal(y[~v], poisoned[~v]) or poison != poison and bool(y[~v].isnan().all())  # masked as they were
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_keep_masked_is_exact(dtype):
+    """The lerp fast path gives exactly torch.where's result; non-finite inputs take where itself."""
+    valid = torch.rand(1, 3, 40, 40) > 0.4
+    x = (torch.randn(2, 3, 40, 40) * torch.logspace(-6, 4, 40)).to(dtype)
+    y = (x * 1.37).round()
+    assert torch.equal(Q.keep_masked(y, x, valid), torch.where(valid, y, x))
+    x[0, 0, 0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    out, ref = Q.keep_masked(y, x, valid), torch.where(valid, y, x)
+    assert torch.equal(out.nan_to_num(), ref.nan_to_num()) and torch.equal(out.isnan(), ref.isnan())
 
 
 def test_per_head_granularity():

@@ -163,3 +163,32 @@ def test_sigterm_during_sweep_then_resume(corpus, tmp_path, micro_pair):
     assert subprocess.run([*args, "--resume"], capture_output=True).returncode == 0
     rows = json.loads((tmp_path / "s" / "results.json").read_text())["rows"]
     assert len(rows) == 21 and done <= 21
+
+
+RSS_CHILD = """
+import ctypes, sys
+from diffquant.allocator import keep_freed_memory
+applied = keep_freed_memory() if sys.argv[1] == "keep" else None
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20  # MiB
+size = 256 << 20
+p = libc.malloc(size)
+ctypes.memset(p, 1, size)
+held = rss()
+libc.free(p)
+print(applied, held - rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
+def test_keep_freed_memory_keeps_a_freed_block_resident():
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", RSS_CHILD, mode], capture_output=True, text=True, check=True)
+        applied, released = out.stdout.split()
+        return applied, int(released)
+
+    assert run("default")[1] >= 200  # glibc unmaps a freed 256 MiB block: RSS drops
+    applied, released = run("keep")
+    assert applied == "True" and released < 16  # kept for reuse by the next forward

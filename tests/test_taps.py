@@ -104,6 +104,25 @@ def test_masked_positions_never_valid(micro_pair):
     assert counts == [per_layer] * cfg.num_hidden_layers
 
 
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
+@pytest.mark.parametrize("ours", [True, False])
+def test_masked_scores_match_masked_fill(poison, ours):
+    """The additive-bias mask equals masked_fill, also with non-finite logits at masked positions; it
+    writes into the logits only when they are the attention's own tensor."""
+    logits = torch.randn(2, 3, 7, 7)
+    valid = torch.ones(7, 7, dtype=torch.bool).tril()[None, None]
+    if poison is not None:
+        logits[0, 0, 0, 5] = poison  # masked: it must not reach the softmax
+    ref = logits.masked_fill(~valid, float("-inf"))
+    tapped_logits = logits if ours else logits.clone()
+    before = tapped_logits.clone()
+    out = tapped_attention_module.masked_scores(tapped_logits, logits, valid)
+    assert torch.equal(out, ref) and bool(torch.softmax(out, -1).isfinite().all())
+    assert (out.data_ptr() == tapped_logits.data_ptr()) == ours
+    if not ours:
+        assert torch.equal(tapped_logits.nan_to_num(), before.nan_to_num())  # a tap's tensor is never written
+
+
 def test_fast_path_without_attention_taps(micro_pair, monkeypatch):
     model = micro_pair[0]
     calls = []

@@ -46,7 +46,7 @@ class FakeQuant:
                 raise DiffquantError(f"{ctx.site.name}: static quantizer used before calibration; run calibrate()")
             y = Q.fake_quantize(x, self.scale.to(x.device), self.zero.to(x.device), cfg.format, cfg.granularity)
         if ctx.valid is not None:
-            y = torch.where(ctx.valid, y, x)  # masked positions stay as they were (and stay masked)
+            y = Q.keep_masked(y, x, ctx.valid)  # masked positions stay as they were (and stay masked)
         if ctx.site.is_weight and not torch.is_grad_enabled():
             self._cache = (x.data_ptr(), x._version, y)
         return y

@@ -22,10 +22,17 @@ def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...]) -> tuple[
 
 def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | None, symmetric: bool):
     """(lo, hi) per scale group with keepdim; symmetric formats only need hi = max |x|."""
-    if symmetric and valid is None:
-        hi = _absmax(x, reduce)
+    # fast path: masked entries zeroed by a float multiply (bool masks are slow on CPU); the zeros they
+    # leave cannot move the range, which always contains 0. A non-finite value anywhere sends it below.
+    xm = x if valid is None else x * valid.to(x.dtype)
+    if symmetric:
+        hi = _absmax(xm, reduce)
         if bool(torch.isfinite(hi).all()):
             return -hi, hi
+    else:
+        lo, hi = _aminmax(xm, reduce)
+        if bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all()):
+            return lo.clamp_max(0), hi.clamp_min(0)
     ok = torch.isfinite(x) if valid is None else valid & torch.isfinite(x)
     if symmetric:
         hi = torch.where(ok, x.abs(), 0).amax(dim=reduce, keepdim=True)
@@ -39,13 +46,20 @@ def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | 
 
 def _absmax(x: torch.Tensor, reduce: tuple[int, ...]) -> torch.Tensor:
     """max |x| over `reduce` (keepdim) in one pass: aminmax is the fastest reduction where it applies."""
-    if len(reduce) == x.dim():
-        lo, hi = torch.aminmax(x)
-        return torch.maximum(-lo, hi).reshape([1] * x.dim())
-    if len(reduce) == 1:
-        lo, hi = torch.aminmax(x, dim=reduce[0], keepdim=True)
+    if len(reduce) == x.dim() or len(reduce) == 1:
+        lo, hi = _aminmax(x, reduce)
         return torch.maximum(-lo, hi)
     return torch.linalg.vector_norm(x, ord=float("inf"), dim=reduce, keepdim=True)
+
+
+def _aminmax(x: torch.Tensor, reduce: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) over `reduce` with keepdim; one pass where torch.aminmax applies (all dims or one)."""
+    if len(reduce) == x.dim():
+        lo, hi = torch.aminmax(x)
+        return lo.reshape([1] * x.dim()), hi.reshape([1] * x.dim())
+    if len(reduce) == 1:
+        return torch.aminmax(x, dim=reduce[0], keepdim=True)
+    return x.amin(dim=reduce, keepdim=True), x.amax(dim=reduce, keepdim=True)
 
 
 def qparams(lo: torch.Tensor, hi: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,9 +118,17 @@ def dynamic_fake_quantize(x: torch.Tensor, fmt: Format, gran: Granularity, dims:
     xd = x.detach() if x.dtype == torch.float32 else x.detach().float()
     xg, reduce = grouped(xd, gran, dims)
     vg = None
-    if valid is not None:
-        vg = valid.expand_as(x)
-        vg = grouped(vg, gran, dims)[0]
+    if valid is not None:  # kept broadcast where it can be: no full-size mask
+        vg = grouped(valid.expand_as(x) if isinstance(gran, PerGroup) else valid, gran, dims)[0]
     lo, hi = value_range(xg, reduce, vg, fmt.symmetric)
     scale, zero = qparams(lo, hi, fmt)
     return fake_quantize(x, scale, zero, fmt, gran)
+
+
+def keep_masked(y: torch.Tensor, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """y where valid, x elsewhere. For finite values lerp with a 0/1 weight is exact (torch computes
+    `end - diff * (1 - w)` for w >= 0.5) and one float pass; a broadcast boolean `where` is slower on CPU."""
+    if bool(torch.isfinite(x.sum(dtype=torch.float32))) and bool(torch.isfinite(y.sum(dtype=torch.float32))):
+        return torch.lerp(x, y, valid.to(y.dtype))
+    return torch.where(valid, y, x)
+

@@ -75,11 +75,7 @@ def _probabilities(module, taps, query, key, attention_mask, scaling, softcap):
         logits = torch.tanh(logits / softcap) * softcap
     valid = valid_positions(attention_mask, query.shape[2], key.shape[2], query.device)
     tapped = run_taps(taps.get("attn_logits"), logits, valid)
-    scores = tapped.float()
-    # mask in place when the tensor is ours (taps see it during their call only) and autograd allows it
-    ours = (tapped is logits or scores is not tapped) and not scores.requires_grad
-    scores = scores.masked_fill_(~valid, float("-inf")) if ours else scores.masked_fill(~valid, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(masked_scores(tapped, logits, valid), dim=-1)
     empty = ~valid.any(-1, keepdim=True)
     if bool(empty.any()):  # fully masked rows (padding): zeros, not NaN
         probs = probs.masked_fill(empty, 0.0)
@@ -92,6 +88,19 @@ def _probabilities(module, taps, query, key, attention_mask, scaling, softcap):
             half = probs.shape[1] // 2
             run_taps(taps["attn_map"], probs[:, :half] - lam.to(probs.dtype) * probs[:, half:], valid)
     return probs
+
+
+def masked_scores(tapped: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """fp32 logits with -inf where a query may not attend. Finite logits take an additive 0/-inf bias,
+    as transformers' eager attention does (a broadcast boolean masked_fill is several times slower on
+    CPU); non-finite ones take masked_fill, since inf + -inf would be NaN. Works in place when the
+    tensor is ours (taps see it during their call only) and autograd allows it."""
+    scores = tapped.float()
+    ours = (tapped is logits or scores is not tapped) and not scores.requires_grad
+    if bool(torch.isfinite(scores.sum())):
+        bias = torch.zeros(valid.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~valid, float("-inf"))
+        return scores.add_(bias) if ours else scores + bias
+    return scores.masked_fill_(~valid, float("-inf")) if ours else scores.masked_fill(~valid, float("-inf"))
 
 
 def run_taps(entries, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
