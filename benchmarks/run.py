@@ -1,25 +1,32 @@
 """diffquant benchmarks: ratios measured within one run (never timed unit tests), printed and saved as JSON.
 
-    python benchmarks/run.py [--quick] [--out benchmarks/results-cpu.json]
+    python benchmarks/run.py [--quick] [--out FILE]
 
-Each figure is the median of several repeats after a warm-up. Targets (issue 8) are printed beside them.
+The cases compared in one ratio are timed in alternation, round after round, and each figure is the
+median over rounds: a noisy shared machine then slows all of them alike. On CUDA the same ratios run on
+the `small` preset, with absolute tokens/s and GPU peak memory (results-cuda.json); on CPU on `tiny`
+(results-cpu.json). Targets (issue 8) are printed beside the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Callable, ContextManager
 
 import torch
 
+from diffquant.allocator import keep_freed_memory
 from diffquant.models.presets import PRESETS, build_pair
-from diffquant.profile import StatsObserver
+from diffquant.profile import StatsObserver, profile_model
 from diffquant.quant import granularity as G
 from diffquant.quant import math as Q
 from diffquant.quant.formats import Format
@@ -28,113 +35,158 @@ from diffquant.taps import tapped
 LINEAR_INPUT_SITES = ["*.attn_in", "*.attn_out", "*.mlp_in", "*.down_in", "final_norm"]
 
 
-def sync(device):
+def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def timeit(fn, device, repeats=5, warmup=1) -> float:
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+Case = tuple[Callable[[], ContextManager], Callable[[], object]]  # (context to time inside, what to time)
 
 
-def bench_profiler(model, ids, device) -> dict:
-    model.set_attn_implementation("sdpa")
-    fwd = lambda: model(ids, use_cache=False)  # noqa: E731
+def interleaved(cases: dict[str, Case], device, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds of each case, the cases alternating within every round. Also returns each case's
+    first call (warm-up: compilation, allocator growth), which is not in the median."""
+    first, times = {}, {name: [] for name in cases}
+    for r in range(rounds + 1):
+        for name, (context, fn) in cases.items():
+            with context():
+                sync(device)
+                t = time.perf_counter()
+                fn()
+                sync(device)
+                elapsed = time.perf_counter() - t
+            if r:
+                times[name].append(elapsed)
+            else:
+                first[name] = elapsed
+    return {name: statistics.median(v) for name, v in times.items()}, first
+
+
+def attention(model, impl: str) -> ContextManager:
+    @contextlib.contextmanager
+    def switched():
+        model.set_attn_implementation(impl)
+        try:
+            yield
+        finally:
+            model.set_attn_implementation("sdpa")
+    return switched()
+
+
+def bench_profiler(model, ids, device, rounds: int) -> dict:
+    """Observers on every hidden state and Linear input, and on attention logits, vs the same forward."""
+    token_sites = ["*.hidden", *LINEAR_INPUT_SITES]
+    contexts = {
+        "plain": contextlib.nullcontext,
+        "no_op_taps": lambda: tapped(model, {p: (lambda x, ctx: None) for p in token_sites}),
+        "token_stats": lambda: tapped(model, {p: StatsObserver() for p in token_sites}),
+        "token_stats_compiled": lambda: tapped(model, {p: StatsObserver(compile=True) for p in token_sites}),
+        "eager_attention": lambda: attention(model, "eager"),
+        "logit_stats": lambda: tapped(model, {"*.attn_logits": StatsObserver()}),
+        "logit_stats_compiled": lambda: tapped(model, {"*.attn_logits": StatsObserver(compile=True)}),
+    }
+    forward = lambda: model(ids, use_cache=False)  # noqa: E731
     with torch.inference_mode():
-        plain = timeit(fwd, device)
-        with tapped(model, {p: StatsObserver() for p in ["*.hidden", *LINEAR_INPUT_SITES]}):
-            module_taps = timeit(fwd, device)
-        with tapped(model, {p: StatsObserver(compile=True) for p in ["*.hidden", *LINEAR_INPUT_SITES]}):
-            t0 = time.perf_counter()
-            fwd()  # compiles once per activation shape
-            compile_s = time.perf_counter() - t0
-            compiled_taps = timeit(fwd, device)
-        model.set_attn_implementation("eager")
-        eager = timeit(fwd, device)
-        model.set_attn_implementation("sdpa")
-        with tapped(model, {"*.attn_logits": StatsObserver()}):
-            logits_taps = timeit(fwd, device)
-    return {"forward_s": plain, "hidden_and_linear_inputs_ratio": module_taps / plain,
-            "hidden_and_linear_inputs_ratio_compiled": compiled_taps / plain, "compile_s": compile_s, "target_1": 1.15,
-            "eager_s": eager, "attn_logits_vs_eager_ratio": logits_taps / eager, "target_2": 1.5}
+        t, first = interleaved({name: (c, forward) for name, c in contexts.items()}, device, rounds)
+    plain, eager = t["plain"], t["eager_attention"]
+    return {
+        "tokens": ids.numel(), "forward_s": plain, "tokens_per_s": ids.numel() / plain,
+        "profiled_tokens_per_s": ids.numel() / t["token_stats_compiled"],
+        "hidden_and_linear_inputs_ratio": t["token_stats"] / plain,
+        "hidden_and_linear_inputs_ratio_compiled": t["token_stats_compiled"] / plain,
+        "no_op_taps_ratio": t["no_op_taps"] / plain,
+        "compile_s": first["token_stats_compiled"] - t["token_stats_compiled"], "target_1": 1.15,
+        "eager_attention_vs_sdpa": eager / plain,
+        "attn_logits_vs_eager_ratio": t["logit_stats"] / eager,
+        "attn_logits_vs_eager_ratio_compiled": t["logit_stats_compiled"] / eager, "target_2": 1.5,
+    }
 
 
-def bench_fake_quant(device, mb: int = 64) -> dict:
+def bench_fake_quant(device, mb: int, rounds: int) -> dict:
     x = torch.randn(mb * 1024 * 1024 // 4 // 4096, 4096, device=device)
-    dims = ("pos", "channel")
-    fmt = Format("int", 8)
-    clone = timeit(lambda: x.clone(), device)
-    out = {"tensor_mb": mb, "clone_s": clone, "clone_GBps": 2 * x.numel() * 4 / clone / 1e9}
-    for name, gran, target in (("per_tensor", G.PerTensor(), 3), ("per_token", G.PerToken(), 4),
-                               ("per_group128", G.PerGroup(128), 4)):
-        t = timeit(lambda: Q.dynamic_fake_quantize(x, fmt, gran, dims), device)
-        out[name] = {"s": t, "ratio_vs_clone": t / clone, "target": target, "GBps": 2 * x.numel() * 4 / t / 1e9}
+    dims, fmt = ("pos", "channel"), Format("int", 8)
+    grans = {"per_tensor": (G.PerTensor(), 3), "per_token": (G.PerToken(), 4), "per_group128": (G.PerGroup(128), 4)}
+    fns = {"clone": x.clone}
+    for name, (g, _) in grans.items():
+        fns[name] = lambda g=g: Q.dynamic_fake_quantize(x, fmt, g, dims)
+        fns[name + "_compiled"] = lambda g=g: Q.dynamic_fake_quantize(x, fmt, g, dims, compiled=True)
+    t, _ = interleaved({name: (contextlib.nullcontext, fn) for name, fn in fns.items()}, device, rounds)
+    gbps = lambda s: 2 * x.numel() * 4 / s / 1e9  # noqa: E731  (one read, one write)
+    out = {"tensor_mb": mb, "clone_s": t["clone"], "clone_GBps": gbps(t["clone"])}
+    for name, (_, target) in grans.items():
+        for variant in (name, name + "_compiled"):
+            out[variant] = {"s": t[variant], "ratio_vs_clone": t[variant] / t["clone"], "target": target,
+                            "GBps": gbps(t[variant])}
     return out
 
 
-def bench_diff_vs_baseline(spec_name: str, device, batch: int, seq: int, rounds: int = 5) -> dict:
-    """Tokens/s of the matched pair with SDPA; the two models are timed in alternation, so machine noise
-    hits both alike, and each figure is the median over rounds."""
-    pair = dict(zip(("baseline", "diff"), build_pair(PRESETS[spec_name])))
-    ids = torch.randint(0, PRESETS[spec_name].vocab, (batch, seq), device=device)
-    steps = {}
-    for label, model in pair.items():
-        model.to(device).set_attn_implementation("sdpa")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def bench_diff_vs_baseline(preset: str, device, batch: int, seq: int, rounds: int) -> dict:
+    """Training and inference tokens/s of the matched pair with SDPA (and flash-attn on CUDA if installed)."""
+    import importlib.util
 
-        def step(model=model, opt=opt):
+    impls = ["sdpa"] + (["flash_attention_2"] if device.type == "cuda" and importlib.util.find_spec("flash_attn")
+                        else [])
+    pair = dict(zip(("baseline", "diff"), (m.to(device) for m in build_pair(PRESETS[preset]))))
+    ids = torch.randint(0, PRESETS[preset].vocab, (batch, seq), device=device)
+    out = {"tokens": ids.numel(), "autocast": "bfloat16" if device.type == "cuda" else None}
+    opts = {label: torch.optim.AdamW(m.parameters(), lr=1e-5) for label, m in pair.items()}
+
+    def infer(model):
+        with torch.inference_mode(), autocast():
+            model(ids, use_cache=False)
+
+    def train(model, opt):
+        with autocast():
             loss = model(ids, labels=ids, use_cache=False).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-        def infer(model=model):
-            with torch.inference_mode():
-                model(ids, use_cache=False)
+    def autocast():
+        return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
-        steps[label] = (infer, step)
-    times = {label: {"inference": [], "training": []} for label in pair}
-    for _ in range(rounds):
-        for label, (infer, step) in steps.items():
-            times[label]["inference"].append(timeit(infer, device, repeats=1))
-            times[label]["training"].append(timeit(step, device, repeats=1))
-    out = {label: {f"{k}_tok_s": ids.numel() / statistics.median(v) for k, v in t.items()} for label, t in times.items()}
-    out["inference_ratio"] = out["diff"]["inference_tok_s"] / out["baseline"]["inference_tok_s"]
-    out["training_ratio"] = out["diff"]["training_tok_s"] / out["baseline"]["training_tok_s"]
-    out["target"] = 0.85
+    for impl in impls:
+        for model in pair.values():
+            model.set_attn_implementation(impl)
+        cases = {}
+        for label, model in pair.items():
+            cases[f"{label}_inference"] = (contextlib.nullcontext, lambda model=model: infer(model))
+            cases[f"{label}_training"] = (contextlib.nullcontext, lambda label=label: train(pair[label], opts[label]))
+        t, _ = interleaved(cases, device, rounds)
+        r = {f"{label}_{mode}_tok_s": ids.numel() / t[f"{label}_{mode}"] for label in pair
+             for mode in ("inference", "training")}
+        r["inference_ratio"] = r["diff_inference_tok_s"] / r["baseline_inference_tok_s"]
+        r["training_ratio"] = r["diff_training_tok_s"] / r["baseline_training_tok_s"]
+        r["target"] = 0.85
+        out[impl] = r
     return out
 
 
-def bench_sweep(model, seqs, device) -> dict:
+def bench_sweep(model, seqs, device, rounds: int) -> dict:
+    """A four-bit-width logit sweep through `sweep.run_cells` (what `diffquant sweep` runs) vs four
+    plain evaluations of the same sequences."""
     from diffquant.evaluate import language_modeling
-    from diffquant.quant.scheme import get_scheme, quantize_
+    from diffquant.sweep import Evaluator, build_cells, run_cells
 
-    plain = timeit(lambda: language_modeling(model, seqs), device, repeats=3)
+    cells = build_cells(["m"], ["attn_logits"], [16, 8, 6, 4], ["tensor"], None, None, {})
+    evaluator = Evaluator(["ppl"], seqs, None, "", {})
 
-    def sweep():
-        for b in (16, 8, 6, 4):
-            if b == 16:
-                language_modeling(model, seqs)
-                continue
-            handle = quantize_(model, get_scheme(f"logits-int{b}"))
-            language_modeling(model, seqs)
-            handle.remove()
+    def sweep(compile: bool):
+        with tempfile.TemporaryDirectory() as out:
+            run_cells({"m": (model, None)}, cells, {"m": evaluator}, Path(out), progress=False, compile=compile)
 
-    t = timeit(sweep, device, repeats=2)
-    return {"plain_eval_s": plain, "four_bit_sweep_s": t, "ratio_vs_four_plain": t / (4 * plain), "target": 1.1}
+    runs = {"four_plain": lambda: [language_modeling(model, seqs) for _ in range(4)],
+            "sweep": lambda: sweep(False), "sweep_compiled": lambda: sweep(True)}
+    t, _ = interleaved({name: (contextlib.nullcontext, fn) for name, fn in runs.items()}, device, rounds)
+    return {"plain_eval_s": t["four_plain"] / 4, "four_bit_sweep_s": t["sweep"],
+            "ratio_vs_four_plain": t["sweep"] / t["four_plain"],
+            "ratio_vs_four_plain_compiled": t["sweep_compiled"] / t["four_plain"], "target": 1.1}
 
 
 MEMORY_CHILD = """
 import sys, torch
+from diffquant.allocator import keep_freed_memory
+keep_freed_memory()
 from diffquant.models.presets import PRESETS, build_pair
 from diffquant.profile import profile_model
 mode, n = sys.argv[1], int(sys.argv[2])
@@ -154,7 +206,8 @@ print([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()
 """
 
 
-def bench_memory(n_small: int) -> dict:
+def bench_memory_cpu(n_small: int) -> dict:
+    """Peak resident memory of a fresh process profiling n vs 10n sequences, streaming vs naive."""
     def peak(mode, n):
         out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, mode, str(n)], capture_output=True, text=True,
                              check=True).stdout
@@ -163,34 +216,67 @@ def bench_memory(n_small: int) -> dict:
     s1, s10 = peak("stream", n_small), peak("stream", 10 * n_small)
     n1, n10 = peak("naive", n_small), peak("naive", 10 * n_small)
     return {"tokens": [n_small * 128, 10 * n_small * 128], "stream_peak_mib": [s1, s10],
-            "stream_increase": s10 / s1 - 1, "target": 0.05, "naive_peak_mib": [n1, n10], "naive_increase": n10 / n1 - 1}
+            "stream_increase": s10 / s1 - 1, "target": 0.05, "naive_peak_mib": [n1, n10],
+            "naive_increase": n10 / n1 - 1}
+
+
+def bench_memory_cuda(model, preset: str, n_small: int, seq: int, device) -> dict:
+    """Peak GPU memory of profiling n vs 10n sequences (in process: CUDA peak statistics reset)."""
+    def peak(n):
+        ids = torch.randint(0, PRESETS[preset].vocab, (n, seq))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        t = time.perf_counter()
+        profile_model(model, ids, ["*.hidden", "*.attn_logits"], batch_size=8, progress=False)
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) / 2**20, n * seq / (time.perf_counter() - t)
+
+    (s1, _), (s10, tok_s) = peak(n_small), peak(10 * n_small)
+    return {"tokens": [n_small * seq, 10 * n_small * seq], "stream_peak_mib": [s1, s10],
+            "stream_increase": s10 / s1 - 1, "target": 0.05, "profile_tokens_per_s": tok_s}
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=None)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="micro preset, few rounds (a smoke test)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results-<device>.json)")
     a = p.parse_args(argv)
+    keep_freed_memory()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    preset = "micro" if a.quick else "tiny"
+    if a.quick:
+        preset, batch, seq, rounds = "micro", 4, 64, 2
+    elif device.type == "cuda":
+        preset, batch, seq, rounds = "small", 16, 512, 9
+    else:
+        preset, batch, seq, rounds = "tiny", 8, 256, 7
+    torch.manual_seed(0)
     model = build_pair(PRESETS[preset])[0].to(device).eval()
-    ids = torch.randint(0, PRESETS[preset].vocab, (4 if a.quick else 8, 128 if a.quick else 256), device=device)
+    ids = torch.randint(0, PRESETS[preset].vocab, (batch, seq), device=device)
     results = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
-               "threads": torch.get_num_threads(), "torch": torch.__version__, "preset": preset}
-    print(f"device {results['device']}, preset {preset}")
-    results["profiler"] = bench_profiler(model, ids, device)
-    print("profiler overhead", json.dumps(results["profiler"], indent=1))
-    results["fake_quant"] = bench_fake_quant(device, 8 if a.quick else 64)
-    print("fake quant", json.dumps(results["fake_quant"], indent=1))
-    results["diff_vs_baseline"] = bench_diff_vs_baseline(preset, device, 4 if a.quick else 8, 128 if a.quick else 256)
-    print("DIFF vs baseline", json.dumps(results["diff_vs_baseline"], indent=1))
-    results["sweep"] = bench_sweep(model, ids.cpu(), device)
-    print("sweep", json.dumps(results["sweep"], indent=1))
-    if device.type == "cpu":
-        results["memory"] = bench_memory(4 if a.quick else 16)
-        print("memory", json.dumps(results["memory"], indent=1))
+               "threads": torch.get_num_threads(), "torch": torch.__version__, "preset": preset,
+               "batch": [batch, seq], "rounds": rounds}
+    print(f"device {results['device']}, preset {preset}, batch {batch}x{seq}, {rounds} rounds")
+    sections = {
+        "profiler": lambda: bench_profiler(model, ids, device, rounds),
+        "fake_quant": lambda: bench_fake_quant(device, 8 if a.quick else 64, rounds),
+        "diff_vs_baseline": lambda: bench_diff_vs_baseline(preset, device, batch, seq, rounds),
+        "sweep": lambda: bench_sweep(model, ids.cpu()[: max(2, batch // 2)].repeat(2, 1), device, max(2, rounds // 2)),
+        "memory": (lambda: bench_memory_cuda(model, preset, 4 if a.quick else 16, seq, device)) if device.type == "cuda"
+        else (lambda: bench_memory_cpu(4 if a.quick else 16)),
+    }
+    if not a.quick and device.type == "cpu":
+        small = build_pair(PRESETS["small"])[0].eval()
+        small_ids = torch.randint(0, PRESETS["small"].vocab, (4, 512))
+        sections["profiler_small"] = lambda: bench_profiler(small, small_ids, device, 5)
+    for name, bench in sections.items():
+        t = time.perf_counter()
+        results[name] = bench()
+        results[name]["bench_s"] = time.perf_counter() - t
+        print(name, json.dumps(results[name], indent=1), flush=True)
     out = Path(a.out or f"benchmarks/results-{device.type}.json")
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    from diffquant.paths import atomic_write_json
+
+    atomic_write_json(out, results)
     print(f"wrote {out}")
 
 

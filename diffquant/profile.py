@@ -68,7 +68,7 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     """Run `sequences` ([n, seq_len] token ids) through `model` with observers on `sites`.
 
     `compile=True` fuses the statistics of token sites with torch.compile: several times faster once
-    compiled (a one-off ~20 s per activation shape on CPU), worth it for long runs."""
+    compiled (a one-off 3–20 s per activation shape on CPU), worth it for long runs."""
     from tqdm.auto import tqdm
 
     if sequences.numel() == 0:

@@ -139,8 +139,9 @@ def write_results(out: Path, rows: list[dict]) -> None:
 
 
 def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str, Evaluator], out: Path,
-              progress: bool = True) -> list[dict]:
-    """Evaluate every cell not yet in out/cells.jsonl; returns all rows (old and new) in cell order."""
+              progress: bool = True, compile: bool = False) -> list[dict]:
+    """Evaluate every cell not yet in out/cells.jsonl; returns all rows (old and new) in cell order.
+    `compile` fuses the fake quantizers (see `quantize_`)."""
     from tqdm.auto import tqdm
 
     from diffquant.quant.scheme import quantize_
@@ -157,7 +158,7 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
         if scheme.is_identity and cell.model in fp_cache:
             metrics = fp_cache[cell.model]
         else:
-            attachment = quantize_(model, scheme)
+            attachment = quantize_(model, scheme, compile)
             try:
                 metrics = evaluators[cell.model](model)
             finally:
@@ -192,7 +193,8 @@ def run_cli(args) -> None:
     if args.tokens <= 0:
         raise DiffquantError(f"--tokens must be positive, got {args.tokens}")
     out = Path(args.out)
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "resume", "force", "no_plots", "debug")}
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("func", "resume", "force", "no_plots", "debug", "compile")}
     if (out / "cells.jsonl").exists():
         if args.force:
             for name in ("cells.jsonl", "results.json", "results.csv"):
@@ -214,7 +216,7 @@ def run_cli(args) -> None:
                                       val, mc)
     layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
     cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers)
-    rows = run_cells(models, cells, evaluators, out)
+    rows = run_cells(models, cells, evaluators, out, compile=args.compile)
     if not args.no_plots:
         from diffquant.report.sweep_plots import plot_sweep
 

@@ -294,3 +294,37 @@ def test_static_scheme_needs_calibration(micro_pair):
             model(ids)
     finally:
         a.remove()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("gran", [G.PerTensor(), G.PerToken(), G.PerGroup(16)])
+def test_compiled_fake_quant_is_bit_identical(symmetric, gran):
+    """The fused (torch.compile) round trip gives exactly the eager quantize/dequantize result."""
+    x = torch.randn(3, 10, 64) * torch.logspace(-3, 2, 64)
+    fmt = Format("int", 4, symmetric)
+    eager = Q.dynamic_fake_quantize(x, fmt, gran, HIDDEN)
+    fused = Q.dynamic_fake_quantize(x, fmt, gran, HIDDEN, compiled=True)
+    assert not Q._COMPILED_ROUNDTRIP.failed  # it really compiled here
+    assert torch.equal(eager, fused)
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch):
+    from diffquant.compiled import CompiledOrEager
+
+    def broken(fn, **kw):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    fallback = CompiledOrEager(Q._int_roundtrip)
+    x, scale, zero = torch.randn(5, 8), torch.tensor(0.1), torch.tensor(0.0)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        y = fallback(x, scale, zero, -7.0, 7.0)
+    assert fallback.failed and torch.equal(y, Q.fake_quantize(x, scale, zero, Format("int", 4)))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # eager from then on, without a second warning
+        assert torch.equal(fallback(x, scale, zero, -7.0, 7.0), y)

@@ -114,3 +114,21 @@ def test_lm_eval_adapter_agrees_with_own_scoring(tmp_path, micro_pair):
         ours = multiple_choice(model, tok, examples)
         handle.remove()
         assert res["acc"] == pytest.approx(ours["acc"]) and res["acc_norm"] == pytest.approx(ours["acc_norm"])
+
+
+@pytest.mark.slow
+def test_compiled_sweep_equals_eager(tmp_path, micro_pair):
+    """`sweep --compile` (fused fake quantizers) gives the same metrics as the eager sweep."""
+    from diffquant.sweep import Evaluator, run_cells
+
+    model = micro_pair[1]
+    seqs = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
+    cells = build_cells(["D"], ["attn_logits", "hidden"], [8, 4], ["tensor"], None, None, {})
+    runs = []
+    for compile in (False, True):
+        out = tmp_path / f"compile-{compile}"
+        out.mkdir()
+        evaluator = Evaluator(["ppl"], seqs, None, "", {})
+        runs.append(run_cells({"D": (model, None)}, cells, {"D": evaluator}, out, progress=False, compile=compile))
+    assert len({r["loss"] for r in runs[0]}) == 4  # each cell really quantized something
+    assert [r["loss"] for r in runs[0]] == [r["loss"] for r in runs[1]]

@@ -16,8 +16,8 @@ class FakeQuant:
 
     transforms = True
 
-    def __init__(self, config: QuantConfig):
-        self.config = config
+    def __init__(self, config: QuantConfig, compile: bool = False):
+        self.config, self.compile = config, compile  # compile: fused integer round trip (see Q.fake_quantize)
         self.calibrating = False
         self.scale: torch.Tensor | None = None  # static scale, after calibration
         self.zero: torch.Tensor | None = None
@@ -40,11 +40,12 @@ class FakeQuant:
             if self._cache is not None and self._cache[:2] == key:
                 return self._cache[2]
         if cfg.dynamic:
-            y = Q.dynamic_fake_quantize(x, cfg.format, cfg.granularity, ctx.site.dims, ctx.valid)
+            y = Q.dynamic_fake_quantize(x, cfg.format, cfg.granularity, ctx.site.dims, ctx.valid, self.compile)
         else:
             if self.scale is None:
                 raise DiffquantError(f"{ctx.site.name}: static quantizer used before calibration; run calibrate()")
-            y = Q.fake_quantize(x, self.scale.to(x.device), self.zero.to(x.device), cfg.format, cfg.granularity)
+            y = Q.fake_quantize(x, self.scale.to(x.device), self.zero.to(x.device), cfg.format, cfg.granularity,
+                                self.compile)
         if ctx.valid is not None:
             y = Q.keep_masked(y, x, ctx.valid)  # masked positions stay as they were (and stay masked)
         if ctx.site.is_weight and not torch.is_grad_enabled():

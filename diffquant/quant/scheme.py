@@ -129,8 +129,10 @@ def get_scheme(name_or_path: str) -> QuantScheme:
     raise DiffquantError(f"unknown scheme {name_or_path!r}; choose one of: {', '.join(PRESETS)}, or a .json/.yaml file")
 
 
-def quantize_(model, scheme: QuantScheme):
+def quantize_(model, scheme: QuantScheme, compile: bool = False):
     """Attach the scheme's fake quantizers to `model` in place; returns the Attachment (`.remove()` undoes it).
+    `compile=True` fuses each integer quantize-dequantize into one pass with torch.compile (a one-off
+    compile of a few seconds per shape and bit-width; falls back to eager where it cannot compile).
 
     The attachment's `quantizers` maps site name → FakeQuant (for calibration and saving scales).
     """
@@ -140,7 +142,7 @@ def quantize_(model, scheme: QuantScheme):
     table = site_table(model)
     for pattern, config in (*scheme.activations, *scheme.weights):
         for site in table.match(pattern):
-            q = FakeQuant(config)
+            q = FakeQuant(config, compile)
             taps[site.name] = q
             quantizers[site.name] = q
     attachment = attach(model, taps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from diffquant.compiled import CompiledOrEager
 from diffquant.stats.histogram import AbsHistogram, magnitude_bins
 from diffquant.stats.moments import Moments, sum64
 from diffquant.stats.topk import TopK
@@ -53,18 +54,10 @@ def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: 
             hits, nonfinite)
 
 
-_compiled_passes = None
 _FOLD_EVERY = 64  # updates whose sums wait in SiteStats._batches before they are folded in
 
 
-def _passes_fn(compiled: bool):
-    """The fused passes (compiled once per process and argument pattern)."""
-    global _compiled_passes
-    if not compiled:
-        return _passes
-    if _compiled_passes is None:
-        _compiled_passes = torch.compile(_passes, dynamic=None)
-    return _compiled_passes
+_COMPILED_PASSES = CompiledOrEager(_passes)  # shared by all sites: one compile per argument pattern
 
 
 class SiteStats:
@@ -115,13 +108,7 @@ class SiteStats:
         chan_dim = next((i for i, d in enumerate(self.dims) if d in _CHANNEL_DIMS), None)
         pos_dim = next((i for i, d in enumerate(self.dims) if d in _POSITION_DIMS), None)
         args = (x, valid, check, chan_dim, pos_dim, self.threshold if self.dims == TOKEN_DIMS else None)
-        try:
-            return _passes_fn(self.compile)(*args)
-        except Exception:  # noqa: BLE001 - no compiler or backend here: stay eager from now on
-            if not self.compile:
-                raise
-            self.compile = False
-            return _passes(*args)
+        return (_COMPILED_PASSES if self.compile else _passes)(*args)
 
     def _fold(self) -> None:
         """Fold the pending per-update sums into the pooled moments and per-pass statistics, all at once
