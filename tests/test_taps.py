@@ -236,3 +236,26 @@ def test_diff_map_and_lambda(micro_pair):
     h = p.shape[1] // 2
     torch.testing.assert_close(got["layers.1.attn_map"], p[:, :h] - lam.detach() * p[:, h:])
     assert abs(attn.lambda_init - (0.8 - 0.6 * torch.exp(torch.tensor(-0.3 * 1)).item())) < 1e-6
+
+
+def test_untapped_layers_use_sdpa_is_causal(micro_pair, monkeypatch):
+    """With taps on one layer only, the others give SDPA no mask (its is_causal path) unless padding
+    makes the mask more than causal; outputs match the untapped model either way."""
+    model = micro_pair[0]
+    seen = []
+    real = tapped_attention_module.sdpa_attention_forward
+
+    def spy(module, q, k, v, attention_mask, **kw):
+        seen.append(attention_mask is None)
+        return real(module, q, k, v, attention_mask, **kw)
+
+    monkeypatch.setattr(tapped_attention_module, "sdpa_attention_forward", spy)
+    ids = torch.randint(0, 512, (2, 12))
+    padded = torch.ones(2, 12, dtype=torch.long)
+    padded[0, :3] = 0
+    for mask, expect in ((None, True), (padded, False)):
+        seen.clear()
+        ref = _reference(model, "sdpa", ids, mask)
+        out = _tapped(model, ids, mask, sites=("layers.0.attn_logits",))
+        assert seen == [expect] * (model.config.num_hidden_layers - 1)
+        assert (out - ref).abs().max().item() <= 1e-5
