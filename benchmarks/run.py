@@ -62,15 +62,14 @@ def interleaved(cases: dict[str, Case], device, rounds: int) -> tuple[dict[str, 
     return {name: statistics.median(v) for name, v in times.items()}, first
 
 
-def attention(model, impl: str) -> ContextManager:
-    @contextlib.contextmanager
-    def switched():
-        model.set_attn_implementation(impl)
-        try:
-            yield
-        finally:
-            model.set_attn_implementation("sdpa")
-    return switched()
+@contextlib.contextmanager
+def attention(model, impl: str):
+    """The model with another attention implementation, SDPA again afterwards."""
+    model.set_attn_implementation(impl)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 def bench_profiler(model, ids, device, rounds: int) -> dict:
@@ -151,7 +150,7 @@ def bench_diff_vs_baseline(preset: str, device, batch: int, seq: int, rounds: in
         cases = {}
         for label, model in pair.items():
             cases[f"{label}_inference"] = (contextlib.nullcontext, lambda model=model: infer(model))
-            cases[f"{label}_training"] = (contextlib.nullcontext, lambda label=label: train(pair[label], opts[label]))
+            cases[f"{label}_training"] = (contextlib.nullcontext, lambda model=model, opt=opts[label]: train(model, opt))
         t, _ = interleaved(cases, device, rounds)
         r = {f"{label}_{mode}_tok_s": ids.numel() / t[f"{label}_{mode}"] for label in pair
              for mode in ("inference", "training")}

@@ -54,6 +54,11 @@ class Format:
             return float(2 ** (self.bits - 1) - 1) if self.symmetric else float(2**self.bits - 1)
         return float(grid(self.name).abs().max())
 
+    @property
+    def qmin(self) -> float:
+        """Smallest integer code: -qmax for symmetric formats, 0 for asymmetric ones."""
+        return -self.qmax if self.symmetric else 0.0
+
     def label(self) -> str:
         return f"int{self.bits}{'' if self.symmetric else '-asym'}" if self.is_int else self.name
 

@@ -79,8 +79,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Form
     if fmt.is_int:
         q = torch.div(x, scale).round_()  # one new tensor, then in place
         if fmt.symmetric:
-            return q.clamp_(-fmt.qmax, fmt.qmax)
-        return q.add_(zero).clamp_(0, fmt.qmax)
+            return q.clamp_(fmt.qmin, fmt.qmax)
+        return q.add_(zero).clamp_(fmt.qmin, fmt.qmax)
     v = torch.clamp(x / scale, -fmt.qmax, fmt.qmax)
     if fmt.name == "fp8_e4m3":
         return v.to(torch.float8_e4m3fn).to(x.dtype)
@@ -117,8 +117,7 @@ def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity |
         x = x.unflatten(-1, (-1, gran.size))
     xf = x.detach() if x.dtype == torch.float32 else x.detach().float()
     if compiled and fmt.is_int:
-        qmin = -fmt.qmax if fmt.symmetric else 0.0
-        y = _COMPILED_ROUNDTRIP(xf, scale, zero, qmin, fmt.qmax).to(x.dtype)
+        y = _COMPILED_ROUNDTRIP(xf, scale, zero, fmt.qmin, fmt.qmax).to(x.dtype)
     else:
         y = dequantize(quantize(xf, scale, zero, fmt), scale, zero, fmt).to(x.dtype)
     if x.requires_grad:
@@ -145,4 +144,3 @@ def keep_masked(y: torch.Tensor, x: torch.Tensor, valid: torch.Tensor) -> torch.
     if bool(torch.isfinite(x.sum(dtype=torch.float32))) and bool(torch.isfinite(y.sum(dtype=torch.float32))):
         return torch.lerp(x, y, valid.to(y.dtype))
     return torch.where(valid, y, x)
-

@@ -4,9 +4,9 @@ It computes the logits explicitly so taps can observe or transform them, masks t
 fp32 and multiplies by V. The mask function registered beside it always materialises the mask:
 transformers would otherwise pass `attention_mask=None` for unpadded input and rely on the kernel's
 own causality, which an explicit matmul does not have. Layers without attention taps fall through to
-SDPA: with no mask (its `is_causal` kernel) where the mask is plainly causal, else with the boolean mask. For DiffLlama, whose layer calls attention twice with the same Q and K
-(once per half of V), the second call reuses the first call's probabilities, so each logit passes the
-taps exactly once.
+SDPA: with no mask (its `is_causal` kernel) where the mask is plainly causal, else with the boolean
+mask. For DiffLlama, whose layer calls attention twice with the same Q and K (once per half of V), the
+second call reuses the first call's probabilities, so each logit passes the taps exactly once.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def plain_causal(mask: torch.Tensor | None, q_len: int, k_len: int) -> bool:
     if mask is None or mask.dtype != torch.bool or q_len != k_len or q_len < 2:
         return False
     if _last_mask[0] is not mask:
-        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=mask.device).tril()
-        _last_mask[:] = [mask, mask.shape[-2:] == causal.shape and bool((mask == causal).all())]
+        causal = valid_positions(None, q_len, k_len, mask.device)
+        _last_mask[:] = [mask, mask.shape[-2:] == causal.shape[-2:] and bool((mask == causal).all())]
     return _last_mask[1]
 
 
