@@ -7,6 +7,7 @@ import math
 import torch
 
 from diffquant import DiffquantError
+from diffquant.frozen import frozen_weights
 
 
 def input_device(model) -> torch.device:
@@ -21,7 +22,7 @@ def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progr
         raise DiffquantError("evaluation needs sequences of at least 2 tokens")
     device = input_device(model)
     total_nll, total_correct, total = 0.0, 0, 0
-    with torch.inference_mode():
+    with torch.inference_mode(), frozen_weights():
         for start in tqdm(range(0, len(sequences), batch_size), desc="eval", disable=not progress, leave=False):
             ids = sequences[start:start + batch_size].to(device)
             logits = model(ids, use_cache=False).logits[:, :-1].float()
@@ -48,7 +49,7 @@ def multiple_choice(model, tokenizer, examples: list[dict], progress: bool = Fal
         raise DiffquantError("the multiple-choice task has no examples")
     device = input_device(model)
     correct = correct_norm = 0
-    with torch.inference_mode():
+    with torch.inference_mode(), frozen_weights():
         for ex in tqdm(examples, desc="mc", disable=not progress, leave=False):
             choices = list(ex["target_scores"])
             gold = max(range(len(choices)), key=lambda i: ex["target_scores"][choices[i]])

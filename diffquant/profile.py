@@ -15,6 +15,7 @@ from typing import Iterable
 import torch
 
 from diffquant import DiffquantError
+from diffquant.frozen import frozen_weights
 from diffquant.stats.distributed import merge_across_ranks
 from diffquant.stats.site_stats import SiteStats
 from diffquant.taps import Batch, site_table, tapped
@@ -86,7 +87,7 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     mine = sequences[lo:hi]  # contiguous shards keep global row numbers simple
     batch = Batch()
     device = input_device(model)
-    with tapped(model, {**observers, **weight_observers}, batch), torch.inference_mode():
+    with tapped(model, {**observers, **weight_observers}, batch), torch.inference_mode(), frozen_weights():
         bar = tqdm(total=mine.numel(), unit="tok", desc=f"profile {label}", disable=not progress or rank != 0)
         for start in range(0, len(mine), batch_size):
             ids = mine[start:start + batch_size].to(device)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from diffquant import DiffquantError
+from diffquant.frozen import frozen_weights
 
 CITIES = ("Paris", "London", "Tokyo", "Cairo", "Lima", "Oslo", "Rome", "Delhi", "Sydney", "Toronto", "Madrid", "Berlin",
           "Dublin", "Vienna", "Prague", "Athens", "Lisbon", "Warsaw", "Seoul", "Bangkok", "Nairobi", "Quito", "Havana",
@@ -94,7 +95,7 @@ def needle_accuracy(model, tokenizer, haystack_text: str, n_needles: int = 6, n_
     lines = haystack_text.splitlines()
     device = model.get_input_embeddings().weight.device
     correct_choice = correct_exact = total = 0
-    with torch.inference_mode():
+    with torch.inference_mode(), frozen_weights():
         for _ in range(examples):
             ex = make_example(lines, n_needles, n_queries, rng)
             for prompt, answer in ex.queries:

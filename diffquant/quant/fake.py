@@ -12,7 +12,11 @@ MSE_ALPHAS = torch.linspace(0.3, 1.0, 15)
 
 
 class FakeQuant:
-    """Quantize-dequantize the activation (or weight) passing a site, with a straight-through gradient."""
+    """Quantize-dequantize the activation (or weight) passing a site, with a straight-through gradient.
+
+    A quantized weight is recomputed at every access, so an edit of the float weight (even through
+    `.data`, which no version counter sees) is never missed; evaluation loops reuse it within one
+    `frozen_weights()` block instead (see `quant/scheme.py`)."""
 
     transforms = True
 
@@ -24,7 +28,6 @@ class FakeQuant:
         self._lo = self._hi = None
         self._mse_err: torch.Tensor | None = None
         self._hist = None
-        self._cache: tuple | None = None  # weights: (data_ptr, version, result)
 
     def __repr__(self) -> str:
         return f"FakeQuant({self.config.label()})"
@@ -35,10 +38,6 @@ class FakeQuant:
         if self.calibrating:
             self._observe(x, ctx)
             return None
-        if ctx.site.is_weight and not torch.is_grad_enabled():
-            key = (x.data_ptr(), x._version)
-            if self._cache is not None and self._cache[:2] == key:
-                return self._cache[2]
         if cfg.dynamic:
             y = Q.dynamic_fake_quantize(x, cfg.format, cfg.granularity, ctx.site.dims, ctx.valid, self.compile)
         else:
@@ -48,8 +47,6 @@ class FakeQuant:
                                 self.compile)
         if ctx.valid is not None:
             y = Q.keep_masked(y, x, ctx.valid)  # masked positions stay as they were (and stay masked)
-        if ctx.site.is_weight and not torch.is_grad_enabled():
-            self._cache = (x.data_ptr(), x._version, y)
         return y
 
     # -------------------------------------------------------------- calibration

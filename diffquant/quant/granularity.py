@@ -2,11 +2,16 @@
 
 | granularity     | one scale per                                   | for [batch, pos, channel] | for [batch, head, q, k] | for weights [out, in] |
 |-----------------|-------------------------------------------------|---------------------------|-------------------------|-----------------------|
-| PerTensor()     | the whole tensor of one call                    | 1                         | 1                       | 1                     |
+| PerTensor()     | the whole tensor of one call                    | 1 (dynamic: per sequence) | 1 (dynamic: per seq.)   | 1                     |
 | PerChannel(a)   | index along axis a (default: last)              | channel                   | k position              | PerChannel(0): row    |
 | PerToken()      | row: all but the last dim                       | (batch, pos)              | (batch, head, q) row    | out channel           |
-| PerHead()       | head (attention sites only)                     | -                         | head                    | -                     |
+| PerHead()       | head (attention sites only)                     | -                         | head (dynamic: per seq.)| -                     |
 | PerGroup(G)     | G consecutive elements of the last dim, per row | G channels of a token     | G keys of a row         | G inputs of an output |
+
+Dynamic scales are computed from each sequence of a batch alone (the batch dim is never reduced), so a
+result does not depend on how many sequences were evaluated together; static (calibrated) scales span
+all calibration data. Groups whose size does not divide the last dim end with one ragged group.
+Weights are seen as [out_channel, in_channel] whatever their storage (see `taps/sites.py`).
 """
 
 from __future__ import annotations
@@ -53,16 +58,22 @@ class PerGroup:
     size: int = 128
 
     def __post_init__(self) -> None:
-        if not isinstance(self.size, int) or self.size < 1:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
             raise ValueError(f"group size must be a positive integer, got {self.size!r}")
-
-    def check(self, x: torch.Tensor) -> None:
-        if x.shape[-1] % self.size:
-            raise DiffquantError(f"group size {self.size} does not divide the last dimension ({x.shape[-1]}); "
-                                 f"choose a divisor of {x.shape[-1]}")
 
 
 Granularity = PerTensor | PerChannel | PerToken | PerHead | PerGroup
+
+
+def validate(g: Granularity, dims: tuple[str, ...], site: str) -> None:
+    """Refuse a granularity that cannot apply to a site of these dims (before any forward runs)."""
+    shape = f"[{', '.join(dims)}]"
+    if not dims and not isinstance(g, PerTensor):
+        raise DiffquantError(f"{site} is a scalar: only per-tensor scales apply, not {label(g)}")
+    if isinstance(g, PerHead) and "head" not in dims:
+        raise DiffquantError(f"{site}: per-head granularity needs a site with a head dimension, not {shape}")
+    if isinstance(g, PerChannel) and not -len(dims) <= g.axis < len(dims):
+        raise DiffquantError(f"{site}: channel axis {g.axis} is outside its dims {shape}")
 _KINDS = {"tensor": PerTensor, "channel": PerChannel, "token": PerToken, "head": PerHead, "group": PerGroup}
 
 

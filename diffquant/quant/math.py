@@ -13,12 +13,24 @@ from diffquant.quant.formats import Format, grid
 from diffquant.quant.granularity import Granularity, PerGroup
 
 
-def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...]) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """x viewed so that one scale covers the reduced dims (groups split the last dim)."""
+def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...],
+            per_sequence: bool = False) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """x viewed so that one scale covers the reduced dims, and those dims.
+
+    Groups split the last dim into runs of G from index 0; where G does not divide it, the last group is
+    ragged (the W mod G remaining values share one scale): x is padded with zeros (False for masks) to a
+    multiple of G, which is exact, since a range always contains 0 and 0 quantizes to exactly 0.
+    `per_sequence` keeps the batch dim out of the reduction, so a dynamic scale never mixes the sequences
+    of a batch and results do not depend on the batch size."""
     if isinstance(gran, PerGroup):
-        gran.check(x)
+        pad = -x.shape[-1] % gran.size
+        if pad:
+            x = torch.cat([x, x.new_zeros(*x.shape[:-1], pad)], dim=-1)
         return x.unflatten(-1, (-1, gran.size)), (x.dim(),)
-    return x, gran.reduce_dims(x, dims)
+    reduce = gran.reduce_dims(x, dims)
+    if per_sequence and "batch" in dims and len(dims) == x.dim():
+        reduce = tuple(i for i in reduce if i != dims.index("batch"))
+    return x, reduce
 
 
 def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | None, symmetric: bool):
@@ -112,24 +124,26 @@ def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity |
                   compiled: bool = False) -> torch.Tensor:
     """Quantize-dequantize with a straight-through gradient (identity), in x's shape. `compiled` fuses
     the integer round trip with torch.compile (eager where it cannot compile)."""
-    shape = x.shape
-    if isinstance(gran, PerGroup):
-        x = x.unflatten(-1, (-1, gran.size))
     xf = x.detach() if x.dtype == torch.float32 else x.detach().float()
+    if isinstance(gran, PerGroup):
+        xf = grouped(xf, gran, ())[0]
     if compiled and fmt.is_int:
         y = _COMPILED_ROUNDTRIP(xf, scale, zero, fmt.qmin, fmt.qmax).to(x.dtype)
     else:
         y = dequantize(quantize(xf, scale, zero, fmt), scale, zero, fmt).to(x.dtype)
+    if isinstance(gran, PerGroup):
+        y = y.flatten(-2)[..., :x.shape[-1]]  # drop a ragged last group's padding
     if x.requires_grad:
         y = x + (y - x).detach()  # straight-through estimator
-    return y.reshape(shape)
+    return y
 
 
 def dynamic_fake_quantize(x: torch.Tensor, fmt: Format, gran: Granularity, dims: tuple[str, ...],
                           valid: torch.Tensor | None = None, compiled: bool = False) -> torch.Tensor:
-    """Scales from this tensor (the paper's dynamic absmax setting), then fake-quantize."""
+    """Scales from this tensor (the paper's dynamic absmax setting), then fake-quantize. Scales never span
+    two sequences: "per tensor" is per tensor of one sequence (see `grouped`)."""
     xd = x.detach() if x.dtype == torch.float32 else x.detach().float()
-    xg, reduce = grouped(xd, gran, dims)
+    xg, reduce = grouped(xd, gran, dims, per_sequence=True)
     vg = None
     if valid is not None:  # kept broadcast where it can be: no full-size mask
         vg = grouped(valid.expand_as(x) if isinstance(gran, PerGroup) else valid, gran, dims)[0]

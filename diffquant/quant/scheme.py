@@ -7,6 +7,7 @@ norm stay in full precision: they are not Linear weights, and no activation site
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +18,15 @@ from diffquant import DiffquantError
 from diffquant.quant import granularity as G
 from diffquant.quant.config import QuantConfig, int_config
 from diffquant.quant.fake import FakeQuant
+from diffquant.frozen import frozen_weights
 from diffquant.quant.formats import Format
 from diffquant.taps import attach
 
-LINEAR_INPUTS = ("*.attn_in", "*.attn_out", "*.mlp_in", "*.down_in")
+LINEAR_INPUTS = ("*.attn_in", "*.attn_out", "*.mlp_in", "*.down_in")  # MoE: `*.down_in` also matches
+# experts.down_in and shared_expert.down_in
 LAYER_WEIGHTS = "layers.*.weight"  # lm_head stays in full precision, as is usual for W/A schemes
+# MoE routers (the weights that choose experts) stay in full precision under wildcard patterns: a rounding
+# error there changes which experts run, not just a value. Name a router weight exactly to quantize it.
 
 
 @dataclass(frozen=True)
@@ -129,23 +134,47 @@ def get_scheme(name_or_path: str) -> QuantScheme:
     raise DiffquantError(f"unknown scheme {name_or_path!r}; choose one of: {', '.join(PRESETS)}, or a .json/.yaml file")
 
 
+def plan(model, scheme: QuantScheme) -> dict[str, QuantConfig]:
+    """{site name: config} of `scheme` on `model`, or a DiffquantError naming every pattern that matches
+    nothing and every granularity that cannot apply, before any forward runs. Later patterns override
+    earlier ones on the same site."""
+    from diffquant.taps import site_table
+
+    table = site_table(model)
+    patterns = [p for p, _ in (*scheme.activations, *scheme.weights)]
+    missing = [p for p in patterns if not any(fnmatch.fnmatchcase(s.name, p) for s in table)]
+    if missing:
+        raise DiffquantError(f"scheme {scheme.name!r} cannot apply to {type(model).__name__}: "
+                             + "; ".join(table.miss_reason(p) for p in missing) + ". " + table.available())
+    out = {}
+    for pattern, config in (*scheme.activations, *scheme.weights):
+        for site in table.match(pattern):
+            if site.router and any(c in pattern for c in "*?["):
+                continue
+            G.validate(config.granularity, site.dims, site.name)
+            out[site.name] = config
+    return out
+
+
+def applies(model, scheme: QuantScheme) -> str | None:
+    """None if `scheme` applies to `model`, else the reason it does not."""
+    try:
+        plan(model, scheme)
+    except DiffquantError as e:
+        return str(e)
+    return None
+
+
 def quantize_(model, scheme: QuantScheme, compile: bool = False):
     """Attach the scheme's fake quantizers to `model` in place; returns the Attachment (`.remove()` undoes it).
+    A scheme that cannot apply is refused before anything is attached (see `plan`).
     `compile=True` fuses each integer quantize-dequantize into one pass with torch.compile (a one-off
     compile of a few seconds per shape and bit-width; falls back to eager where it cannot compile).
 
     The attachment's `quantizers` maps site name → FakeQuant (for calibration and saving scales).
     """
-    taps, quantizers = {}, {}
-    from diffquant.taps import site_table
-
-    table = site_table(model)
-    for pattern, config in (*scheme.activations, *scheme.weights):
-        for site in table.match(pattern):
-            q = FakeQuant(config, compile)
-            taps[site.name] = q
-            quantizers[site.name] = q
-    attachment = attach(model, taps)
+    quantizers = {name: FakeQuant(config, compile) for name, config in plan(model, scheme).items()}
+    attachment = attach(model, dict(quantizers))
     attachment.quantizers = quantizers
     attachment.scheme = scheme
     return attachment
@@ -159,7 +188,7 @@ def calibrate(model, attachment, batches, device=None) -> None:
     for q in static:
         q.start_calibration()
     seen = 0
-    with torch.inference_mode():
+    with torch.inference_mode(), frozen_weights():
         for ids in batches:
             model(ids.to(device) if device else ids, use_cache=False)
             seen += 1

@@ -4,9 +4,15 @@ It computes the logits explicitly so taps can observe or transform them, masks t
 fp32 and multiplies by V. The mask function registered beside it always materialises the mask:
 transformers would otherwise pass `attention_mask=None` for unpadded input and rely on the kernel's
 own causality, which an explicit matmul does not have. Layers without attention taps fall through to
-SDPA: with no mask (its `is_causal` kernel) where the mask is plainly causal, else with the boolean
-mask. For DiffLlama, whose layer calls attention twice with the same Q and K (once per half of V), the
-second call reuses the first call's probabilities, so each logit passes the taps exactly once.
+SDPA when the model ran on SDPA (with no mask, its `is_causal` kernel, where the mask is plainly causal),
+and to the explicit computation otherwise (eager models with logit softcapping or attention sinks,
+flash-attention models, whose kernels cannot take the materialised mask). For DiffLlama, whose layer
+calls attention twice with the same Q and K (once per half of V), the second call reuses the first
+call's probabilities, so each logit passes the taps exactly once; the check compares Q and K as the
+layer passed them, before grouped-query heads are repeated.
+
+Sinks (`s_aux`, gpt-oss and diffquant's `sink` design) are a per-head logit in the softmax denominator:
+they are parameters, not activations, so `attn_logits` never contains them.
 """
 
 from __future__ import annotations
@@ -61,37 +67,43 @@ def plain_causal(mask: torch.Tensor | None, q_len: int, k_len: int) -> bool:
 
 def tapped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     taps = getattr(module, "_diffquant_taps", None)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if not taps:
-        if plain_causal(attention_mask, query.shape[2], key.shape[2]):
-            attention_mask = None  # SDPA then takes its is_causal path
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if kwargs.get("s_aux") is not None:
-        raise DiffquantError("attention sinks (s_aux) are not supported by diffquant's tapped attention")
+        if module.__dict__.get("_diffquant_fallback", "sdpa") == "sdpa" and softcap is None and sinks is None:
+            if plain_causal(attention_mask, query.shape[2], key.shape[2]):
+                attention_mask = None  # SDPA then takes its is_causal path
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                          **kwargs)
+        taps = {}  # the model's own attention is not SDPA (eager with softcap or sinks, flash ...): compute it here
     if dropout and module.training:
         raise DiffquantError("tapped attention does not apply attention dropout; use model.eval() or dropout 0")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    n_rep = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
-
     pending = module.__dict__.pop("_diffquant_pending", None)
     if pending is not None and pending[0] is query and pending[1] is key:
         probs = pending[2]  # DiffLlama's second call: same Q and K, reuse (observed, maybe quantized) probs
     else:
-        probs = _probabilities(module, taps, query, key, attention_mask, scaling, kwargs.get("softcap"))
+        n_rep = query.shape[1] // key.shape[1]
+        probs = _probabilities(module, taps, query, repeat_kv(key, n_rep), attention_mask, scaling, softcap, sinks)
         if getattr(module, "_diffquant_paired", False):
-            module._diffquant_pending = (query, key, probs)
+            module._diffquant_pending = (query, key, probs)  # before repeat_kv, which makes a new tensor
+    value = repeat_kv(value, query.shape[1] // value.shape[1])
     out = torch.matmul(probs.to(value.dtype), value)
     return out.transpose(1, 2).contiguous(), probs
 
 
-def _probabilities(module, taps, query, key, attention_mask, scaling, softcap):
+def _probabilities(module, taps, query, key, attention_mask, scaling, softcap, sinks=None):
     logits = torch.matmul(query, key.transpose(2, 3)).mul_(scaling)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     valid = valid_positions(attention_mask, query.shape[2], key.shape[2], query.device)
     tapped = run_taps(taps.get("attn_logits"), logits, valid)
-    probs = torch.softmax(masked_scores(tapped, logits, valid), dim=-1)
+    scores = masked_scores(tapped, logits, valid)
+    if sinks is not None:  # a learned per-head logit in the denominator only (gpt-oss): softmax, then drop it
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     empty = ~valid.any(-1, keepdim=True)
     if bool(empty.any()):  # fully masked rows (padding): zeros, not NaN
         probs = probs.masked_fill(empty, 0.0)

@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from diffquant import DiffquantError
-from diffquant.taps import attention
-from diffquant.taps.sites import Site, SiteTable
+from diffquant.taps import attention, experts
+from diffquant.taps.sites import Site, SiteTable, is_experts
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Batch:
     input_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None  # [batch, pos], 1 = real token
     row_offset: int = 0  # global index of this batch's first row
+    tokens: tuple[int, int] | None = None  # (batch, pos) of the current forward, for sites that see tokens flat
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,34 @@ Tap = Callable[[torch.Tensor, TapContext], "torch.Tensor | None"]
 Selector = "str | Iterable[str] | Callable[[Site], bool]"
 
 
-def _token_valid(ctx: TapContext, x: torch.Tensor) -> torch.Tensor | None:
-    """[batch, pos, 1] validity from the batch's padding mask, when shapes agree."""
+def token_valid(ctx: TapContext, x: torch.Tensor) -> torch.Tensor | None:
+    """[batch, pos, 1, ...] validity from the batch's padding mask, when shapes agree."""
     mask = ctx.batch.attention_mask
-    if mask is None or x.dim() != 3 or mask.shape != x.shape[:2]:
+    if mask is None or x.dim() < 3 or mask.shape != x.shape[:2]:
         return None
-    return mask.to(device=x.device, dtype=torch.bool)[..., None]
+    return mask.to(device=x.device, dtype=torch.bool).reshape(*mask.shape, *[1] * (x.dim() - 2))
+
+
+def canonical_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """A stored weight in the layout taps see: [out_channel, in_channel] (experts: [expert·out, in])."""
+    if layout == "conv1d":
+        return w.t()
+    if layout == "experts":
+        return w.reshape(-1, w.shape[-1])
+    if layout == "experts_t":
+        return w.transpose(1, 2).reshape(-1, w.shape[1])
+    return w
+
+
+def stored_weight(y: torch.Tensor, layout: str, shape: torch.Size) -> torch.Tensor:
+    """The inverse of `canonical_weight`."""
+    if layout == "conv1d":
+        return y.t()
+    if layout == "experts":
+        return y.reshape(shape)
+    if layout == "experts_t":
+        return y.reshape(shape[0], shape[2], shape[1]).transpose(1, 2)
+    return y
 
 
 class _WeightParametrization(torch.nn.Module):
@@ -58,8 +81,9 @@ class _WeightParametrization(torch.nn.Module):
         self.tap, self.ctx = tap, ctx
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        y = self.tap(weight, self.ctx)
-        return weight if y is None else y
+        layout = self.ctx.site.layout
+        y = self.tap(canonical_weight(weight, layout), self.ctx)
+        return weight if y is None else stored_weight(y, layout, weight.shape)
 
 
 class Attachment:
@@ -68,9 +92,9 @@ class Attachment:
     def __init__(self, model, table: SiteTable, batch: Batch):
         self.model, self.table, self.batch = model, table, batch
         self._handles: list[Any] = []
-        self._attention: list[tuple[Any, str, tuple]] = []
-        self._weights: list[tuple[torch.nn.Module, _WeightParametrization]] = []
-        self._switched = False
+        self._inner: list[tuple[Any, str, tuple]] = []  # taps inside the attention / experts functions
+        self._weights: list[tuple[torch.nn.Module, str, _WeightParametrization]] = []
+        self._switched: list[str] = []
         self.sites: list[Site] = []
 
     def _add(self, site: Site, tap: Tap) -> None:
@@ -79,43 +103,67 @@ class Attachment:
         transforms = bool(getattr(tap, "transforms", False))
         if site.is_weight:
             if transforms:
-                self._add_weight_transform(module, tap, ctx)
+                self._add_weight_transform(module, site.param, tap, ctx)
             else:
                 with torch.no_grad():
-                    tap(module.weight.detach(), ctx)
-        elif site.point.attention:
+                    tap(canonical_weight(getattr(module, site.param).detach(), site.layout), ctx)
+        elif site.point.where in ("attention", "experts"):
             if transforms and site.point.name in ("attn_map", "lambda"):
                 raise DiffquantError(f"{site.name} can be observed but not transformed")
             entry = (tap, ctx)
             module.__dict__.setdefault("_diffquant_taps", {}).setdefault(site.point.name, []).append(entry)
-            module._diffquant_paired = self.table.diff
-            self._attention.append((module, site.point.name, entry))
-        elif site.point.hook == "input":
-            self._handles.append(module.register_forward_pre_hook(_input_hook(tap, ctx)))
+            if site.point.attention:
+                module._diffquant_paired = self.table.diff
+            self._inner.append((module, site.point.name, entry))
+        elif site.point.where == "input":
+            hook = _input_hook(tap, ctx, site.point.flat)
+            self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         else:
             self._handles.append(module.register_forward_hook(_output_hook(tap, ctx)))
         self.sites.append(site)
 
-    def _add_weight_transform(self, module, tap: Tap, ctx: TapContext) -> None:
+    def _add_weight_transform(self, module, param: str, tap: Tap, ctx: TapContext) -> None:
         from torch.nn.utils import parametrize
 
-        param = _WeightParametrization(tap, ctx)
-        parametrize.register_parametrization(module, "weight", param, unsafe=True)
-        self._weights.append((module, param))
+        p = _WeightParametrization(tap, ctx)
+        parametrize.register_parametrization(module, param, p, unsafe=True)
+        self._weights.append((module, param, p))
 
-    def _switch_attention(self) -> None:
+    def _track_tokens(self) -> None:
+        """Record (batch, pos) at the first decoder layer, for sites that see tokens flattened."""
+        batch = self.batch
+
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(x, torch.Tensor) and x.dim() == 3:
+                batch.tokens = tuple(x.shape[:2])
+
+        self._handles.append(self.table.layers[0].register_forward_pre_hook(hook, with_kwargs=True))
+
+    def _switch(self, kind: str) -> None:
+        """Switch the model to diffquant's attention or experts function while taps use it (refcounted);
+        every module remembers the implementation to fall through to when it has no taps."""
         model = self.model
-        users = getattr(model, "_diffquant_attn_users", 0)
+        users = model.__dict__.get(f"_diffquant_{kind}_users", 0)
         if users == 0:
-            model._diffquant_attn_original = model.config._attn_implementation
-            model.set_attn_implementation(attention.NAME)
-        model._diffquant_attn_users = users + 1
-        self._switched = True
+            if kind == "attn":
+                original = model.config._attn_implementation
+                model.set_attn_implementation(attention.NAME)
+                modules = self.table.attention_modules
+            else:
+                original = model.config._experts_implementation
+                model.set_experts_implementation(experts.NAME)
+                modules = [m for m in model.modules() if is_experts(m)]
+            model.__dict__[f"_diffquant_{kind}_original"] = original
+            for m in modules:
+                m._diffquant_fallback = original
+        model.__dict__[f"_diffquant_{kind}_users"] = users + 1
+        self._switched.append(kind)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        for module, point, entry in self._attention:
+        for module, point, entry in self._inner:
             taps = module.__dict__.get("_diffquant_taps", {})
             entries = taps.get(point, [])
             if entry in entries:
@@ -124,20 +172,25 @@ class Attachment:
                 taps.pop(point, None)
             module.__dict__.pop("_diffquant_pending", None)
         self._remove_weights()
-        if self._switched:
-            self.model._diffquant_attn_users -= 1
-            if self.model._diffquant_attn_users == 0:
-                self.model.set_attn_implementation(self.model._diffquant_attn_original)
-        self._handles, self._attention, self._weights, self._switched = [], [], [], False
+        model = self.model
+        for kind in self._switched:
+            model.__dict__[f"_diffquant_{kind}_users"] -= 1
+            if model.__dict__[f"_diffquant_{kind}_users"] == 0:
+                original = model.__dict__.pop(f"_diffquant_{kind}_original")
+                if kind == "attn":
+                    model.set_attn_implementation(original)
+                else:
+                    model.set_experts_implementation(original)
+        self._handles, self._inner, self._weights, self._switched = [], [], [], []
 
     def _remove_weights(self) -> None:
         from torch.nn.utils import parametrize
 
-        for module, param in reversed(self._weights):
-            plist = module.parametrizations["weight"]
-            index = next(i for i, p in enumerate(plist) if p is param)
+        for module, param, p in reversed(self._weights):
+            plist = module.parametrizations[param]
+            index = next(i for i, q in enumerate(plist) if q is p)
             if len(plist) == 1:
-                parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+                parametrize.remove_parametrizations(module, param, leave_parametrized=False)
             else:
                 del plist[index]
 
@@ -145,7 +198,7 @@ class Attachment:
 def _output_hook(tap: Tap, ctx: TapContext):
     def hook(module, args, output):
         x = output[0] if isinstance(output, tuple) else output
-        y = tap(x, ctx.with_valid(_token_valid(ctx, x)))
+        y = tap(x, ctx.with_valid(token_valid(ctx, x)))
         if y is None:
             return None
         return (y, *output[1:]) if isinstance(output, tuple) else y
@@ -153,11 +206,24 @@ def _output_hook(tap: Tap, ctx: TapContext):
     return hook
 
 
-def _input_hook(tap: Tap, ctx: TapContext):
-    def hook(module, args):
-        x = args[0]
-        y = tap(x, ctx.with_valid(_token_valid(ctx, x)))
-        return None if y is None else (y, *args[1:])
+def _input_hook(tap: Tap, ctx: TapContext, flat: bool):
+    """A pre-hook on the module's first argument, positional or `hidden_states=`. With `flat`, tokens
+    arrive as [batch·pos, channel] and the tap sees them as [batch, pos, channel]."""
+
+    def hook(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        seen = x
+        if flat:
+            if ctx.batch.tokens is None or x.dim() != 2:
+                raise DiffquantError(f"{ctx.site.name}: expected [tokens, channel] inside an MoE block")
+            seen = x.view(*ctx.batch.tokens, x.shape[-1])
+        y = tap(seen, ctx.with_valid(token_valid(ctx, seen)))
+        if y is None:
+            return None
+        y = y.reshape(x.shape)
+        if args:
+            return (y, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": y}
 
     return hook
 
@@ -181,8 +247,13 @@ def attach(model, taps: Mapping[str, Tap | Iterable[Tap]], batch: Batch | None =
         for site in table.match(selector):
             plan.extend((site, t) for t in tap_list)
     try:
-        if any(site.point is not None and site.point.attention for site, _ in plan):
-            attachment._switch_attention()
+        wheres = {site.point.where for site, _ in plan if site.point is not None}
+        if "attention" in wheres:
+            attachment._switch("attn")
+        if "experts" in wheres:
+            attachment._switch("experts")
+        if "experts" in wheres or any(site.point.flat for site, _ in plan if site.point is not None):
+            attachment._track_tokens()
         for site, tap in plan:
             attachment._add(site, tap)
     except BaseException:
