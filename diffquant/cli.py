@@ -45,10 +45,19 @@ def _cmd_sites(args) -> None:
         for point, shape, doc in site_docs():
             print(f"{point:<16} {shape:<34} {doc}")
         return
+    from diffquant.quant.scheme import PRESETS, applies
+
     model, _ = load_model(args.model, hub=args.hub)
-    sites = site_table(model).match(args.select) if args.select else list(site_table(model))
+    table = site_table(model)
+    sites = table.match(args.select) if args.select else list(table)
     for site in sites:
-        print(f"{site.name:<44} [{', '.join(site.dims)}]")
+        note = " (MoE router: left in float by wildcard weight patterns)" if site.router else ""
+        print(f"{site.name:<44} [{', '.join(site.dims)}]{note}")
+    ok = [name for name, scheme in PRESETS.items() if applies(model, scheme) is None]
+    print(f"\nscheme presets that apply to {type(model).__name__}: {', '.join(ok)}")
+    for name, scheme in PRESETS.items():
+        if name not in ok:
+            print(f"  not {name}: {applies(model, scheme).split('. ')[0]}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,128 @@
+"""Write the README's architecture support table from the architecture matrix.
+
+    python docs/support_table.py            # rewrite the table between the README's markers
+    python docs/support_table.py --check    # exit 1 if the README's table is not what this writes
+
+Each family of `diffquant.models.matrix` is built tiny; the table says which site points it has, whether
+attention logits can be tapped, which scheme presets apply (`quantize_`'s own check) and which real
+backends load it and run a forward with finite logits here. The numbers behind every ✓ of the first
+columns are checked against independent computations by tests/test_architectures.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BEGIN, END = "<!-- support-table:begin -->", "<!-- support-table:end -->"
+BACKENDS = ("bnb-int8", "bnb-nf4", "torchao-int8", "torchao-int4wo", "quanto-int8", "quanto-w4")
+
+
+def _converted(float_model, real) -> float:
+    """Fraction of the decoder layers' weight elements that the backend holds in low-bit form: a module of
+    another class, or a weight that is no longer a plain floating-point tensor."""
+    import torch
+
+    from diffquant.taps import site_table
+
+    done = total = 0
+    for site in site_table(float_model):
+        if not site.is_weight or site.layer is None:
+            continue
+        module = float_model.get_submodule(site.weight_module)
+        n = getattr(module, site.param).numel()
+        total += n
+        try:
+            other = real.get_submodule(site.weight_module)
+        except AttributeError:
+            continue
+        w = getattr(other, site.param, None)
+        plain = w is not None and type(w.data) is torch.Tensor and w.dtype.is_floating_point
+        done += n if type(other) is not type(module) or not plain else 0
+    return done / max(1, total)
+
+
+def _backends(model, ids) -> str:
+    """Backends that load the model and give finite logits, with the share of layer weights they convert."""
+    import torch
+
+    from diffquant.quant.backends import load_real
+
+    ok, failed = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        for name in BACKENDS:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    q = load_real(name, tmp, ids)
+                    with torch.no_grad():
+                        finite = bool(torch.isfinite(q(ids).logits).all())
+            except Exception:  # noqa: BLE001 - any failure is "does not run here"
+                finite = False
+            if finite:
+                share = _converted(model, q)
+                ok.append(name if share > 0.999 else f"{name} ({share:.0%} of layer weights)")
+            else:
+                failed.append(name)
+    return ", ".join(ok) + (f"; fails: {', '.join(failed)}" if failed else "")
+
+
+def rows(real: bool = True) -> list[list[str]]:
+    import torch
+
+    from diffquant.models.matrix import FAMILIES, VOCAB
+    from diffquant.quant.scheme import PRESETS, applies
+    from diffquant.taps import site_table
+
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    out = []
+    for family in FAMILIES.values():
+        model = family.build()
+        table = site_table(model)
+        points = [p for p in table.points() if p not in ("attn_logits", "attn_probs", "attn_map", "lambda")]
+        logits = "✓" if "attn_logits" in table.points() else "– (own attention)"
+        schemes = {name: applies(model, scheme) is None for name, scheme in PRESETS.items()}
+        weight_only = [n for n in ("w8a16", "w4a16", "nf4", "fp4") if schemes[n]]
+        row = [f"{family.name}", family.note, ", ".join(points), logits, "✓" if schemes["w8a8"] else "–",
+               ", ".join(weight_only) or "–"]
+        if real:
+            row.append(_backends(model, ids))
+        out.append(row)
+    return out
+
+
+def table(real: bool = True) -> str:
+    from diffquant.report.tables import markdown
+
+    header = ["family", "what is special", "module sites", "logits", "w8a8", "weight-only"]
+    if real:
+        header.append("real backends that run here (CPU; share of layer weights converted where not all)")
+    return markdown(header, rows(real)).strip()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--no-real", action="store_true", help="skip the real backends column")
+    args = p.parse_args(argv)
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"README has no {BEGIN} ... {END} markers", file=sys.stderr)
+        return 2
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{BEGIN}\n{table(not args.no_real)}\n{END}{tail}"
+    if args.check:
+        return 0 if new == text else 1
+    README.write_text(new)
+    print(f"wrote the support table into {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
