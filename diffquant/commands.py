@@ -33,6 +33,8 @@ def _profile(sub) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--compile", action="store_true",
                    help="fuse the statistics with torch.compile (one-off compile, then several times faster)")
+    p.add_argument("--no-sinks", action="store_true",
+                   help="skip the attention-sink and massive-activation metrics (on by default)")
     p.set_defaults(func=_lazy("diffquant.profile", "run_cli"))
 
 

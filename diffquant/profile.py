@@ -16,7 +16,8 @@ import torch
 
 from diffquant import DiffquantError
 from diffquant.frozen import frozen_weights
-from diffquant.stats.distributed import merge_across_ranks
+from diffquant.stats.distributed import gather_merge, merge_across_ranks
+from diffquant.stats.sinks import LayerSinks, model_sink_rates
 from diffquant.stats.site_stats import SiteStats
 from diffquant.taps import Batch, site_table, tapped
 
@@ -38,6 +39,29 @@ class StatsObserver:
         self.stats.update(x, ctx.valid, ctx.batch.input_ids, ctx.batch.row_offset)
 
 
+class SinkObserver:
+    """Feeds one layer's LayerSinks: first-key mass (attn_probs, attn_map), value norms (v), residual
+    norms (hidden)."""
+
+    transforms = False
+
+    def __init__(self, sinks: LayerSinks, point: str):
+        self.sinks, self.point = sinks, point
+
+    def __call__(self, x: torch.Tensor, ctx) -> None:
+        if self.point == "attn_probs":
+            self.sinks.add_mass("probs", x, ctx.valid)
+        elif self.point == "attn_map":
+            self.sinks.add_mass("map", x, ctx.valid)
+        elif self.point == "v":
+            self.sinks.add_values(x, ctx.valid)
+        else:
+            self.sinks.add_hidden(x, ctx.valid, ctx.batch.row_offset)
+
+
+SINK_POINTS = ("attn_probs", "attn_map", "v", "hidden")
+
+
 @dataclass
 class ModelProfile:
     """Statistics of one model's sites, with provenance."""
@@ -48,6 +72,13 @@ class ModelProfile:
     layer_of: dict[str, int | None]
     kind_of: dict[str, str]
     provenance: dict = field(default_factory=dict)
+    sinks: dict[int, LayerSinks] = field(default_factory=dict)
+
+    def sink_summary(self) -> dict:
+        """{"layers": {layer: per-layer figures}, "model": sink rates and extremes} (see stats/sinks.py)."""
+        diff = self.info.get("model_type") == "diffllama"
+        layers = {i: s.summary(diff) for i, s in sorted(self.sinks.items())}
+        return {"epsilon": 0.3, "layers": layers, "model": model_sink_rates(layers)} if layers else {}
 
     def pooled(self, kind: str) -> SiteStats | None:
         """All layers of one kind merged (the paper pools attention logits over layers and heads)."""
@@ -65,9 +96,11 @@ def input_device(model) -> torch.device:
 
 
 def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT_SITES, *, batch_size: int = 8,
-                  k: int = 100, progress: bool = True, label: str = "model", compile: bool = False) -> ModelProfile:
+                  k: int = 100, progress: bool = True, label: str = "model", compile: bool = False,
+                  sinks: bool = False) -> ModelProfile:
     """Run `sequences` ([n, seq_len] token ids) through `model` with observers on `sites`.
 
+    `sinks=True` adds the attention-sink and massive-activation metrics of every layer (stats/sinks.py).
     `compile=True` fuses the statistics of token sites with torch.compile: several times faster once
     compiled (a one-off 3–20 s per activation shape on CPU), worth it for long runs."""
     from tqdm.auto import tqdm
@@ -82,12 +115,19 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     selected = table.match(list(sites))
     observers = {s.name: StatsObserver(k, compile) for s in selected if not s.is_weight}
     weight_observers = {s.name: StatsObserver(k) for s in selected if s.is_weight}
+    layer_sinks: dict[int, LayerSinks] = {}
+    taps: dict[str, list] = {name: [o] for name, o in {**observers, **weight_observers}.items()}
+    if sinks:
+        for site in table:
+            if site.layer is not None and site.kind in SINK_POINTS:
+                sink = layer_sinks.setdefault(site.layer, LayerSinks())
+                taps.setdefault(site.name, []).append(SinkObserver(sink, site.kind))
     rank, world = _rank()
     lo, hi = rank * len(sequences) // world, (rank + 1) * len(sequences) // world
     mine = sequences[lo:hi]  # contiguous shards keep global row numbers simple
     batch = Batch()
     device = input_device(model)
-    with tapped(model, {**observers, **weight_observers}, batch), torch.inference_mode(), frozen_weights():
+    with tapped(model, taps, batch), torch.inference_mode(), frozen_weights():
         bar = tqdm(total=mine.numel(), unit="tok", desc=f"profile {label}", disable=not progress or rank != 0)
         for start in range(0, len(mine), batch_size):
             ids = mine[start:start + batch_size].to(device)
@@ -97,12 +137,13 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
         bar.close()
     stats = {name: o.stats for name, o in {**observers, **weight_observers}.items() if o.stats is not None}
     stats = merge_across_ranks(stats)
+    layer_sinks = gather_merge(layer_sinks)
     from diffquant.models.load import describe
 
     return ModelProfile(label, describe(model), stats, {s.name: s.layer for s in selected},
                         {s.name: s.kind for s in selected},
                         {"tokens": int(sequences.numel()), "sequences": int(sequences.shape[0]),
-                         "seq_len": int(sequences.shape[1]), "world_size": world, "k": k})
+                         "seq_len": int(sequences.shape[1]), "world_size": world, "k": k}, layer_sinks)
 
 
 def _rank() -> tuple[int, int]:
@@ -181,7 +222,7 @@ def run_cli(args) -> None:
                                  "pass a checkpoint folder holding tokenizer files")
         seqs = sequences(encode(tokenizer, val), args.seq_len, args.tokens)
         prof = profile_model(model, seqs, args.sites, batch_size=args.batch_size, k=args.k, label=label,
-                             compile=args.compile)
+                             compile=args.compile, sinks=not args.no_sinks)
         prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,
                                 "device": str(input_device(model))})
         profiles.append(prof)

@@ -11,11 +11,12 @@ from diffquant import DiffquantError
 def redraw(folder: Path) -> list[Path]:
     written = []
     if (folder / "stats.json").is_file():
-        from diffquant.report.plots import plot_histograms, plot_layer_series
+        from diffquant.report.plots import plot_histograms, plot_layer_series, plot_sinks
 
         models = json.loads((folder / "stats.json").read_text())["models"]
         written += plot_layer_series({m["label"]: m["layers"] for m in models}, folder)
         written += plot_histograms(models, folder)
+        written += plot_sinks(models, folder)
     if (folder / "results.json").is_file():
         from diffquant.report.sweep_plots import plot_sweep
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+from diffquant.report.style import color, integer_ticks
+
 
 def _plt():
     import matplotlib
@@ -38,20 +40,23 @@ def plot_layer_series(series_by_model: dict[str, dict[str, list[dict]]], out: Pa
     for ax, kind in zip(axes[0], kinds):
         for label, series in series_by_model.items():
             rows = series.get(kind, [])
-            ax.plot([r["layer"] for r in rows], [r["kurtosis"] for r in rows], marker="o", label=label)
+            ax.plot([r["layer"] for r in rows], [r["kurtosis"] for r in rows], marker="o", label=label,
+                    color=color(label))
         ax.axhline(3.0, color="gray", lw=0.8, ls=":", label="Gaussian (3)")
         ax.set(title=f"{kind}: kurtosis", xlabel="layer", ylabel="Pearson kurtosis (log)", yscale="log")
+        integer_ticks(ax)
         ax.legend(fontsize=8)
     written += _save(fig, out, "kurtosis_vs_layer")
     fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False, layout="constrained")
     for ax, kind in zip(axes[0], kinds):
-        for i, (label, series) in enumerate(series_by_model.items()):
+        for label, series in series_by_model.items():
             rows = series.get(kind, [])
-            color = f"C{i}"
-            ax.plot([r["layer"] for r in rows], [r["absmax"] for r in rows], marker="o", color=color, label=f"{label} top-1")
-            ax.plot([r["layer"] for r in rows], [r["median"] for r in rows], marker="x", ls="--", color=color,
+            c = color(label)
+            ax.plot([r["layer"] for r in rows], [r["absmax"] for r in rows], marker="o", color=c, label=f"{label} top-1")
+            ax.plot([r["layer"] for r in rows], [r["median"] for r in rows], marker="x", ls="--", color=c,
                     label=f"{label} median")
         ax.set(title=f"{kind}: |x| top-1 and median", xlabel="layer", ylabel="|x| (log)", yscale="log")
+        integer_ticks(ax)
         ax.legend(fontsize=8)
     written += _save(fig, out, "absmax_vs_layer")
     return written
@@ -75,7 +80,7 @@ def plot_histograms(models: list[dict], out: Path) -> list[Path]:
             lo, hi = _bin_edges(h, [i for i, _ in bins])
             total = sum(h["bins"].values())
             ys = [c / total / (b - a) for (_, c), a, b in zip(bins, lo, hi)]
-            ax.plot([(a * b) ** 0.5 for a, b in zip(lo, hi)], ys, label=m["label"], lw=1)
+            ax.plot([(a * b) ** 0.5 for a, b in zip(lo, hi)], ys, label=m["label"], lw=1, color=color(m["label"]))
         ax.set(xscale="log", yscale="log", xlabel="|x|", ylabel="density", title=f"{kind}: distribution of |x|")
         ax.legend(fontsize=8)
     return _save(fig, out, "histograms")
@@ -88,3 +93,40 @@ def _bin_edges(h: dict, idx: list[int]) -> tuple[list[float], list[float]]:
         edge = lambda i: struct.unpack("<f", struct.pack("<I", i << 16))[0]  # noqa: E731
         return [edge(i) for i in idx], [edge(i + 1) for i in idx]
     return [h["lo"] * h["ratio"] ** (i - 1) for i in idx], [h["lo"] * h["ratio"] ** i for i in idx]
+
+
+def plot_sinks(models: list[dict], out: Path, epsilon: float = 0.3) -> list[Path]:
+    """Per layer: the fraction of sink heads, the mean first-token attention mass, and the massive-activation
+    ratio max‖h_t‖ / median‖h_t‖; one colour per model (DIFF: its A1 and A2 maps dashed and dotted)."""
+    with_sinks = [m for m in models if m.get("sinks", {}).get("layers")]
+    if not with_sinks:
+        return []
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6), layout="constrained")
+    for m in with_sinks:
+        layers = sorted(m["sinks"]["layers"].items(), key=lambda kv: int(kv[0]))
+        xs = [int(k) for k, _ in layers]
+        c = color(m["label"])
+        if all("sink" in v for _, v in layers):
+            axes[0].plot(xs, [v["sink"]["sinks"] / v["sink"]["heads"] for _, v in layers], marker="o", color=c,
+                         label=m["label"])
+            axes[1].plot(xs, [sum(v["first_mass"]) / len(v["first_mass"]) for _, v in layers], marker="o", color=c,
+                         label=m["label"])
+            for key, ls in (("A1", "--"), ("A2", ":")):
+                if all(f"sink_{key}" in v for _, v in layers):
+                    half = len(layers[0][1]["first_mass"]) // 2
+                    part = (lambda f: f[:half]) if key == "A1" else (lambda f: f[half:])
+                    axes[1].plot(xs, [sum(part(v["first_mass"])) / half for _, v in layers], ls=ls, color=c,
+                                 label=f"{m['label']} {key}")
+        ratios = [v.get("massive_ratio") for _, v in layers]
+        axes[2].plot(xs, ratios, marker="o", color=c, label=m["label"])
+    axes[0].set(title=f"sink heads (first-token mass > {epsilon})", xlabel="layer", ylabel="fraction of heads",
+                ylim=(-0.05, 1.05))
+    axes[1].set(title="mean attention on the first token", xlabel="layer", ylabel="mass (queries ≥ 1)",
+                ylim=(-0.05, 1.05))
+    axes[2].set(title="massive activations: max‖h‖ / median‖h‖", xlabel="layer", ylabel="ratio (log)", yscale="log")
+    for ax in axes:
+        integer_ticks(ax)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, out, "sinks_vs_layer")

@@ -101,7 +101,30 @@ def profile_json(prof) -> dict:
         "int8_outlier_features": int8_outlier_features(prof),
         "massive_activations": massive_activations(prof),
         "histograms": pooled_histograms(prof),
+        "sinks": prof.sink_summary(),
     }
+
+
+SINK_HEADER = ["model", "sink rate (all maps)", "DIFF A1", "DIFF A2", "DIFF A1−λA2", "max ‖h‖ ratio",
+               "where (layer, row, pos, channel)", "min ‖v₀‖ ratio", "tokens"]
+
+
+def sink_rows(models: list[dict]) -> list[list]:
+    """One row per model from stats.json entries: Gu et al.'s sink rate (ε = 0.3), DIFF's per map, the
+    largest massive-activation ratio with its place, and the smallest value-state norm ratio."""
+    rows = []
+    for m in models:
+        sinks = m.get("sinks") or {}
+        if not sinks.get("layers"):
+            continue
+        rates = sinks["model"]
+        best = max(((int(i), v["massive_max"]) for i, v in sinks["layers"].items() if v.get("massive_max")),
+                   key=lambda kv: kv[1]["ratio"], default=None)
+        where = (f"{best[0]}, {best[1]['row']}, {best[1]['position']}, {best[1]['channel']}" if best else None)
+        rows.append([m["label"], rates.get("sink_rate"), rates.get("sink_rate_A1"), rates.get("sink_rate_A2"),
+                     rates.get("sink_rate_map"), rates.get("massive_ratio_max"), where, rates.get("value_ratio_min"),
+                     m["provenance"].get("tokens")])
+    return rows
 
 
 def write_report(profiles, out: Path, plots: bool = True) -> list[Path]:
@@ -116,12 +139,20 @@ def write_report(profiles, out: Path, plots: bool = True) -> list[Path]:
     md += markdown(["model", "activation", "top-1", "top-2", "top-3", "top-10", "top-100", "median"], paper)
     written = [out / "stats.json", out / "table5.md", out / "table5.csv"]
     models = [profile_json(p) for p in profiles]
+    sinks = sink_rows(models)
+    if sinks:
+        md += ("\nAttention sinks (Gu et al.: a head is a sink when its mean attention on the first token, over "
+               "queries after the first, exceeds 0.3; sink rate = fraction of heads over all layers) and massive "
+               "activations (Sun et al.: max over positions of the residual norm ‖h_t‖ / its median, per sequence, "
+               "averaged; the largest single one located). ‖v₀‖ ratio: value-state norm of the first token / median "
+               "of the others (Guo et al.'s value drains are ≪ 1).\n\n" + markdown(SINK_HEADER, sinks))
     atomic_write_json(out / "stats.json", {"models": models})
     atomic_write_text(out / "table5.md", md)
     atomic_write_text(out / "table5.csv", to_csv(TABLE5_HEADER, rows))
     if plots:
-        from diffquant.report.plots import plot_histograms, plot_layer_series
+        from diffquant.report.plots import plot_histograms, plot_layer_series, plot_sinks
 
         written += plot_layer_series({p.label: layer_series(p) for p in profiles}, out)
         written += plot_histograms(models, out)
+        written += plot_sinks(models, out)
     return written

@@ -24,3 +24,18 @@ def merge_across_ranks(stats: dict[str, SiteStats]) -> dict[str, SiteStats]:
             total = total.merge(other[name])
         merged[name] = total.to(device)
     return merged
+
+
+def gather_merge(objects: dict) -> dict:
+    """All-gather a dict of small CPU statistics with a `merge` method and merge them on each rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return objects
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, objects)
+    merged = {}
+    for part in gathered:
+        for key, value in part.items():
+            merged[key] = value if key not in merged else merged[key].merge(value)
+    return merged

@@ -1,0 +1,136 @@
+"""Attention sinks and massive activations, as streaming, mergeable per-layer statistics.
+
+- **First-token mass** (Gu et al. 2024, arXiv 2410.10781): per head, the attention a query puts on the
+  first position of its sequence (the first key it may attend), averaged over queries. Query 0 is left
+  out: it can attend only to itself, so its mass is 1 whatever the head does. A head is a **sink** when
+  its mean mass exceeds ε (0.3, as Gu et al.); the **sink rate** is the fraction of sink heads. DIFF:
+  reported per softmax map (A1 = heads 0..H/2−1, A2 = the rest, as transformers pairs them) and for the
+  differential map A1 − λ·A2.
+- **Value-state drain** (Guo et al. 2024, arXiv 2410.13835): per sequence, ‖v₀‖ / median over t ≥ 1 of
+  ‖v_t‖ (the output of v_proj, all heads), averaged over sequences.
+- **Massive activations** (Sun et al. 2024, arXiv 2402.17762): per sequence, the residual-state norm
+  ratio max_t ‖h_t‖ / median_t ‖h_t‖ of the decoder-layer output, averaged over sequences, and the largest
+  one seen with its sequence, position and the channel of its largest |value|.
+
+Padding: only valid tokens and valid (query, key) pairs count; the first position is the first valid one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPSILON = 0.3
+
+
+def first_key_mass(probs: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over queries of the mass on each row's first valid key, per head; number of queries counted).
+    probs: [batch, head, q, k]; valid broadcastable to it. Query rows whose first valid key is themselves
+    (the first token) or that have no valid key are not counted."""
+    b, h, q, k = probs.shape
+    if valid is None:
+        mass = probs[:, :, 1:, 0].float()
+        return mass.sum(dim=(0, 2)).double(), torch.tensor(b * (q - 1), dtype=torch.float64, device=probs.device)
+    v = valid.expand(b, -1, q, k)[:, :1]  # the mask is the same for every head
+    first = v.to(torch.int8).argmax(dim=-1)  # [b, 1, q] first valid key of each query row
+    rows = v.any(dim=-1) & (first != (torch.arange(q, device=probs.device) + (k - q)))  # not the query itself
+    mass = probs.float().gather(-1, first[..., None].expand(b, h, q, 1))[..., 0]
+    mass = torch.where(rows, mass, 0.0)
+    return mass.sum(dim=(0, 2)).double(), rows.sum().double()
+
+
+def norm_ratio(x: torch.Tensor, valid_tokens: torch.Tensor | None, first_only: bool):
+    """Per sequence of x [batch, pos, channel]: ‖x_first‖ / median of the others' norms (`first_only`), or
+    max / median over all positions (median: the middle value, or the mean of the two middle ones).
+    Returns (ratios [batch], positions [batch]); sequences with fewer than two valid tokens get nan."""
+    norms = x.float().norm(dim=-1)  # [batch, pos]
+    if valid_tokens is not None:
+        norms = torch.where(valid_tokens.reshape(norms.shape), norms, torch.nan)
+    ok = ~norms.isnan()
+    if first_only:
+        where = ok.to(torch.int8).argmax(dim=1)
+        top = norms.gather(1, where[:, None])[:, 0]
+        rest = norms.scatter(1, where[:, None], torch.nan)
+    else:
+        where = norms.nan_to_num(-1.0).argmax(dim=1)
+        top = norms.gather(1, where[:, None])[:, 0]
+        rest = norms
+    ratios = top / torch.nanquantile(rest, 0.5, dim=1).clamp_min(1e-30)
+    return torch.where(ok.sum(dim=1) >= 2, ratios, torch.nan), where
+
+
+class LayerSinks:
+    """The sink and massive-activation sums of one layer; `merge` adds them (exact)."""
+
+    def __init__(self):
+        self.mass: dict[str, torch.Tensor] = {}  # "probs" / "map": per-head sums of first-key mass
+        self.queries: dict[str, torch.Tensor] = {}
+        self.value = [0.0, 0]  # sum of ratios, sequences
+        self.massive = [0.0, 0]
+        self.massive_max: dict | None = None
+
+    def add_mass(self, which: str, probs: torch.Tensor, valid: torch.Tensor | None) -> None:
+        s, n = first_key_mass(probs.detach(), valid)
+        self.mass[which] = s.cpu() + self.mass.get(which, 0)
+        self.queries[which] = n.cpu() + self.queries.get(which, 0)
+
+    def add_values(self, v: torch.Tensor, valid_tokens: torch.Tensor | None) -> None:
+        r, _ = norm_ratio(v.detach(), valid_tokens, first_only=True)
+        r = r[~r.isnan()]
+        self.value = [self.value[0] + float(r.sum()), self.value[1] + r.numel()]
+
+    def add_hidden(self, h: torch.Tensor, valid_tokens: torch.Tensor | None, row_offset: int = 0) -> None:
+        r, pos = norm_ratio(h.detach(), valid_tokens, first_only=False)
+        ok = ~r.isnan()
+        self.massive = [self.massive[0] + float(r[ok].sum()), self.massive[1] + int(ok.sum())]
+        if bool(ok.any()):
+            best = int(torch.where(ok, r, -1.0).argmax())
+            ratio = float(r[best])
+            if self.massive_max is None or ratio > self.massive_max["ratio"]:
+                p = int(pos[best])
+                self.massive_max = {"ratio": ratio, "row": row_offset + best, "position": p,
+                                    "channel": int(h[best, p].abs().argmax()),
+                                    "norm": float(h[best, p].float().norm())}
+
+    def merge(self, other: "LayerSinks") -> "LayerSinks":
+        out = LayerSinks()
+        for which in set(self.mass) | set(other.mass):
+            out.mass[which] = self.mass.get(which, 0) + other.mass.get(which, 0)
+            out.queries[which] = self.queries.get(which, 0) + other.queries.get(which, 0)
+        out.value = [self.value[0] + other.value[0], self.value[1] + other.value[1]]
+        out.massive = [self.massive[0] + other.massive[0], self.massive[1] + other.massive[1]]
+        candidates = [m for m in (self.massive_max, other.massive_max) if m is not None]
+        out.massive_max = max(candidates, key=lambda m: m["ratio"]) if candidates else None
+        return out
+
+    def summary(self, diff: bool, epsilon: float = EPSILON) -> dict:
+        out: dict = {}
+        for which, total in self.mass.items():
+            mass = (total / max(1.0, float(self.queries[which]))).tolist()
+            groups = {"all": mass}
+            if which == "probs" and diff:
+                half = len(mass) // 2
+                groups = {"all": mass, "A1": mass[:half], "A2": mass[half:]}
+            key = "first_mass" if which == "probs" else "first_mass_map"
+            out[key] = mass
+            for g, values in groups.items():
+                name = ("sink" if which == "probs" else "sink_map") + ("" if g == "all" else f"_{g}")
+                out[name] = {"heads": len(values), "sinks": sum(v > epsilon for v in values)}
+        out["value_ratio"] = self.value[0] / self.value[1] if self.value[1] else None
+        out["massive_ratio"] = self.massive[0] / self.massive[1] if self.massive[1] else None
+        out["massive_max"] = self.massive_max
+        return out
+
+
+def model_sink_rates(layers: dict[int, dict]) -> dict:
+    """Sink rates over all layers and heads (Gu et al.'s metric), per map kind present."""
+    rates = {}
+    for key in ("sink", "sink_A1", "sink_A2", "sink_map"):
+        counts = [s[key] for s in layers.values() if key in s]
+        if counts:
+            heads = sum(c["heads"] for c in counts)
+            rates[key.replace("sink", "sink_rate")] = sum(c["sinks"] for c in counts) / heads if heads else None
+    ratios = [s["massive_ratio"] for s in layers.values() if s.get("massive_ratio") is not None]
+    rates["massive_ratio_max"] = max(ratios) if ratios else None
+    values = [s["value_ratio"] for s in layers.values() if s.get("value_ratio") is not None]
+    rates["value_ratio_min"] = min(values) if values else None
+    return rates
