@@ -65,18 +65,30 @@ def _quantize(sub) -> None:
 
 
 def _train(sub) -> None:
-    p = sub.add_parser("train", help="train a matched baseline/DIFF pair on a corpus")
+    p = sub.add_parser("train", help="train matched models (baseline, DIFF, rival designs) on identical data")
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--corpus", default="kjv")
+    p.add_argument("--corpus", default="kjv", help="corpus name, local text, hf:NAME, or synth:bb / synth:markov "
+                                                   "[:key=value,...] (synthetic token corpora)")
     p.add_argument("--tokens", type=int, default=1_000_000, help="training tokens per model")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear"])
+    p.add_argument("--seq-len", type=int, default=None, help="training window (default: the preset's)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"],
+                   help="decay after warm-up (default cosine, to min-lr-ratio × lr)")
+    p.add_argument("--warmup-frac", type=float, default=0.05, help="linear warm-up share of the steps (default 0.05)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr (default 0.1)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of matrices (default 0.1)")
+    p.add_argument("--bos", action="store_true",
+                   help="start every training and validation window with a BOS token (text corpora; synthetic "
+                        "corpora always have one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--save-every", type=int, default=200)
-    p.add_argument("--arch", nargs="+", default=["baseline", "diff"], choices=["baseline", "diff"])
+    p.add_argument("--arch", nargs="+", default=["baseline", "diff"],
+                   help="designs to train, space- or comma-separated (see `diffquant models`)")
+    p.add_argument("--track", action="store_true",
+                   help="profile every model on a fixed held-out batch at log-spaced steps (emergence.json, plots)")
+    p.add_argument("--track-points", type=int, default=16, help="log-spaced tracking points (default 16)")
     p.add_argument("--needle-fraction", type=float, default=0.0, help="fraction of training text made of needles")
     p.add_argument("--device", default=None)
     p.add_argument("--out", required=True)

@@ -22,7 +22,8 @@ import torch
 from diffquant import DiffquantError
 from diffquant.paths import atomic_write_json
 
-ARCHS = ("baseline", "diff")
+ARCHS = ("baseline", "diff")  # the default pair; any key of diffquant.designs trains
+SCHEDULES = ("cosine", "linear", "constant")
 
 
 @dataclass(frozen=True)
@@ -44,19 +45,29 @@ class TrainConfig:
     save_every: int = 200
     archs: tuple[str, ...] = ARCHS
     needle_fraction: float = 0.0
+    bos: bool = False  # text corpora: every window starts with the tokenizer's <|endoftext|> as BOS
+    track: bool = False  # emergence snapshots (diffquant/track.py)
+    track_points: int = 16
+    track_sequences: int = 8
 
     def __post_init__(self) -> None:
+        from diffquant.designs import DESIGNS
+
         if self.tokens <= 0:
             raise ValueError(f"tokens must be positive, got {self.tokens}")
-        if self.schedule not in ("cosine", "linear"):
-            raise ValueError(f"schedule must be cosine or linear, got {self.schedule!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.batch_size <= 0 or self.lr <= 0:
             raise ValueError("batch_size and lr must be positive")
-        unknown = set(self.archs) - set(ARCHS)
-        if unknown:
-            raise ValueError(f"unknown architectures {sorted(unknown)}; choose from {ARCHS}")
+        if self.weight_decay < 0 or not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("weight_decay must be >= 0, warmup_frac in [0, 1), min_lr_ratio in [0, 1]")
+        unknown = set(self.archs) - set(DESIGNS)
+        if unknown or not self.archs or len(set(self.archs)) != len(self.archs):
+            raise ValueError(f"architectures must be distinct names from: {', '.join(DESIGNS)} (got {list(self.archs)})")
         if not 0 <= self.needle_fraction < 1:
             raise ValueError("needle_fraction must be in [0, 1)")
+        if self.track and (self.track_points < 2 or self.track_sequences < 1):
+            raise ValueError("track needs track_points >= 2 and track_sequences >= 1")
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -64,6 +75,8 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if cfg.schedule == "constant":
+        return cfg.lr
     decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay)
 
@@ -102,17 +115,31 @@ class Data:
     unigram_entropy: float
     meta: dict = field(default_factory=dict)
 
+    @property
+    def vocab(self) -> int | None:
+        """The model vocabulary the data needs, where it is not the preset's (synthetic corpora)."""
+        return self.meta.get("vocab")
+
+
+def training_windows(cfg: TrainConfig, seq_len: int) -> int:
+    """How many training windows the run consumes: steps × batch size."""
+    return max(1, cfg.tokens // (cfg.batch_size * seq_len)) * cfg.batch_size
+
 
 def prepare_data(cfg: TrainConfig, out: Path, cache: str | None = None) -> Data:
-    """Train (or reuse) the tokenizer in out/tokenizer and cut the corpus into windows."""
+    """Train (or reuse) the tokenizer in out/tokenizer and cut the corpus into windows (synthetic corpora:
+    generate exactly the windows the run needs, plus the validation ones)."""
     from transformers import AutoTokenizer
 
     from diffquant.data.corpora import load_text, sha256, split
+    from diffquant.data.synthetic import is_synthetic
     from diffquant.data.tokens import encode, sequences, train_tokenizer
     from diffquant.models.presets import get_preset
 
     spec = get_preset(cfg.preset)
     seq_len = cfg.seq_len or spec.seq_len
+    if is_synthetic(cfg.corpus):
+        return _synthetic_data(cfg, out, seq_len)
     text, _ = load_text(cfg.corpus, cache)
     train_text, val_text = split(text)
     tok_dir = out / "tokenizer"
@@ -129,9 +156,37 @@ def prepare_data(cfg: TrainConfig, out: Path, cache: str | None = None) -> Data:
     val_ids = encode(tokenizer, val_text)
     if len(val_ids) < seq_len + 1:
         raise DiffquantError(f"the validation split has {len(val_ids)} tokens, fewer than one sequence of {seq_len}")
-    return Data(tokenizer, sequences(train_ids, seq_len), sequences(val_ids, seq_len, cfg.eval_tokens),
-                sha256(text), unigram_entropy(train_ids),
-                {"train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids)), "seq_len": seq_len})
+    if cfg.bos:  # windows of seq_len - 1 tokens behind a BOS
+        bos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        cut = lambda ids, n=None: _with_bos(sequences(ids, seq_len - 1, n and n * (seq_len - 1) // seq_len), bos)  # noqa: E731
+        train, val = cut(train_ids), cut(val_ids, cfg.eval_tokens)
+    else:
+        train, val = sequences(train_ids, seq_len), sequences(val_ids, seq_len, cfg.eval_tokens)
+    return Data(tokenizer, train, val, sha256(text), unigram_entropy(train_ids),
+                {"train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids)), "seq_len": seq_len,
+                 "val_windows": len(val), "bos": cfg.bos})
+
+
+def _with_bos(windows: torch.Tensor, bos: int) -> torch.Tensor:
+    return torch.cat([torch.full((len(windows), 1), bos, dtype=windows.dtype), windows], dim=1)
+
+
+def _synthetic_data(cfg: TrainConfig, out: Path, seq_len: int) -> Data:
+    import hashlib
+
+    from diffquant.data import synthetic
+
+    spec = synthetic.parse(cfg.corpus)
+    tokenizer = synthetic.tokenizer(spec)
+    tok_dir = out / "tokenizer"
+    if not (tok_dir / "tokenizer.json").is_file():
+        tokenizer.save_pretrained(tok_dir)
+    train = torch.from_numpy(synthetic.sequences(spec, "train", training_windows(cfg, seq_len), seq_len))
+    val = torch.from_numpy(synthetic.sequences(spec, "validation", max(1, cfg.eval_tokens // seq_len), seq_len))
+    return Data(tokenizer, train, val, hashlib.sha256(spec.label().encode()).hexdigest(),
+                unigram_entropy(train.flatten().numpy()),
+                {"train_tokens": int(train.numel()), "val_tokens": int(val.numel()), "seq_len": seq_len,
+                 "val_windows": len(val), "synthetic": spec.label(), "bos": True, "vocab": spec.vocab + 1})
 
 
 def _rank_world():
@@ -169,8 +224,7 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
             return metrics  # already finished
     else:
         torch.manual_seed(cfg.seed)
-        config = spec.config(arch)
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(spec.config(arch, vocab=data.vocab))
         state, start = None, 0
     model.to(device).train()
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -180,6 +234,9 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
     if world > 1:
         ddp_model = torch.nn.parallel.DistributedDataParallel(model)
     use_amp = device.startswith("cuda")
+    track = _Tracker(cfg, data, total, metrics, device) if cfg.track else None
+    if track:
+        track(model, start)
     bar = tqdm(total=total, initial=start, desc=f"train {arch}", unit="step", disable=not progress or rank != 0)
     t0, tokens_done = time.perf_counter(), 0
     step = start
@@ -207,17 +264,43 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
             model.eval()
             metrics["val"].append({"step": done, **language_modeling(model, data.val.to(device))})
             model.train()
+        if track:
+            track(model, done)
         if rank == 0 and (done % cfg.save_every == 0 or done == total):
             _save(model, opt, data, ckpt, done, metrics)
         step = done
     bar.close()
     elapsed = time.perf_counter() - t0
+    if track:
+        metrics["track_seconds"] = metrics.get("track_seconds", 0.0) + track.seconds
     metrics["tokens_per_s"] = tokens_done / max(1e-9, elapsed) if tokens_done else metrics.get("tokens_per_s", 0.0)
     metrics["finished_step"] = step
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
     if rank == 0 and step == total:
         _save_state(ckpt, opt, step, metrics)
     return metrics
+
+
+class _Tracker:
+    """Emergence snapshots at the planned steps, kept in the run's metrics (so checkpoints carry them)."""
+
+    def __init__(self, cfg: TrainConfig, data: Data, total: int, metrics: dict, device: str):
+        from diffquant.track import track_steps
+
+        self.plan = set(track_steps(total, cfg.track_points))
+        self.batch = data.val[:cfg.track_sequences].to(device)
+        self.per_step = cfg.batch_size * data.train.shape[1]
+        self.points = metrics.setdefault("emergence", [])
+        self.seconds = 0.0
+
+    def __call__(self, model, step: int) -> None:
+        from diffquant.track import snapshot
+
+        if step not in self.plan or any(p["step"] == step for p in self.points):
+            return
+        t = time.perf_counter()
+        self.points.append(snapshot(model, self.batch, step, step * self.per_step))
+        self.seconds += time.perf_counter() - t
 
 
 def _save_state(ckpt: Path, opt, step: int, metrics: dict) -> None:
@@ -273,7 +356,7 @@ def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, res
         if saved != asdict(cfg) | {"archs": tuple(cfg.archs)}:
             raise DiffquantError(f"{out} was trained with other settings ({cfg_path}); resume with the same settings")
     if force and not resume:
-        for arch in ARCHS:
+        for arch in cfg.archs:
             shutil.rmtree(out / arch, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     rank, _ = _rank_world()
@@ -292,17 +375,37 @@ def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, res
         results["models"][arch] = m
         if rank == 0:
             atomic_write_json(metrics_path, results)
+            if cfg.track:
+                write_emergence(results, out)
     return results
+
+
+def write_emergence(results: dict, out: Path) -> None:
+    """emergence.json (every snapshot of every model, with the run's scale) and its figures."""
+    from diffquant.report.emergence_plots import plot_emergence
+    from diffquant.report.style import display
+
+    cfg = results["config"]
+    doc = {"config": cfg, "data": results["data"],
+           "scale": {display(a): {"parameters": m.get("parameters"), "tokens": m["emergence"][-1]["tokens"]}
+                     for a, m in results["models"].items() if m.get("emergence")},
+           "track_sequences": cfg["track_sequences"], "models": {display(a): m.get("emergence", [])
+                                                                 for a, m in results["models"].items()}}
+    atomic_write_json(out / "emergence.json", doc)
+    plot_emergence(doc, out)
 
 
 def run_cli(args) -> None:
     from diffquant.profile import finish_distributed, init_distributed
 
     try:
+        archs = tuple(a.strip() for part in args.arch for a in part.split(",") if a.strip())
         cfg = TrainConfig(preset=args.preset, corpus=args.corpus, tokens=args.tokens, batch_size=args.batch_size,
                           seq_len=args.seq_len, lr=args.lr, schedule=args.schedule, seed=args.seed,
-                          eval_every=args.eval_every, save_every=args.save_every, archs=tuple(args.arch),
-                          needle_fraction=args.needle_fraction)
+                          eval_every=args.eval_every, save_every=args.save_every, archs=archs,
+                          needle_fraction=args.needle_fraction, weight_decay=args.weight_decay,
+                          warmup_frac=args.warmup_frac, min_lr_ratio=args.min_lr_ratio, bos=args.bos,
+                          track=args.track, track_points=args.track_points)
     except ValueError as e:
         raise DiffquantError(str(e)) from None
     init_distributed()
@@ -312,9 +415,13 @@ def run_cli(args) -> None:
     results = train_pair(cfg, args.out, device, resume=args.resume, force=args.force, cache=args.cache_dir)
     if _rank_world()[0] == 0:
         print(f"unigram entropy of the training tokens: {results['data']['unigram_entropy']:.3f} nats")
+        from diffquant.report.style import display
+
         for arch, m in results["models"].items():
             v = m["final_val"]
-            print(f"{arch:<9} params {m['parameters']:,}  val loss {v['loss']:.3f}  ppl {v['ppl']:.2f}  "
-                  f"acc {v['accuracy']:.3f}  {m['tokens_per_s']:,.0f} tok/s")
-        print(f"checkpoints in {Path(args.out) / 'baseline'} and {Path(args.out) / 'diff'}")
+            print(f"{display(arch):<12} params {m['parameters']:,}  val loss {v['loss']:.3f}  ppl {v['ppl']:.2f}  "
+                  f"acc {v['accuracy']:.3f}  {m['tokens_per_s']:,.0f} tok/s  ({v['tokens']:,} held-out tokens)")
+        print(f"checkpoints in {', '.join(str(Path(args.out) / a) for a in cfg.archs)}")
+        if cfg.track:
+            print(f"emergence: {Path(args.out) / 'emergence.json'} and emergence*.png")
     finish_distributed()

@@ -33,9 +33,9 @@ class ModelSpec:
         if self.heads % 2:
             raise ValueError(f"heads must be even (DIFF pairs softmax maps), got {self.heads}")
 
-    def _common(self) -> dict:
+    def _common(self, vocab: int | None = None) -> dict:
         return dict(
-            vocab_size=self.vocab,
+            vocab_size=vocab or self.vocab,
             hidden_size=self.hidden,
             intermediate_size=self.ffn,
             num_hidden_layers=self.layers,
@@ -49,22 +49,12 @@ class ModelSpec:
             pad_token_id=None,
         )
 
-    def baseline_config(self):
-        from transformers import LlamaConfig
+    def config(self, arch: str, vocab: int | None = None):
+        """The config of design `arch` (see diffquant.designs) at this preset's shape; `vocab` overrides the
+        preset's vocabulary (synthetic corpora bring their own)."""
+        from diffquant.designs import get
 
-        return LlamaConfig(**self._common())
-
-    def diff_config(self):
-        from transformers import DiffLlamaConfig
-
-        return DiffLlamaConfig(**self._common())
-
-    def config(self, arch: str):
-        if arch == "baseline":
-            return self.baseline_config()
-        if arch == "diff":
-            return self.diff_config()
-        raise DiffquantError(f"unknown architecture {arch!r}: choose 'baseline' or 'diff'")
+        return get(arch).config(self._common(vocab))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -90,16 +80,18 @@ def get_preset(name: str) -> ModelSpec:
         raise DiffquantError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
 
 
-def build_pair(spec: ModelSpec, seed: int = 0):
-    """Build (baseline, diff) with the same seed, as fresh `LlamaForCausalLM`/`DiffLlamaForCausalLM`."""
+def build(spec: ModelSpec, arch: str, seed: int = 0, vocab: int | None = None):
+    """A fresh model of design `arch` at this preset, initialised from `seed`."""
     import torch
-    from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    baseline = LlamaForCausalLM(spec.baseline_config())
-    torch.manual_seed(seed)
-    diff = DiffLlamaForCausalLM(spec.diff_config())
-    return baseline.eval(), diff.eval()
+    return AutoModelForCausalLM.from_config(spec.config(arch, vocab)).eval()
+
+
+def build_pair(spec: ModelSpec, seed: int = 0):
+    """Build (baseline, diff) with the same seed, as fresh `LlamaForCausalLM`/`DiffLlamaForCausalLM`."""
+    return build(spec, "baseline", seed), build(spec, "diff", seed)
 
 
 def count_parameters(model) -> int:

@@ -17,6 +17,10 @@ def redraw(folder: Path) -> list[Path]:
         written += plot_layer_series({m["label"]: m["layers"] for m in models}, folder)
         written += plot_histograms(models, folder)
         written += plot_sinks(models, folder)
+    if (folder / "emergence.json").is_file():
+        from diffquant.report.emergence_plots import plot_emergence
+
+        written += plot_emergence(json.loads((folder / "emergence.json").read_text()), folder)
     if (folder / "results.json").is_file():
         from diffquant.report.sweep_plots import plot_sweep
 
@@ -32,5 +36,5 @@ def run_cli(args) -> None:
     for sub in [folder, *sorted(p for p in folder.iterdir() if p.is_dir())]:
         written += redraw(sub)
     if not written:
-        raise DiffquantError(f"{folder} holds no stats.json or results.json to plot")
+        raise DiffquantError(f"{folder} holds no stats.json, emergence.json or results.json to plot")
     print("\n".join(str(p) for p in written))

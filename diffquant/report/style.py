@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-DISPLAY = {"baseline": "Transformer", "diff": "DIFF"}  # architecture key -> the name reports use
-COLORS = {"Transformer": "#1f77b4", "DIFF": "#d62728", "SmolLM2-135M": "#7f7f7f"}
+DISPLAY: dict[str, str] = {}  # architecture key -> the name reports use (filled by diffquant.designs)
+COLORS = {"SmolLM2-135M": "#7f7f7f", "smollm2-135m": "#7f7f7f"}
 _SPARE = ("#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 
 
@@ -15,6 +15,8 @@ def register(key: str, display: str, color: str) -> None:
 
 def display(label: str) -> str:
     """The report name of an architecture key or a label ("baseline" -> "Transformer")."""
+    import diffquant.designs  # noqa: F401 - fills DISPLAY and COLORS
+
     return DISPLAY.get(label, label)
 
 

@@ -1,0 +1,69 @@
+"""Emergence figures from emergence.json: metrics against tokens seen (log x, one line per model) and
+per-layer heat maps (layer × snapshot)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffquant.report.plots import _plt, _save
+from diffquant.report.style import color, integer_ticks
+
+PANELS = (  # (key in a snapshot's "model" figures, or "loss"; title; log y)
+    ("hidden_ratio_max", "hidden states: top-1 / median (worst layer)", True),
+    ("attn_logits_top1_max", "attention logits: top-1 (worst layer)", True),
+    ("hidden_kurtosis_max", "hidden states: kurtosis (worst layer)", True),
+    ("sink_rate", "sink rate (first-token mass > 0.3)", False),
+    ("massive_ratio_max", "max‖h‖ / median‖h‖ (worst layer)", True),
+    ("loss", "held-out loss of the tracked batch", False),
+)
+HEATMAPS = (("hidden", "ratio", "hidden top-1 / median"), (None, "first_mass", "first-token attention mass"))
+
+
+def _value(point: dict, key: str):
+    return point["loss"] if key == "loss" else point["model"].get(key)
+
+
+def plot_emergence(doc: dict, out: Path) -> list[Path]:
+    models = {label: pts for label, pts in doc["models"].items() if pts}
+    if not models:
+        return []
+    plt = _plt()
+    scale = "; ".join(f"{label} {s['parameters'] / 1e6:.2f}M parameters, {s['tokens']:,} tokens"
+                      for label, s in doc.get("scale", {}).items() if s.get("parameters"))
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7), layout="constrained")
+    for ax, (key, title, log) in zip(axes.flat, PANELS):
+        for label, pts in models.items():
+            xs = [max(p["tokens"], 1) for p in pts]  # the initialisation (0 tokens) sits at x = 1 on the log axis
+            ys = [_value(p, key) for p in pts]
+            ax.plot(xs, ys, marker="o", ms=3, color=color(label), label=label)
+        ax.set(title=title, xlabel="tokens seen (log; 1 = initialisation)", xscale="log")
+        if log:
+            ax.set_yscale("log")
+        if key == "sink_rate":
+            ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Outlier emergence during training ({scale}; {doc.get('track_sequences')} held-out sequences)",
+                 fontsize=9)
+    written = _save(fig, out, "emergence")
+    fig, axes = plt.subplots(len(HEATMAPS), len(models), figsize=(4.2 * len(models), 3.2 * len(HEATMAPS)),
+                             squeeze=False, layout="constrained")
+    for j, (label, pts) in enumerate(models.items()):
+        layers = sorted({int(k) for p in pts for k in p["layers"]})
+        for i, (kind, key, title) in enumerate(HEATMAPS):
+            grid = [[_layer_value(p, layer, kind, key) for p in pts] for layer in layers]
+            ax = axes[i][j]
+            im = ax.imshow(grid, aspect="auto", origin="lower", cmap="magma")
+            ticks = list(range(0, len(pts), max(1, len(pts) // 6)))
+            ax.set_xticks(ticks, [f"{pts[t]['tokens']:.0e}" for t in ticks], fontsize=7)
+            ax.set_yticks(range(len(layers)), [str(x) for x in layers])
+            ax.set(title=f"{label}: {title}", xlabel="tokens seen", ylabel="layer")
+            integer_ticks(ax, "y")
+            fig.colorbar(im, ax=ax)
+    return written + _save(fig, out, "emergence_layers")
+
+
+def _layer_value(point: dict, layer: int, kind: str | None, key: str):
+    entry = point["layers"].get(str(layer), {})
+    value = (entry.get(kind) or {}).get(key) if kind else entry.get(key)
+    return float("nan") if value is None else value

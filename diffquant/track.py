@@ -1,0 +1,64 @@
+"""Outlier emergence: profile a model on a fixed held-out batch at log-spaced points of its training.
+
+Each snapshot reuses `profile_model` (no second profiler) on the same batch: per layer the top-1, median,
+top-1/median and kurtosis of the hidden states and attention logits, the sink metrics of stats/sinks.py,
+and the held-out loss of the batch. `train --track` takes snapshots at step 0 (the initialisation),
+log-spaced steps, and the last step; they are saved with every checkpoint, so a resumed run keeps them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+TRACK_SITES = ("*.hidden", "*.attn_logits")
+
+
+def track_steps(total: int, points: int) -> list[int]:
+    """Steps (updates done) at which to take snapshots: 0, `points` log-spaced ones in [1, total], total."""
+    if total <= 0:
+        return [0]
+    steps = {0, total}
+    for i in range(points):
+        steps.add(max(1, min(total, round(math.exp(math.log(total) * i / max(1, points - 1))))))
+    return sorted(steps)
+
+
+def snapshot(model, batch: torch.Tensor, step: int, tokens: int) -> dict:
+    """One emergence point: the model's statistics on `batch` ([n, seq_len]) after `step` updates."""
+    from diffquant.evaluate import language_modeling
+    from diffquant.profile import profile_model
+    from diffquant.taps import site_table
+
+    was_training = model.training
+    model.eval()
+    sites = [s for s in TRACK_SITES if any(x.kind == s[2:] for x in site_table(model))]
+    prof = profile_model(model, batch, sites, batch_size=len(batch), k=1, progress=False, sinks=True)
+    loss = language_modeling(model, batch, batch_size=len(batch))["loss"]
+    model.train(was_training)
+    layers: dict[int, dict] = {}
+    for name, stats in prof.sites.items():
+        s = stats.summary(full=False)
+        top, median = s["absmax"], s["quantiles"]["median"]
+        layers.setdefault(prof.layer_of[name], {})[prof.kind_of[name]] = {
+            "top1": top, "median": median, "ratio": top / median if median else None, "kurtosis": s["kurtosis"]}
+    sinks = prof.sink_summary()
+    for layer, v in sinks.get("layers", {}).items():
+        entry = layers.setdefault(layer, {})
+        if "sink" in v:
+            entry["sink_fraction"] = v["sink"]["sinks"] / v["sink"]["heads"]
+            entry["first_mass"] = sum(v["first_mass"]) / len(v["first_mass"])
+        entry["massive_ratio"] = v.get("massive_ratio")
+    return {"step": step, "tokens": tokens, "loss": loss, "layers": {str(k): v for k, v in sorted(layers.items())},
+            "model": {**sinks.get("model", {}), **_extremes(layers)}}
+
+
+def _extremes(layers: dict[int, dict]) -> dict:
+    """The largest per-layer figure of each kind (the layer where outliers are worst)."""
+    out = {}
+    for kind in ("hidden", "attn_logits"):
+        for key in ("top1", "ratio", "kurtosis"):
+            values = [v[kind][key] for v in layers.values() if kind in v and v[kind][key] is not None]
+            out[f"{kind}_{key}_max"] = max(values) if values else None
+    return out
