@@ -15,25 +15,34 @@ def input_device(model) -> torch.device:
 
 
 def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progress: bool = False) -> dict:
-    """Mean next-token cross-entropy (nats), perplexity and top-1 accuracy over all predicted positions."""
+    """Mean next-token cross-entropy (nats), perplexity and top-1 accuracy over all predicted positions,
+    with their standard errors over sequences (all sequences have the same length, so the mean over
+    sequences is the mean over tokens), perplexity's 95% interval exp(loss ± 1.96 SE), the counts, and the
+    per-sequence losses (for paired comparisons of two settings on the same sequences)."""
     from tqdm.auto import tqdm
+
+    from diffquant.stats.intervals import Z95, standard_error
 
     if sequences.numel() == 0 or sequences.shape[1] < 2:
         raise DiffquantError("evaluation needs sequences of at least 2 tokens")
     device = input_device(model)
-    total_nll, total_correct, total = 0.0, 0, 0
+    losses, accs = [], []
     with torch.inference_mode(), frozen_weights():
-        for start in tqdm(range(0, len(sequences), batch_size), desc="eval", disable=not progress, leave=False):
+        for start in tqdm(range(0, len(sequences), batch_size), desc="eval", unit="batch", disable=not progress,
+                          leave=False):
             ids = sequences[start:start + batch_size].to(device)
             logits = model(ids, use_cache=False).logits[:, :-1].float()
             target = ids[:, 1:]
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                                    reduction="sum")
-            total_nll += float(nll)
-            total_correct += int((logits.argmax(-1) == target).sum())
-            total += target.numel()
-    loss = total_nll / total
-    return {"loss": loss, "ppl": math.exp(min(loss, 700)), "accuracy": total_correct / total, "tokens": total}
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+            losses += nll.double().mean(dim=1).tolist()
+            accs += (logits.argmax(-1) == target).double().mean(dim=1).tolist()
+    loss = math.fsum(losses) / len(losses)
+    se = standard_error(losses)
+    out = {"loss": loss, "loss_se": se, "ppl": math.exp(min(loss, 700)),
+           "ppl_ci95": None if se is None else [math.exp(min(loss - Z95 * se, 700)), math.exp(min(loss + Z95 * se, 700))],
+           "accuracy": math.fsum(accs) / len(accs), "accuracy_se": standard_error(accs),
+           "tokens": len(losses) * (sequences.shape[1] - 1), "sequences": len(losses), "per_sequence_loss": losses}
+    return out
 
 
 def multiple_choice(model, tokenizer, examples: list[dict], progress: bool = False) -> dict:

@@ -262,7 +262,9 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
         done = step + 1
         if done % cfg.eval_every == 0 or done == total:
             model.eval()
-            metrics["val"].append({"step": done, **language_modeling(model, data.val.to(device))})
+            val = language_modeling(model, data.val.to(device))
+            val.pop("per_sequence_loss")
+            metrics["val"].append({"step": done, **val})
             model.train()
         if track:
             track(model, done)
@@ -350,18 +352,20 @@ def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, res
     cfg_path = out / "train_config.json"
     if cfg_path.exists() and not (resume or force):
         raise DiffquantError(f"{out} already holds a training run; pass --resume to continue it or --force to restart")
+    saved_archs: tuple = ()
     if resume and cfg_path.exists():
         saved = json.loads(cfg_path.read_text())
-        saved["archs"] = tuple(saved["archs"])
-        if saved != asdict(cfg) | {"archs": tuple(cfg.archs)}:
-            raise DiffquantError(f"{out} was trained with other settings ({cfg_path}); resume with the same settings")
+        saved_archs = tuple(saved.pop("archs"))
+        if saved != {k: v for k, v in asdict(cfg).items() if k != "archs"}:
+            raise DiffquantError(f"{out} was trained with other settings ({cfg_path}); resume with the same settings "
+                                 "(designs may be added: every design trains on the same data independently)")
     if force and not resume:
         for arch in cfg.archs:
             shutil.rmtree(out / arch, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     rank, _ = _rank_world()
     if rank == 0:
-        atomic_write_json(cfg_path, asdict(cfg))
+        atomic_write_json(cfg_path, asdict(cfg) | {"archs": list(dict.fromkeys(saved_archs + tuple(cfg.archs)))})
     data = prepare_data(cfg, out, cache)
     results = {"config": asdict(cfg), "data": {"corpus": cfg.corpus, "sha256": data.sha256,
                                                "unigram_entropy": data.unigram_entropy, **data.meta},

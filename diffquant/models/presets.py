@@ -60,12 +60,13 @@ class ModelSpec:
         return asdict(self)
 
 
-# Sizes chosen so `tiny` trains on 2 CPU cores in minutes, `small` on one GPU in minutes and `base`
-# is GPT-2-small sized (~125M) for a real GPU run.
+# Sizes chosen so `micro` and `mini` train on synthetic corpora in minutes (emergence searches), `tiny` on
+# text on 2 CPU cores in minutes, `small` on one GPU in minutes and `base` is GPT-2-small sized (~125M).
 PRESETS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         ModelSpec("micro", hidden=64, layers=2, heads=4, ffn=176, vocab=512, seq_len=64),
+        ModelSpec("mini", hidden=128, layers=3, heads=4, ffn=352, vocab=2048, seq_len=128),
         ModelSpec("tiny", hidden=256, layers=4, heads=8, ffn=688, vocab=4096, seq_len=256),
         ModelSpec("small", hidden=512, layers=8, heads=8, ffn=1376, vocab=8192, seq_len=512),
         ModelSpec("base", hidden=768, layers=12, heads=12, ffn=2048, vocab=24576, seq_len=1024),

@@ -1,0 +1,63 @@
+"""Uncertainty of reported numbers: standard errors over sequences, paired differences, and t-intervals
+over seeds.
+
+- A metric averaged over held-out sequences (loss, accuracy) carries its standard error over sequences,
+  s / √n, treating sequences as independent draws (lm-eval reports the same kind of standard error).
+  Perplexity's interval is exp(mean loss ± 1.96 SE).
+- The difference between two settings of the same model on the same sequences (a quantized cell against
+  the float model) is paired: the SE of the per-sequence differences, much tighter than the two SEs.
+- A claim over training seeds uses Student's t: mean ± t(0.975, n−1) · s / √n.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import fmean, stdev
+
+Z95 = 1.959963984540054
+
+
+def standard_error(values: list[float]) -> float | None:
+    """s / √n of per-sequence values (None for fewer than two)."""
+    if len(values) < 2:
+        return None
+    return stdev(values) / math.sqrt(len(values))
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    """Mean of b − a over the same sequences, its SE and 95% interval (normal)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values need the same sequences ({len(a)} vs {len(b)})")
+    d = [y - x for x, y in zip(a, b)]
+    se = standard_error(d)
+    mean = fmean(d)
+    return {"mean": mean, "se": se, "ci95": None if se is None else [mean - Z95 * se, mean + Z95 * se], "n": len(d)}
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile (scipy)."""
+    from scipy.stats import t
+
+    return float(t.ppf(p, df))
+
+
+def t_interval(values: list[float], confidence: float = 0.95) -> dict:
+    """Mean and the t-interval over independent runs (seeds)."""
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return {"mean": None, "half": None, "n": 0, "values": values}
+    mean = fmean(vals)
+    if len(vals) < 2:
+        return {"mean": mean, "half": None, "n": len(vals), "values": values}
+    half = t_quantile(0.5 + confidence / 2, len(vals) - 1) * stdev(vals) / math.sqrt(len(vals))
+    return {"mean": mean, "half": half, "n": len(vals), "values": values}
+
+
+def fmt_pm(mean: float | None, half: float | None, digits: int = 3) -> str:
+    """"74.1 ± 1.2" with `digits` significant digits of the mean (the half-width to the same decimals)."""
+    if mean is None:
+        return "-"
+    if half is None:
+        return f"{mean:.{digits}g}"
+    decimals = max(0, digits - 1 - int(math.floor(math.log10(abs(mean))))) if mean else digits
+    return f"{mean:.{decimals}f} ± {half:.{decimals}f}"

@@ -1,0 +1,203 @@
+"""When do outliers appear, and does DIFF prevent them? (issue: outlier emergence)
+
+1. search: train the *baseline* under each setting of SEARCH (tracked), and record whether it reaches the
+   outlier regime: hidden top-1 / median >= 100 (worst layer) or sink rate >= 0.5, on held-out sequences.
+2. regime: in the first setting of SEARCH that reaches it (or, when none does, the one that came closest),
+   train every design identically for three seeds and report mean ± 95% t-interval over seeds.
+
+    python experiments/emergence.py [--quick] [--out docs/emergence] [--runs runs/emergence]
+    python experiments/emergence.py --only search|regime [--setting NAME] [--archs baseline diff] [--seeds 0 1 2]
+
+Everything is resumable: finished runs are reused, an interrupted one continues from its checkpoint.
+The hyper-parameters were written down before any run (the literature's, see each comment); the same
+ones serve every design. Results, with scale, seeds and token counts, go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+
+from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
+from diffquant.report.style import display  # noqa: E402
+from diffquant.report.tables import markdown  # noqa: E402
+from diffquant.stats.intervals import fmt_pm  # noqa: E402
+from diffquant.train import TrainConfig, prepare_data, train_pair  # noqa: E402
+
+RATIO, SINK = 100.0, 0.5  # the outlier regime: hidden top-1 / median, or sink rate (Gu et al.'s ε = 0.3)
+EVAL_SEQUENCES = 64  # held-out sequences for the final measurements
+
+# Each setting is TrainConfig overrides, chosen before any run from the cited papers.
+SEARCH = {
+    # Guo et al. 2024: Bigram-Backcopy with a BOS makes sinks in 1-3-layer transformers under Adam; smallest model
+    "bb-micro": dict(preset="micro", corpus="synth:bb", seq_len=128, batch_size=32, lr=3e-3, weight_decay=0.1,
+                     tokens=8_000_000),
+    # the same task one size up, at Guo et al.'s order of learning rate
+    "bb-mini": dict(preset="mini", corpus="synth:bb", seq_len=128, batch_size=32, lr=1e-3, weight_decay=0.1,
+                    tokens=8_000_000),
+    # no triggers: attention is never useful, so heads should go dormant (Bondarenko et al.'s "no-op")
+    "markov-mini": dict(preset="mini", corpus="synth:markov", seq_len=128, batch_size=32, lr=1e-3, weight_decay=0.1,
+                        tokens=8_000_000),
+    # Guo et al.'s optimiser side: larger learning rate and no weight decay
+    "bb-mini-lr3e-3-wd0": dict(preset="mini", corpus="synth:bb", seq_len=128, batch_size=32, lr=3e-3,
+                               weight_decay=0.0, tokens=8_000_000),
+    # natural text with a BOS on every window (Gu et al.: the first token of every window matters; weight decay helps)
+    "kjv-tiny-bos": dict(preset="tiny", corpus="kjv", seq_len=128, batch_size=16, lr=3e-3, weight_decay=0.1, bos=True,
+                         tokens=2_000_000),
+}
+QUICK = {"bb-micro-quick": dict(preset="micro", corpus="synth:bb:vocab=32", seq_len=32, batch_size=8, lr=3e-3,
+                                tokens=8 * 32 * 24)}
+
+
+def config(overrides: dict, seed: int = 0, archs=("baseline",)) -> TrainConfig:
+    return TrainConfig(**{"eval_every": 10**9, "save_every": 200, "track": True, "track_points": 16, **overrides,
+                          "seed": seed, "archs": tuple(archs)})
+
+
+def held_out(cfg: TrainConfig, folder: Path, n: int) -> torch.Tensor:
+    return prepare_data(TrainConfig(**{**asdict(cfg), "archs": tuple(cfg.archs), "eval_tokens": n * (cfg.seq_len or 128)}),
+                        folder).val[:n]
+
+
+def train_and_measure(name: str, overrides: dict, seed: int, archs, runs: Path, n_eval: int) -> dict:
+    """Train (or reuse) the designs of one setting and seed; measure each on held-out sequences."""
+    from transformers import AutoModelForCausalLM
+
+    from measure import measure
+
+    folder = runs / name / f"s{seed}"
+    cfg = config(overrides, seed, archs)
+    t = time.perf_counter()
+    train_pair(cfg, folder, resume=(folder / "train_config.json").exists(), progress=False)
+    minutes = (time.perf_counter() - t) / 60
+    results = json.loads((folder / "metrics.json").read_text())
+    seqs = held_out(cfg, folder, n_eval)
+    out = {}
+    for arch in archs:
+        model = AutoModelForCausalLM.from_pretrained(folder / arch).eval()
+        m = measure(model, seqs)
+        info = results["models"][arch]
+        m.update(parameters=info["parameters"], train_tokens=info["emergence"][-1]["tokens"],
+                 minutes=minutes / len(archs), emergence=info["emergence"])
+        out[arch] = m
+    return out
+
+
+def in_regime(m: dict) -> bool:
+    return (m["hidden_ratio"] or 0) >= RATIO or (m["sink_rate"] or 0) >= SINK
+
+
+def extrapolate(emergence: list[dict]) -> float | None:
+    """Tokens at which the worst-layer hidden top-1/median would reach RATIO, from a log-log line through
+    the second half of the snapshots (None if it does not grow)."""
+    pts = [(p["tokens"], p["model"].get("hidden_ratio_max")) for p in emergence if p["tokens"] > 0]
+    pts = [(t, r) for t, r in pts[len(pts) // 2:] if r]
+    if len(pts) < 3:
+        return None
+    xs, ys = [math.log(t) for t, _ in pts], [math.log(r) for _, r in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        return None
+    return math.exp(mx + (math.log(RATIO) - my) / slope)
+
+
+def search(settings: dict, runs: Path, out: Path, n_eval: int) -> dict:
+    rows, found = [], {}
+    for name, overrides in settings.items():
+        m = train_and_measure(name, overrides, 0, ("baseline",), runs, n_eval)["baseline"]
+        found[name] = {k: v for k, v in m.items() if k != "emergence"} | {"extrapolated_tokens": extrapolate(m["emergence"])}
+        rows.append([name, overrides["preset"], m["parameters"], overrides["corpus"], overrides["lr"],
+                     overrides.get("weight_decay", 0.1), overrides.get("bos", False) or overrides["corpus"].startswith("synth"),
+                     overrides["seq_len"], m["train_tokens"], round(m["minutes"], 1), m["sink_rate"], m["hidden_ratio"],
+                     m["massive_ratio"], m["logit_top1"], m["loss"], "yes" if in_regime(m) else "no",
+                     found[name]["extrapolated_tokens"]])
+        _write_search(rows, found, out, n_eval)
+    return found
+
+
+SEARCH_HEADER = ["setting", "preset", "parameters", "corpus", "lr", "weight decay", "BOS", "seq", "train tokens",
+                 "minutes", "sink rate", "hidden top-1/median", "max‖h‖/median", "logit top-1", "loss", "regime",
+                 "tokens to reach 100× (extrapolated)"]
+
+
+def _write_search(rows, found, out: Path, n_eval: int) -> None:
+    atomic_write_json(out / "search.json", {"criterion": {"hidden_ratio": RATIO, "sink_rate": SINK},
+                                            "eval_sequences": n_eval, "seed": 0, "settings": SEARCH, "results": found})
+    atomic_write_text(out / "search.md", f"Baseline (Transformer) only, seed 0; measured on {n_eval} held-out "
+                      f"sequences. Regime: hidden top-1/median >= {RATIO:g} or sink rate >= {SINK}.\n\n"
+                      + markdown(SEARCH_HEADER, rows))
+
+
+def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_eval: int) -> dict:
+    from measure import METRICS, aggregate
+
+    per = {arch: [] for arch in archs}
+    for seed in seeds:
+        for arch, m in train_and_measure(name, overrides, seed, archs, runs, n_eval).items():
+            per[arch].append(m)
+    agg = {arch: aggregate(ms) for arch, ms in per.items()}
+    doc = {"setting": name, "overrides": overrides, "seeds": list(seeds), "eval_sequences": n_eval,
+           "scale": {display(a): {"parameters": per[a][0]["parameters"], "train_tokens": per[a][0]["train_tokens"]}
+                     for a in archs},
+           "per_seed": {display(a): [{k: v for k, v in m.items() if k != "emergence"} for m in ms]
+                        for a, ms in per.items()},
+           "aggregate": {display(a): v for a, v in agg.items()}}
+    atomic_write_json(out / "results.json", doc)
+    header = ["model", "parameters", "train tokens", *[METRICS[k][0] for k in METRICS if k in agg[archs[0]]]]
+    body = [[display(a), per[a][0]["parameters"], per[a][0]["train_tokens"],
+             *[fmt_pm(agg[a][k]["mean"], agg[a][k]["half"], METRICS[k][1]) for k in METRICS if k in agg[a]]]
+            for a in archs]
+    text = (f"Setting `{name}` ({json.dumps(overrides)}); {len(seeds)} seeds ({', '.join(map(str, seeds))}), mean ± 95% "
+            f"t-interval over seeds; every model measured on the same {n_eval} held-out sequences "
+            f"({per[archs[0]][0]['tokens']:,} predicted tokens).\n\n" + markdown(header, body))
+    atomic_write_text(out / "results.md", text)
+    from diffquant.report.emergence_plots import plot_emergence
+
+    first = {display(a): per[a][0]["emergence"] for a in archs}
+    plot_emergence({"models": first, "track_sequences": 8,
+                    "scale": {display(a): {"parameters": per[a][0]["parameters"], "tokens": per[a][0]["train_tokens"]}
+                              for a in archs}}, out)
+    return doc
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a tiny synthetic setting: the pipeline in a minute")
+    p.add_argument("--only", choices=["search", "regime"])
+    p.add_argument("--setting", help="regime: the SEARCH setting to use (default: chosen by the search)")
+    p.add_argument("--archs", nargs="+", default=["baseline", "diff"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--out", default="docs/emergence")
+    p.add_argument("--runs", default="runs/emergence")
+    a = p.parse_args(argv)
+    settings = QUICK if a.quick else SEARCH
+    n_eval = 8 if a.quick else EVAL_SEQUENCES
+    out, runs = Path(a.out), Path(a.runs)
+    out.mkdir(parents=True, exist_ok=True)
+    found = None
+    if a.only != "regime":
+        found = search(settings, runs, out, n_eval)
+        print((out / "search.md").read_text())
+    if a.only == "search":
+        return
+    name = a.setting
+    if name is None:
+        found = found or json.loads((out / "search.json").read_text())["results"]
+        hits = [n for n in settings if in_regime(found[n])]
+        name = hits[0] if hits else max(settings, key=lambda n: found[n]["hidden_ratio"])
+    regime(name, settings[name], tuple(a.archs), a.seeds, runs, out, n_eval)
+    print((out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

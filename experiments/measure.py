@@ -1,0 +1,65 @@
+"""Shared by the emergence, rivals and mitigation experiments: measure one trained model on held-out
+sequences, and aggregate seeds into mean ± 95% t-intervals."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from diffquant.evaluate import language_modeling
+from diffquant.profile import profile_model
+from diffquant.quant.scheme import get_scheme, quantize_
+from diffquant.stats.intervals import paired, t_interval
+
+METRICS = {  # key: (label, digits)
+    "loss": ("held-out loss (nats)", 4),
+    "logit_top1": ("attention-logit top-1", 3),
+    "logit_median": ("attention-logit median", 3),
+    "hidden_top1": ("hidden-state top-1", 4),
+    "hidden_median": ("hidden-state median", 3),
+    "hidden_ratio": ("hidden top-1 / median", 3),
+    "hidden_kurtosis": ("hidden kurtosis", 3),
+    "sink_rate": ("sink rate", 2),
+    "massive_ratio": ("max‖h‖ / median‖h‖", 3),
+    "logits_int4_cost": ("logits int4: Δppl %", 3),
+    "w8a8_cost": ("W8A8: Δppl %", 3),
+}
+
+
+def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme: str) -> dict:
+    """Perplexity change (%) under `scheme`, paired over the same sequences: exp(mean Δloss) − 1, with the
+    paired 95% interval of Δloss carried through the same map."""
+    handle = quantize_(model, get_scheme(scheme))
+    try:
+        q = language_modeling(model, seqs)["per_sequence_loss"]
+    finally:
+        handle.remove()
+    d = paired(fp_losses, q)
+    pct = lambda x: 100 * (math.exp(x) - 1)  # noqa: E731
+    return {"pct": pct(d["mean"]), "ci95": [pct(x) for x in d["ci95"]] if d["ci95"] else None, "n": d["n"]}
+
+
+def measure(model, seqs: torch.Tensor, schemes=("logits-int4",)) -> dict:
+    """Loss, Table 5 analog (pooled logits and hidden states), sink rate, massive-activation ratio and the
+    perplexity cost of each scheme, all on the same held-out sequences."""
+    fp = language_modeling(model, seqs)
+    prof = profile_model(model, seqs, ["*.attn_logits", "*.hidden"], progress=False, sinks=True, k=10)
+    logits, hidden = prof.pooled("attn_logits").summary(full=False), prof.pooled("hidden").summary(full=False)
+    sinks = prof.sink_summary()["model"]
+    out = {"loss": fp["loss"], "loss_se": fp["loss_se"], "tokens": fp["tokens"], "sequences": fp["sequences"],
+           "logit_top1": logits["absmax"], "logit_median": logits["quantiles"]["median"],
+           "hidden_top1": hidden["absmax"], "hidden_median": hidden["quantiles"]["median"],
+           "hidden_kurtosis": hidden["kurtosis"], "sink_rate": sinks.get("sink_rate"),
+           "massive_ratio": sinks.get("massive_ratio_max"), "sinks": sinks}
+    out["hidden_ratio"] = out["hidden_top1"] / out["hidden_median"]
+    for scheme in schemes:
+        cost = quantization_cost(model, seqs, fp["per_sequence_loss"], scheme)
+        out[f"{scheme.replace('-', '_')}_cost"] = cost["pct"]
+        out[f"{scheme.replace('-', '_')}_cost_ci95"] = cost["ci95"]
+    return out
+
+
+def aggregate(per_seed: list[dict]) -> dict:
+    """{metric: t_interval over seeds} for every metric of METRICS present."""
+    return {k: t_interval([m.get(k) for m in per_seed]) for k in METRICS if any(m.get(k) is not None for m in per_seed)}
