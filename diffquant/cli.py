@@ -21,17 +21,23 @@ def _cmd_env(args) -> None:
 
 
 def _cmd_models(args) -> None:
-    from diffquant.models.presets import PRESETS, build_pair, count_parameters
+    from diffquant.designs import DESIGNS
+    from diffquant.models.presets import PRESETS
     from diffquant.models.zoo import ZOO
 
-    print(f"{'preset':<8} {'hidden':>6} {'layers':>6} {'maps':>5} {'ffn':>5} {'vocab':>6} {'seq':>5} "
-          f"{'baseline params':>16} {'DIFF params':>12} {'diff %':>7}")
+    archs = list(DESIGNS)
+    print(f"{'preset':<7} {'hidden':>6} {'layers':>6} {'maps':>4} {'ffn':>5} {'vocab':>6} {'seq':>5}  "
+          + "  ".join(f"{DESIGNS[a].display:>21}" for a in archs))
     for name, spec in PRESETS.items():
-        baseline, diff = build_pair(spec)
-        nb, nd = count_parameters(baseline), count_parameters(diff)
-        print(f"{name:<8} {spec.hidden:>6} {spec.layers:>6} {spec.heads:>5} {spec.ffn:>5} {spec.vocab:>6} "
-              f"{spec.seq_len:>5} {nb:>16,} {nd:>12,} {100 * (nd - nb) / nb:>6.3f}%")
+        base = spec.parameters("baseline")
+        cells = [f"{spec.parameters(a):,}" + ("" if a == "baseline" else
+                                              f" ({100 * (spec.parameters(a) - base) / base:+.3f}%)") for a in archs]
+        print(f"{name:<7} {spec.hidden:>6} {spec.layers:>6} {spec.heads:>4} {spec.ffn:>5} {spec.vocab:>6} "
+              f"{spec.seq_len:>5}  " + "  ".join(f"{c:>21}" for c in cells))
     print("\n'maps' = softmax maps per layer: baseline heads, or 2 x DIFF differential heads.")
+    print("designs (diffquant train --arch KEY):")
+    for a in archs:
+        print(f"  {a:<12} {DESIGNS[a].display:<12} {DESIGNS[a].doc}")
     print("zoo (offline, from package registries):")
     for entry in ZOO.values():
         print(f"  {entry.name:<14} {entry.note}")
@@ -94,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if threading_main():
         signal.signal(signal.SIGTERM, _terminate)
+        if hasattr(signal, "SIGPIPE"):
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `diffquant ... | head` ends quietly, like other tools
     parser = build_parser()
     args = parser.parse_args(argv)
     from diffquant.allocator import keep_freed_memory

@@ -224,7 +224,7 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
             return metrics  # already finished
     else:
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(spec.config(arch, vocab=data.vocab))
+        model = AutoModelForCausalLM.from_config(spec.config(arch, vocab=data.vocab, seq_len=seq_len))
         state, start = None, 0
     model.to(device).train()
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)

@@ -36,7 +36,14 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
         vals = logits.abs()[allowed.expand_as(logits)]
         _probe["count"] += vals.numel()
         _probe["max"] = max(_probe["max"], float(vals.max()))
-    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    e = torch.exp(logits - logits.amax(-1, keepdim=True)).masked_fill(~allowed, 0.0)
+    denominator = e.sum(-1, keepdim=True)
+    if kwargs.get("s_aux") is not None:  # a sink logit in the denominator only
+        denominator = denominator + torch.exp(kwargs["s_aux"].float()[None, :, None, None] - logits.amax(-1, keepdim=True))
+    probs = e / denominator
+    if kwargs.get("clip_softmax") is not None:
+        zeta, gamma = kwargs["clip_softmax"]
+        probs = torch.clamp((zeta - gamma) * probs + gamma, 0, 1).masked_fill(~allowed, 0.0)
     return (probs @ v).to(query.dtype).transpose(1, 2).contiguous(), probs
 
 

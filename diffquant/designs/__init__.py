@@ -23,20 +23,57 @@ class Design:
     key: str
     display: str
     color: str
-    config: Callable[[dict], object]
+    config: Callable[[dict, int], object]  # (the preset's common settings, training window) -> config
     doc: str
+    added: Callable[[int, int], int] = lambda hidden, heads: 0  # parameters a layer adds to Llama's
+    narrow_mlp: bool = False  # absorbs `added` by narrowing the SwiGLU width (see mlp_narrowing)
 
 
-def _llama(common: dict):
+def mlp_narrowing(added: int, hidden: int) -> int:
+    """SwiGLU units to remove so a layer that adds `added` parameters stays matched: 3·hidden parameters
+    per unit, rounded (the count then differs by at most 1.5·hidden per layer)."""
+    return round(added / (3 * hidden))
+
+
+def gate_parameters(hidden: int, heads: int, gate: str = "elementwise") -> int:
+    """The gate projection of `gated`: hidden → H·d (= hidden) or → H, with a bias."""
+    width = hidden if gate == "elementwise" else heads
+    return hidden * width + width
+
+
+def _llama(common: dict, seq_len: int):
     from transformers import LlamaConfig
 
     return LlamaConfig(**common)
 
 
-def _diffllama(common: dict):
+def _diffllama(common: dict, seq_len: int):
     from transformers import DiffLlamaConfig
 
     return DiffLlamaConfig(**common)
+
+
+def _gated(common: dict, seq_len: int):
+    from diffquant.designs import gated
+
+    return gated.config(common)
+
+
+def _clipsoftmax(common: dict, seq_len: int):
+    from diffquant.designs import clipsoftmax
+
+    return clipsoftmax.config(common, seq_len)
+
+
+def _sink(common: dict, seq_len: int):
+    from diffquant.designs import sink
+
+    return sink.config(common)
+
+
+def register_auto_classes() -> None:
+    """Register the rival designs with transformers' Auto classes (imports transformers)."""
+    from diffquant.designs import clipsoftmax, gated, sink  # noqa: F401 - each registers itself
 
 
 DESIGNS: dict[str, Design] = {}
@@ -60,4 +97,12 @@ def get(key: str) -> Design:
 
 register(Design("baseline", "Transformer", "#1f77b4", _llama, "Llama: softmax attention"))
 register(Design("diff", "DIFF", "#d62728", _diffllama,
-                "DiffLlama: (softmax(Q1K1ᵀ) − λ·softmax(Q2K2ᵀ))·V, heads/2 differential heads of width 2d"))
+                "DiffLlama: (softmax(Q1K1ᵀ) − λ·softmax(Q2K2ᵀ))·V, heads/2 differential heads of width 2d",
+                added=lambda h, heads: 4 * (h // heads)))
+register(Design("gated", "Gated", "#2ca02c", _gated,
+                "softmax attention, output gated per element by σ(X·W_g + b) (Qiu et al. 2025, G1); MLP narrowed",
+                added=gate_parameters, narrow_mlp=True))
+register(Design("clipsoftmax", "ClipSoftmax", "#9467bd", _clipsoftmax,
+                "clip((ζ−γ)·softmax + γ, 0, 1), ζ = 1, γ = −12/T (Bondarenko et al. 2023)"))
+register(Design("sink", "Sink", "#ff7f0e", _sink, "a learned per-head sink logit in the softmax denominator (gpt-oss)",
+                added=lambda h, heads: heads))

@@ -17,8 +17,8 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attent
 @dataclass(frozen=True)
 class Family:
     name: str
-    config: str  # transformers config class
-    model: str  # transformers causal-LM class
+    config: str  # transformers config class ("" for a diffquant design)
+    model: str  # transformers causal-LM class, or the diffquant design key
     extra: dict = field(default_factory=dict)
     note: str = ""
 
@@ -26,6 +26,10 @@ class Family:
         import torch
         import transformers
 
+        if not self.config:  # a diffquant design at the `micro` preset (the same widths as the rest)
+            from diffquant.models.presets import PRESETS, build
+
+            return build(PRESETS["micro"], self.model, seed)
         torch.manual_seed(seed)
         config = getattr(transformers, self.config)(**{**_COMMON, **self.extra})
         return getattr(transformers, self.model)(config).eval()
@@ -67,5 +71,8 @@ FAMILIES: dict[str, Family] = {
                dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
                "MoE"),
         Family("bloom", "BloomConfig", "BloomForCausalLM", dict(n_layer=2, n_head=4), "ALiBi, own attention"),
+        Family("gated", "", "gated", note="diffquant design: output gate σ(X·W_g + b)"),
+        Family("clipsoftmax", "", "clipsoftmax", note="diffquant design: clipped softmax"),
+        Family("sink", "", "sink", note="diffquant design: learned sink logit"),
     )
 }

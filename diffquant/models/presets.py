@@ -49,15 +49,28 @@ class ModelSpec:
             pad_token_id=None,
         )
 
-    def config(self, arch: str, vocab: int | None = None):
+    def config(self, arch: str, vocab: int | None = None, seq_len: int | None = None):
         """The config of design `arch` (see diffquant.designs) at this preset's shape; `vocab` overrides the
-        preset's vocabulary (synthetic corpora bring their own)."""
+        preset's vocabulary (synthetic corpora bring their own), `seq_len` is the training window (some
+        designs depend on it; default the preset's)."""
         from diffquant.designs import get
 
-        return get(arch).config(self._common(vocab))
+        return get(arch).config(self._common(vocab), seq_len or self.seq_len)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def parameters(self, arch: str, vocab: int | None = None) -> int:
+        """Parameter count of design `arch` at this preset, by formula (no torch): embeddings and an untied
+        head, per layer 4·hidden² attention + 3·hidden·ffn SwiGLU + two norms + what the design adds (an
+        MLP-narrowing design gives back 3·hidden per unit it removes), and the final norm."""
+        from diffquant.designs import get, mlp_narrowing
+
+        design, h = get(arch), self.hidden
+        added = design.added(h, self.heads)
+        ffn = self.ffn - (mlp_narrowing(added, h) if design.narrow_mlp else 0)
+        per_layer = 4 * h * h + 3 * h * ffn + 2 * h + added
+        return (vocab or self.vocab) * h * (1 if self.tie_embeddings else 2) + self.layers * per_layer + h
 
 
 # Sizes chosen so `micro` and `mini` train on synthetic corpora in minutes (emergence searches), `tiny` on
@@ -81,13 +94,13 @@ def get_preset(name: str) -> ModelSpec:
         raise DiffquantError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
 
 
-def build(spec: ModelSpec, arch: str, seed: int = 0, vocab: int | None = None):
+def build(spec: ModelSpec, arch: str, seed: int = 0, vocab: int | None = None, seq_len: int | None = None):
     """A fresh model of design `arch` at this preset, initialised from `seed`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(spec.config(arch, vocab)).eval()
+    return AutoModelForCausalLM.from_config(spec.config(arch, vocab, seq_len)).eval()
 
 
 def build_pair(spec: ModelSpec, seed: int = 0):

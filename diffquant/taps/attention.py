@@ -67,14 +67,25 @@ def plain_causal(mask: torch.Tensor | None, q_len: int, k_len: int) -> bool:
 
 def tapped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     taps = getattr(module, "_diffquant_taps", None)
-    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if not taps:
-        if module.__dict__.get("_diffquant_fallback", "sdpa") == "sdpa" and softcap is None and sinks is None:
+        plain = all(kwargs.get(k) is None for k in ("softcap", "s_aux", "clip_softmax"))
+        if module.__dict__.get("_diffquant_fallback", "sdpa") == "sdpa" and plain:
             if plain_causal(attention_mask, query.shape[2], key.shape[2]):
                 attention_mask = None  # SDPA then takes its is_causal path
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                           **kwargs)
-        taps = {}  # the model's own attention is not SDPA (eager with softcap or sinks, flash ...): compute it here
+    return _attend(module, taps or {}, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def explicit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention computed explicitly (fp32 softmax), as the tapped attention computes it without taps,
+    including the variants transformers and diffquant's designs pass: `softcap`, `s_aux` (a per-head sink
+    logit in the denominator) and `clip_softmax=(ζ, γ)` (clip((ζ − γ)·softmax + γ, 0, 1)). The eager
+    attention of the designs whose softmax SDPA cannot compute."""
+    return _attend(module, {}, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def _attend(module, taps, query, key, value, attention_mask, scaling, dropout, kwargs):
     if dropout and module.training:
         raise DiffquantError("tapped attention does not apply attention dropout; use model.eval() or dropout 0")
     if scaling is None:
@@ -84,7 +95,7 @@ def tapped_attention(module, query, key, value, attention_mask, scaling=None, dr
         probs = pending[2]  # DiffLlama's second call: same Q and K, reuse (observed, maybe quantized) probs
     else:
         n_rep = query.shape[1] // key.shape[1]
-        probs = _probabilities(module, taps, query, repeat_kv(key, n_rep), attention_mask, scaling, softcap, sinks)
+        probs = _probabilities(module, taps, query, repeat_kv(key, n_rep), attention_mask, scaling, kwargs)
         if getattr(module, "_diffquant_paired", False):
             module._diffquant_pending = (query, key, probs)  # before repeat_kv, which makes a new tensor
     value = repeat_kv(value, query.shape[1] // value.shape[1])
@@ -92,7 +103,8 @@ def tapped_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous(), probs
 
 
-def _probabilities(module, taps, query, key, attention_mask, scaling, softcap, sinks=None):
+def _probabilities(module, taps, query, key, attention_mask, scaling, kwargs):
+    softcap, sinks, clip = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("clip_softmax")
     logits = torch.matmul(query, key.transpose(2, 3)).mul_(scaling)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
@@ -104,6 +116,9 @@ def _probabilities(module, taps, query, key, attention_mask, scaling, softcap, s
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
+    if clip is not None:  # Bondarenko et al.'s clipped softmax: exact zeros (and ones) become reachable
+        zeta, gamma = clip
+        probs = ((zeta - gamma) * probs + gamma).clamp_(0.0, 1.0).masked_fill_(~valid, 0.0)
     empty = ~valid.any(-1, keepdim=True)
     if bool(empty.any()):  # fully masked rows (padding): zeros, not NaN
         probs = probs.masked_fill(empty, 0.0)
