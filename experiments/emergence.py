@@ -68,7 +68,8 @@ def held_out(cfg: TrainConfig, folder: Path, n: int) -> torch.Tensor:
                         folder).val[:n]
 
 
-def train_and_measure(name: str, overrides: dict, seed: int, archs, runs: Path, n_eval: int) -> dict:
+def train_and_measure(name: str, overrides: dict, seed: int, archs, runs: Path, n_eval: int,
+                      schemes=("logits-int4",)) -> dict:
     """Train (or reuse) the designs of one setting and seed; measure each on held-out sequences."""
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +85,7 @@ def train_and_measure(name: str, overrides: dict, seed: int, archs, runs: Path, 
     out = {}
     for arch in archs:
         model = AutoModelForCausalLM.from_pretrained(folder / arch).eval()
-        m = measure(model, seqs)
+        m = measure(model, seqs, schemes)
         info = results["models"][arch]
         m.update(parameters=info["parameters"], train_tokens=info["emergence"][-1]["tokens"],
                  minutes=minutes / len(archs), emergence=info["emergence"])
@@ -138,12 +139,15 @@ def _write_search(rows, found, out: Path, n_eval: int) -> None:
                       + markdown(SEARCH_HEADER, rows))
 
 
-def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_eval: int) -> dict:
+def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_eval: int,
+           schemes=("logits-int4",)) -> dict:
+    """Every design of `archs` trained identically for each seed; mean ± 95% t-interval over seeds."""
     from measure import METRICS, aggregate
 
+    out.mkdir(parents=True, exist_ok=True)
     per = {arch: [] for arch in archs}
     for seed in seeds:
-        for arch, m in train_and_measure(name, overrides, seed, archs, runs, n_eval).items():
+        for arch, m in train_and_measure(name, overrides, seed, archs, runs, n_eval, schemes).items():
             per[arch].append(m)
     agg = {arch: aggregate(ms) for arch, ms in per.items()}
     doc = {"setting": name, "overrides": overrides, "seeds": list(seeds), "eval_sequences": n_eval,
