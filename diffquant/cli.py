@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffquant", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"diffquant {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument("--verbose", action="store_true",
+                        help="let third-party libraries print their warnings, load messages and progress bars")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("env", help="versions, device, usable backends and attention implementations")
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `diffquant ... | head` ends quietly, like other tools
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.verbose:
+        quiet_third_party()
     from diffquant.allocator import keep_freed_memory
 
     keep_freed_memory()  # faster CPU forwards; see diffquant/allocator.py
@@ -126,6 +130,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diffquant: error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         return 1
     return 0
+
+
+THIRD_PARTY = ("torch", "torchao", "transformers", "bitsandbytes", "optimum", "accelerate", "lm_eval", "datasets",
+               "huggingface_hub", "matplotlib")
+
+
+def quiet_third_party() -> None:
+    """No library chatter on stdout/stderr: transformers' load bars and advice, torchao's missing-CUDA-kernel
+    lines and torch's deprecation notes (diffquant's own progress bars and warnings stay). Set before those
+    libraries load, which read some of it at import."""
+    import logging
+    import os
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    for name in THIRD_PARTY + ("torch.utils._pytree",):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="(" + "|".join(THIRD_PARTY) + r")(\.|$)")
 
 
 def threading_main() -> bool:

@@ -8,9 +8,44 @@ import importlib
 
 def _lazy(module: str, name: str):
     def run(args):
+        validate(args)  # one-line errors at once, before torch and transformers load (seconds)
         return getattr(importlib.import_module(module), name)(args)
 
     return run
+
+
+def validate(args) -> None:
+    """Checks of the arguments every command shares that need no heavy module."""
+    from diffquant import DiffquantError
+
+    for key in ("tokens", "seq_len", "batch_size", "k", "calib_batches", "track_points"):
+        value = getattr(args, key, None)
+        if value is not None and value <= 0:
+            raise DiffquantError(f"--{key.replace('_', '-')} must be positive, got {value}")
+    if getattr(args, "preset", None) is not None:
+        from diffquant.models.presets import get_preset
+
+        get_preset(args.preset)
+    if getattr(args, "arch", None):
+        from diffquant.designs import get
+
+        for part in args.arch:
+            for key in filter(None, (a.strip() for a in part.split(","))):
+                get(key)
+    if getattr(args, "scheme", None) and args.func is not None and not getattr(args, "list", False):
+        from diffquant.quant.scheme import get_scheme
+
+        get_scheme(args.scheme)
+    for key in ("bits", "wa_grid"):
+        if getattr(args, key, None):
+            from diffquant.sweep import parse_bits
+
+            parse_bits(getattr(args, key))
+    if getattr(args, "granularity", None):
+        from diffquant.quant.granularity import parse_granularity
+
+        for g in args.granularity.split(","):
+            parse_granularity(g)
 
 def _profile(sub) -> None:
     p = sub.add_parser("profile", help="activation statistics and the paper's Table 5 for one or more models")
@@ -57,6 +92,9 @@ def _quantize(sub) -> None:
     p.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (default 8192)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--calib-batches", type=int, default=16, help="calibration batches for static scales")
+    p.add_argument("--save-weights", action="store_true",
+                   help="simulated schemes: also save a full copy of the float weights (default: the scheme and a "
+                        "reference to --model, a few kB)")
     p.add_argument("--out", help="output folder")
     p.add_argument("--force", action="store_true")
     p.add_argument("--hub", action="store_true")

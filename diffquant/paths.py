@@ -20,12 +20,21 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def user_mode() -> int:
+    """The mode a plain `open()` gives a new file: 0o666 less the umask (mkstemp would give 0o600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write via a temporary file in the same folder and rename, so readers never see half a file."""
+    """Write via a temporary file in the same folder and rename, so readers never see half a file; the file
+    gets the user's usual permissions."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, user_mode())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -38,3 +47,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def fix_modes(folder: str | os.PathLike) -> None:
+    """Give the files of a folder written by a library that creates them with mkstemp (0o600, e.g.
+    transformers' model.safetensors) the user's usual permissions."""
+    mode = user_mode()
+    for f in Path(folder).iterdir():
+        if f.is_file() and (f.stat().st_mode & 0o777) == 0o600 and mode != 0o600:
+            f.chmod(mode)

@@ -218,9 +218,12 @@ def run_cli(args) -> None:
         model, tokenizer = load_model(source, dtype=args.dtype, device=None if args.device_map else device,
                                       device_map=args.device_map, hub=args.hub, cache=args.cache_dir)
         if tokenizer is None:
-            raise DiffquantError(f"{source} has no tokenizer; train with 'diffquant train' (it saves one) or "
-                                 "pass a checkpoint folder holding tokenizer files")
+            raise DiffquantError(f"{source} has no tokenizer files; pass a folder that holds them (diffquant train "
+                                 "saves them with every checkpoint)")
         seqs = sequences(encode(tokenizer, val), args.seq_len, args.tokens)
+        if seqs.numel() < args.tokens:
+            print(f"{label}: the validation split of {args.data} holds {seqs.numel():,} tokens in whole sequences of "
+                  f"{args.seq_len}, fewer tokens than asked ({args.tokens:,}); profiling {seqs.numel():,}")
         prof = profile_model(model, seqs, args.sites, batch_size=args.batch_size, k=args.k, label=label,
                              compile=args.compile, sinks=not args.no_sinks)
         prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,

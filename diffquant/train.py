@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from diffquant import DiffquantError
-from diffquant.paths import atomic_write_json
+from diffquant.paths import atomic_write_json, fix_modes
 
 ARCHS = ("baseline", "diff")  # the default pair; any key of diffquant.designs trains
 SCHEDULES = ("cosine", "linear", "constant")
@@ -318,6 +318,7 @@ def _save(model, opt, data: Data, ckpt: Path, step: int, metrics: dict) -> None:
     model.save_pretrained(tmp)
     data.tokenizer.save_pretrained(tmp)
     torch.save({"step": step, "optimizer": opt.state_dict(), "metrics": metrics}, tmp / "trainer_state.pt")
+    fix_modes(tmp)
     old = ckpt.with_name(ckpt.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if ckpt.exists():

@@ -65,3 +65,38 @@ def test_sites_says_which_presets_apply(capsys, tmp_path):
     applies = out.split("apply to FalconForCausalLM: ")[1].splitlines()[0].split(", ")
     assert "w8a8" in applies and "nf4" in applies and "logits-int4" not in applies
     assert "not logits-int4: scheme 'logits-int4' cannot apply to FalconForCausalLM" in out
+
+
+def test_argument_errors_load_no_heavy_module():
+    """Bad arguments are refused before torch loads (that is what makes them answer at once)."""
+    for argv in (["train", "--preset", "huge", "--out", "x"], ["profile", "--model", "m", "--tokens", "-1", "--out", "x"],
+                 ["sweep", "--model", "m", "--bits", "99", "--out", "x"], ["train", "--arch", "nope", "--out", "x"],
+                 ["quantize", "--model", "m", "--scheme", "nope", "--out", "x"], ["models"]):
+        code = ("import sys; from diffquant.cli import main; rc = main(%r); "
+                "print(rc, 'torch' in sys.modules)" % (argv,))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        rc, torch_loaded = out.stdout.split()[-2:]  # `models` prints its table first
+        assert torch_loaded == "False", argv
+        assert (rc == "0") == (argv == ["models"]), (argv, out.stderr)
+        assert argv == ["models"] or out.stderr.count("\n") == 1  # one line
+
+
+def test_commands_are_quiet_and_pipes_end_quietly(tmp_path):
+    (tmp_path / "t.txt").write_text("In the beginning was the word.\n" * 400)
+    out = subprocess.run([sys.executable, "-m", "diffquant.cli", "profile", "--model", "micro:diff", "--data",
+                          str(tmp_path / "t.txt"), "--tokens", "512", "--seq-len", "64", "--out", str(tmp_path / "p"),
+                          "--no-plots"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    noise = [line for line in out.stderr.splitlines() if line.strip() and not line.startswith("profile ")]
+    assert noise == [], noise  # only diffquant's own progress bar
+    assert "fewer tokens" not in out.stdout
+    head = subprocess.run(f"{sys.executable} -m diffquant.cli models | head -1", shell=True, capture_output=True,
+                          text=True)
+    assert head.stderr == "" and head.stdout.startswith("preset")
+
+
+def test_profile_says_when_it_got_fewer_tokens(tmp_path, capsys):
+    (tmp_path / "t.txt").write_text("In the beginning was the word.\n" * 400)
+    assert main(["profile", "--model", "micro:baseline", "--data", str(tmp_path / "t.txt"), "--tokens", "100000",
+                 "--seq-len", "64", "--out", str(tmp_path / "p"), "--no-plots"]) == 0
+    assert "fewer tokens than asked" in capsys.readouterr().out

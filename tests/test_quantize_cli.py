@@ -25,11 +25,22 @@ def ckpt(tmp_path_factory):
     return root
 
 
-def test_fake_quantize_saves_and_reloads_with_scheme(ckpt, tmp_path):
+@pytest.mark.parametrize("weights", [False, True])
+def test_fake_quantize_saves_and_reloads_with_scheme(ckpt, tmp_path, weights, capsys):
     out = tmp_path / "fake"
     assert main(["quantize", "--model", str(ckpt / "m"), "--scheme", "w8a8-static", "--data", str(ckpt / "c.txt"),
-                 "--tokens", "256", "--seq-len", "32", "--calib-batches", "2", "--out", str(out)]) == 0
+                 "--tokens", "256", "--seq-len", "32", "--calib-batches", "2", "--out", str(out)]
+                + (["--save-weights"] if weights else [])) == 0
+    printed = capsys.readouterr().out
+    assert f"use it as --model {out}" in printed and "diffquant_scheme.json (" in printed
+    assert (out / "model.safetensors").is_file() == weights  # by default: the scheme and a reference only
+    saved = json.loads((out / "diffquant_scheme.json").read_text())
+    assert ("source" in saved) != weights
+    from diffquant.paths import user_mode
+
+    assert all((f.stat().st_mode & 0o777) == user_mode() for f in out.iterdir())  # the user's umask, not 0600
     result = json.loads((out / "quantize.json").read_text())
+    assert result["fp"]["tokens"] == 8 * 31 and result["simulated"]["paired_loss_change"]["n"] == 8
     model, _ = load_model(str(out))
     assert model._diffquant_quant.quantizers  # the scheme is applied on load
     assert all(q.scale is not None for q in model._diffquant_quant.quantizers.values() if not q.config.dynamic)

@@ -28,6 +28,34 @@ def train_tokenizer(text: str, vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
 
 
+def byte_tokenizer():
+    """One token per UTF-8 byte (ids 0..255, no merges): the tokenizer of the random-weight presets
+    (`tiny:diff`), which have none of their own, so every command that reads text runs on them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _BYTE_OF[ch])
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def _byte_of() -> dict[str, int]:
+    """GPT-2's byte-to-unicode map, inverted: the byte each ByteLevel character stands for."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = dict(zip(printable, printable)), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + n
+            n += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_OF = _byte_of()
+
+
 def _chunks(text: str, size: int = 1 << 16):
     for i in range(0, len(text), size):
         yield text[i:i + size]

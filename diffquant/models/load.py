@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffquant import DiffquantError
-from diffquant.models.presets import PRESETS, build_pair
+from diffquant.models.presets import PRESETS
 from diffquant.models.zoo import ZOO, zoo_file
 
 
@@ -23,20 +23,25 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
                hub: bool = False, attn_implementation: str | None = None, cache: str | None = None):
     """Return (model, tokenizer or None, description) for `source`.
 
-    `source` is a preset (`tiny:diff`, `tiny:baseline`; random weights), a zoo name (`smollm2-135m`),
-    a directory written by `save_pretrained`, a `.gguf` file, or a hub id when `hub=True`. Nothing is
-    downloaded from a hub unless `hub=True`.
+    `source` is a preset and design (`tiny:diff`, `tiny:baseline`, `tiny:gated`; random weights, with a
+    byte-level tokenizer, one token per UTF-8 byte), a zoo name (`smollm2-135m`), a directory written by
+    `save_pretrained`, a folder written by `diffquant quantize` (a scheme and the model it applies to), a
+    `.gguf` file, or a hub id when `hub=True`. Nothing is downloaded from a hub unless `hub=True`.
     """
     kwargs = {"dtype": _dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
         kwargs["device_map"] = device_map
+    from diffquant.designs import DESIGNS
+
     name, _, arch = source.partition(":")
     tokenizer = None
-    if name in PRESETS and arch in ("diff", "baseline"):
-        baseline, diff = build_pair(PRESETS[name])
-        model = diff if arch == "diff" else baseline
+    if name in PRESETS and arch in DESIGNS:
+        from diffquant.data.tokens import byte_tokenizer
+        from diffquant.models.presets import build
+
+        model, tokenizer = build(PRESETS[name], arch), byte_tokenizer()  # random weights: bytes as tokens
         if kwargs["dtype"] not in (None, "auto"):
             model = model.to(kwargs["dtype"])
     elif source in ZOO:
@@ -48,28 +53,43 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
                 raise DiffquantError(f"model file {source} does not exist")
             model, tokenizer = _from_pretrained(path.parent, kwargs, gguf_file=path.name)
         elif path.is_dir():
-            if not (path / "config.json").is_file():
+            scheme_file = path / "diffquant_scheme.json"
+            if not (path / "config.json").is_file() and scheme_file.is_file():
+                import json
+
+                # a simulated scheme saved without weights: load the model it names, then apply the scheme
+                ref = json.loads(scheme_file.read_text()).get("source")
+                if not ref:
+                    raise DiffquantError(f"{scheme_file} names no source model and {source} holds no weights")
+                model, tokenizer = load_model(ref["model"], dtype=dtype, device=None, hub=ref.get("hub", False),
+                                              cache=cache)
+                model._diffquant_quant = _apply_scheme(model, path)
+            elif not (path / "config.json").is_file():
                 raise DiffquantError(f"{source} is a directory without config.json; point at a save_pretrained folder")
-            if (path / "diffquant_backend.json").is_file():
+            elif (path / "diffquant_backend.json").is_file():
                 from diffquant.quant.backends import load_saved_real
 
                 model, tokenizer = load_saved_real(path), _tokenizer(path)
             else:
                 model, tokenizer = _from_pretrained(path, kwargs)
-                if (path / "diffquant_scheme.json").is_file():
-                    from diffquant.quant.cli import apply_saved_scheme
-
-                    model._diffquant_quant = apply_saved_scheme(model, path)
+                if scheme_file.is_file():
+                    model._diffquant_quant = _apply_scheme(model, path)
         elif hub:
             model, tokenizer = _from_pretrained(source, kwargs, local_files_only=False)
         else:
             raise DiffquantError(
                 f"unknown model {source!r}: not a directory, a .gguf file, a zoo name ({', '.join(ZOO)}) or a preset "
-                f"({', '.join(f'{p}:diff|{p}:baseline' for p in PRESETS)}). For a hub id pass --hub (needs network)"
+                f"PRESET:DESIGN ({'|'.join(PRESETS)}:{'|'.join(DESIGNS)}). For a hub id pass --hub (needs network)"
             )
     if device is not None and device_map is None:
         model = model.to(device)
     return model.eval(), tokenizer
+
+
+def _apply_scheme(model, folder: Path):
+    from diffquant.quant.scheme import load_saved_scheme
+
+    return load_saved_scheme(model, folder)
 
 
 PAIR_LABELS = (("baseline", "Transformer"), ("diff", "DIFF"))
@@ -95,6 +115,9 @@ def _load_zoo(name: str, kwargs: dict, cache: str | None):
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        from diffquant.paths import fix_modes
+
+        fix_modes(tmp)
         tmp.replace(converted)
     return _from_pretrained(converted, kwargs)
 

@@ -130,6 +130,9 @@ def save_real(model, name: str, out: Path) -> None:
     else:
         model.save_pretrained(out, safe_serialization=not name.startswith("torchao"))
     (out / "diffquant_backend.json").write_text(json.dumps({"backend": name}))
+    from diffquant.paths import fix_modes
+
+    fix_modes(out)
 
 
 def load_saved_real(path: Path):

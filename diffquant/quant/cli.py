@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
 from diffquant import DiffquantError
 from diffquant.paths import atomic_write_json
-
-SCHEME_FILE = "diffquant_scheme.json"
-
 
 def list_text() -> str:
     from diffquant.quant.backends import BACKENDS, backend_status
@@ -26,26 +22,23 @@ def list_text() -> str:
     return "\n".join(lines)
 
 
-def save_fake(model, tokenizer, attachment, out: Path) -> None:
-    """The float model, its tokenizer and the scheme (with static scales), applied again on load.
-    The attachment is removed first, so the float weights (not their parametrizations) are saved."""
-    scales = {name: q.state() for name, q in attachment.quantizers.items() if q.state()}
-    attachment.remove()
-    model.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    atomic_write_json(out / SCHEME_FILE, {"scheme": attachment.scheme.to_dict(), "scales": scales})
+def _source_reference(model: str, hub: bool) -> dict:
+    """How a saved scheme names its float model: a folder or file by absolute path, else as given."""
+    path = Path(model)
+    return {"model": str(path.resolve()) if path.exists() else model, "hub": hub}
 
 
-def apply_saved_scheme(model, folder: Path):
-    """Re-attach a scheme saved by `save_fake`; returns the attachment."""
-    from diffquant.quant.scheme import QuantScheme, quantize_
+def _sizes(folder: Path) -> str:
+    files = sorted(f for f in folder.iterdir() if f.is_file())
+    return ", ".join(f"{f.name} ({_human(f.stat().st_size)})" for f in files)
 
-    data = json.loads((folder / SCHEME_FILE).read_text())
-    attachment = quantize_(model, QuantScheme.from_dict(data["scheme"]))
-    for name, state in data.get("scales", {}).items():
-        attachment.quantizers[name].load_state(state)
-    return attachment
+
+def _human(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
 
 
 def run_cli(args) -> None:
@@ -56,11 +49,12 @@ def run_cli(args) -> None:
         raise DiffquantError("quantize needs --model and --out (or --list)")
     from diffquant.data.corpora import load_text, split
     from diffquant.data.tokens import encode, sequences
-    from diffquant.evaluate import language_modeling
     from diffquant.models.load import load_model
+    from diffquant.paths import fix_modes
     from diffquant.profile import prepare_out
     from diffquant.quant import backends
-    from diffquant.quant.scheme import calibrate, get_scheme, quantize_
+    from diffquant.quant.scheme import calibrate, get_scheme, quantize_, save_scheme
+    from diffquant.stats.intervals import paired
 
     real = args.backend != "fake"
     backend = backends.require(args.backend) if real else None
@@ -74,32 +68,56 @@ def run_cli(args) -> None:
     calib = sequences(encode(tokenizer, train[: 200_000]), args.seq_len, args.calib_batches * args.seq_len)
     evalset = sequences(encode(tokenizer, val), args.seq_len, args.tokens)
     result = {"model": args.model, "scheme": scheme.to_dict(), "backend": args.backend, "data": args.data}
-    result["fp"] = language_modeling(model, evalset)
+    quantize_(model, scheme).remove()  # a scheme that cannot apply is refused here, before any evaluation
+    if not real and args.save_weights:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        fix_modes(out)
+    result["fp"] = _evaluate(model, evalset, "float")
     result["fp_bytes"] = backends.serialized_bytes(model)
     attachment = quantize_(model, scheme)
     calibrate(model, attachment, calib.split(8))
-    result["simulated"] = language_modeling(model, evalset)
-    if not real:
-        save_fake(model, tokenizer, attachment, out)
+    result["simulated"] = _evaluate(model, evalset, scheme.name)
+    result["simulated"]["paired_loss_change"] = paired(result["fp"].pop("per_sequence_loss"),
+                                                       result["simulated"].pop("per_sequence_loss"))
+    if not real:  # the scheme, and a reference to the float model unless its weights were copied
+        save_scheme(attachment, out, None if args.save_weights else _source_reference(args.model, args.hub))
     else:
         attachment.remove()
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             qmodel = backends.load_real(args.backend, tmp, calib[:8])
-        result["real"] = language_modeling(qmodel, evalset)
+        result["real"] = _evaluate(qmodel, evalset, args.backend)
+        result["real"].pop("per_sequence_loss")
         result["real_bytes"] = backends.serialized_bytes(qmodel)
         result["gap_loss_real_minus_simulated"] = result["real"]["loss"] - result["simulated"]["loss"]
         backends.save_real(qmodel, args.backend, out)
         tokenizer.save_pretrained(out)
     atomic_write_json(out / "quantize.json", result)
     print(summary_text(result))
-    print(f"saved to {out} (load it with diffquant --model {out})")
+    print(f"wrote {out}: {_sizes(out)}")
+    print(f"use it as --model {out} in any diffquant command (profile, sweep, quantize, lm-eval), or "
+          f"diffquant.models.load.load_model({str(out)!r}) in Python"
+          + ("" if real or args.save_weights else f"; it applies the scheme to {args.model}, which must stay where it is"))
+
+
+def _evaluate(model, evalset, what: str) -> dict:
+    from diffquant.evaluate import language_modeling
+
+    print(f"evaluating {what} on {evalset.numel():,} tokens", flush=True)
+    return language_modeling(model, evalset, progress=True)
 
 
 def summary_text(r: dict) -> str:
-    lines = [f"{r['model']}: scheme {r['scheme']['name']}, backend {r['backend']}",
-             f"  fp          loss {r['fp']['loss']:.4f}  ppl {r['fp']['ppl']:.3f}  size {r['fp_bytes']:,} B",
-             f"  simulated   loss {r['simulated']['loss']:.4f}  ppl {r['simulated']['ppl']:.3f}"]
+    d = r["simulated"]["paired_loss_change"]
+    change = f"  (loss change {d['mean']:+.4f}, 95% paired interval [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}])" \
+        if d.get("ci95") else ""
+    n = f"{r['fp']['tokens']:,} tokens, {r['fp']['sequences']} sequences"
+    lines = [f"{r['model']}: scheme {r['scheme']['name']}, backend {r['backend']}; held-out {n}; ± = 1.96 SE over sequences",
+             f"  fp          loss {r['fp']['loss']:.4f} ± {1.96 * (r['fp']['loss_se'] or 0):.4f}  ppl {r['fp']['ppl']:.3f}"
+             f"  size {r['fp_bytes']:,} B",
+             f"  simulated   loss {r['simulated']['loss']:.4f} ± {1.96 * (r['simulated']['loss_se'] or 0):.4f}"
+             f"  ppl {r['simulated']['ppl']:.3f}{change}"]
     if "real" in r:
         lines.append(f"  real        loss {r['real']['loss']:.4f}  ppl {r['real']['ppl']:.3f}  size {r['real_bytes']:,} B"
                      f"  (real - simulated loss: {r['gap_loss_real_minus_simulated']:+.4f})")

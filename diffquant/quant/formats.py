@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-
-import torch
+from typing import TYPE_CHECKING
 
 from diffquant import DiffquantError
+
+if TYPE_CHECKING:
+    import torch
 
 # NF4 (QLoRA, Dettmers et al. 2023): quantiles of N(0, 1) normalised to [-1, 1]
 NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -67,8 +69,10 @@ FORMATS = {"int": None, "fp8_e4m3": 8, "fp8_e5m2": 8, "fp4_e2m1": 4, "nf4": 4}
 
 
 @lru_cache(maxsize=None)
-def grid(name: str) -> torch.Tensor:
+def grid(name: str) -> "torch.Tensor":
     """Sorted representable values of a float format (float32, CPU)."""
+    import torch
+
     if name == "nf4":
         values = torch.tensor(NF4_VALUES)
     elif name == "fp4_e2m1":

@@ -17,10 +17,12 @@ Weights are seen as [out_channel, in_channel] whatever their storage (see `taps/
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from diffquant import DiffquantError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

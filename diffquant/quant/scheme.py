@@ -12,15 +12,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from diffquant import DiffquantError
+from diffquant.frozen import frozen_weights
 from diffquant.quant import granularity as G
 from diffquant.quant.config import QuantConfig, int_config
-from diffquant.quant.fake import FakeQuant
-from diffquant.frozen import frozen_weights
 from diffquant.quant.formats import Format
-from diffquant.taps import attach
 
 LINEAR_INPUTS = ("*.attn_in", "*.attn_out", "*.mlp_in", "*.down_in")  # MoE: `*.down_in` also matches
 # experts.down_in and shared_expert.down_in
@@ -173,6 +169,9 @@ def quantize_(model, scheme: QuantScheme, compile: bool = False):
 
     The attachment's `quantizers` maps site name → FakeQuant (for calibration and saving scales).
     """
+    from diffquant.quant.fake import FakeQuant
+    from diffquant.taps import attach
+
     quantizers = {name: FakeQuant(config, compile) for name, config in plan(model, scheme).items()}
     attachment = attach(model, dict(quantizers))
     attachment.quantizers = quantizers
@@ -182,6 +181,8 @@ def quantize_(model, scheme: QuantScheme, compile: bool = False):
 
 def calibrate(model, attachment, batches, device=None) -> None:
     """Run calibration batches through the model to fix the static scales of `attachment`'s quantizers."""
+    import torch
+
     static = [q for q in attachment.quantizers.values() if not q.config.dynamic]
     if not static:
         return
@@ -196,3 +197,28 @@ def calibrate(model, attachment, batches, device=None) -> None:
         raise DiffquantError("calibration needs at least one batch")
     for q in static:
         q.finish_calibration()
+
+
+SCHEME_FILE = "diffquant_scheme.json"
+
+
+def save_scheme(attachment, folder, source: str | None = None) -> dict:
+    """Write `attachment`'s scheme (with static scales) to folder/diffquant_scheme.json; `source` names the
+    float model it applies to, for a folder that holds no weights of its own. Returns what was written."""
+    from diffquant.paths import atomic_write_json
+
+    scales = {name: q.state() for name, q in attachment.quantizers.items() if q.state()}
+    doc = {"scheme": attachment.scheme.to_dict(), "scales": scales}
+    if source is not None:
+        doc["source"] = source
+    atomic_write_json(Path(folder) / SCHEME_FILE, doc)
+    return doc
+
+
+def load_saved_scheme(model, folder):
+    """Re-attach a scheme saved by `save_scheme` to `model`; returns the attachment."""
+    data = json.loads((Path(folder) / SCHEME_FILE).read_text())
+    attachment = quantize_(model, QuantScheme.from_dict(data["scheme"]))
+    for name, state in data.get("scales", {}).items():
+        attachment.quantizers[name].load_state(state)
+    return attachment
