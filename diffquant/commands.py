@@ -166,7 +166,8 @@ def _plot(sub) -> None:
 
 
 def _demo(sub) -> None:
-    p = sub.add_parser("demo", help="train, profile, sweep and report end to end (offline; ~15 min on 2 CPU cores)")
+    p = sub.add_parser("demo", help="train, profile, sweep and report end to end (offline; about 10 min on a quiet "
+                                    "2-core CPU with the corpus and SmolLM2 cached, see the README)")
     p.add_argument("--out", default="runs/demo", help="report folder (default runs/demo)")
     p.add_argument("--quick", action="store_true", help="tiny budgets: the same pipeline in a few minutes")
     p.add_argument("--force", action="store_true", help="overwrite an existing report folder")

@@ -6,6 +6,7 @@ bits 16/8/6/4 and a W × A grid, profile SmolLM2-135M, and write a report folder
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,33 +15,38 @@ import torch
 
 from diffquant import DiffquantError
 from diffquant.paths import atomic_write_json, atomic_write_text, cache_dir
+from diffquant.report.style import display
 
 
 @dataclass(frozen=True)
 class DemoConfig:
     preset: str = "tiny"
     corpus: str = "kjv"
-    train_tokens: int = 600_000  # per model: ~3 min each on 2 CPU cores
+    train_tokens: int = 600_000  # per model: ~3 min each on a quiet 2-core CPU
+    eval_tokens: int = 16_384  # ONE held-out slice: the training table, the sweeps and the W x A grid all use it
     profile_tokens: int = 32_768
-    sweep_tokens: int = 8192
     sweep_bits: tuple[int, ...] = (16, 8, 6, 4)
     granularities: tuple[str, ...] = ("tensor", "head")
     wa_bits: tuple[int, ...] = (8, 6, 4)
     smollm_tokens: int = 4096
+    track_points: int = 12
     seed: int = 0
 
 
-QUICK = DemoConfig(train_tokens=30_000, profile_tokens=2048, sweep_tokens=1024, granularities=("tensor",),
+QUICK = DemoConfig(train_tokens=30_000, eval_tokens=1024, profile_tokens=2048, granularities=("tensor",),
                    wa_bits=(8, 4), smollm_tokens=256)
 PAPER_SCALE = "3B parameters, 350B training tokens"
+SEQ = 256
 
 
 def _pair(cfg: DemoConfig, cache: str | None, device: str) -> tuple[Path, dict]:
     from diffquant.train import TrainConfig, train_pair
 
     tcfg = TrainConfig(preset=cfg.preset, corpus=cfg.corpus, tokens=cfg.train_tokens, seed=cfg.seed,
-                       eval_every=max(50, cfg.train_tokens // (16 * 256 * 4)), save_every=100)
-    folder = cache_dir(cache) / "demo" / f"{cfg.preset}-{cfg.corpus}-{cfg.train_tokens}-s{cfg.seed}"
+                       eval_every=max(50, cfg.train_tokens // (16 * SEQ * 4)), save_every=100,
+                       eval_tokens=cfg.eval_tokens, track=True, track_points=cfg.track_points)
+    folder = cache_dir(cache) / "demo" / (f"{cfg.preset}-{cfg.corpus}-{cfg.train_tokens}-e{cfg.eval_tokens}"
+                                          f"-t{cfg.track_points}-s{cfg.seed}")
     results = train_pair(tcfg, folder, device, resume=(folder / "train_config.json").exists(), cache=cache)
     return folder, results
 
@@ -50,36 +56,42 @@ def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool =
     from diffquant.data.tokens import encode, sequences
     from diffquant.models.load import load_model, load_pair
     from diffquant.profile import prepare_out, profile_model
-    from diffquant.report.profile_report import table5_rows, write_report
-    from diffquant.sweep import Evaluator, build_cells, run_cells, write_results
+    from diffquant.report.emergence_plots import plot_emergence
+    from diffquant.report.profile_report import profile_json, sink_rows, table5_rows, write_report
     from diffquant.report.sweep_plots import plot_sweep
+    from diffquant.sweep import Evaluator, build_cells, run_cells, write_results
 
     out = prepare_out(out, force, "report.md")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
     timings = {}
-    print(f"[1/5] corpus {cfg.corpus} and the {cfg.preset} matched pair ({cfg.train_tokens:,} training tokens each)")
+    print(f"[1/5] corpus {cfg.corpus} and the {cfg.preset} matched pair ({cfg.train_tokens:,} training tokens each, "
+          f"tracked at {cfg.track_points} points)")
     pair_dir, train = _pair(cfg, cache, device)
     timings["train"] = time.perf_counter() - t0
+    emergence = json.loads((pair_dir / "emergence.json").read_text())
+    (out / "emergence").mkdir(exist_ok=True)
+    atomic_write_json(out / "emergence" / "emergence.json", emergence)
+    plot_emergence(emergence, out / "emergence")
     text, _ = load_text(cfg.corpus, cache)
     _, val = split(text)
     models = load_pair(pair_dir, device)
     tokenizer = models["DIFF"][1]
     val_ids = encode(tokenizer, val)
+    evalset = sequences(val_ids, SEQ, cfg.eval_tokens)  # = the training run's validation windows
 
     print(f"[2/5] profiling both models on {cfg.profile_tokens:,} held-out tokens")
     t = time.perf_counter()
-    seqs = sequences(val_ids, 256, cfg.profile_tokens)
-    profiles = [profile_model(m, seqs, label=label) for label, (m, _) in models.items()]
+    seqs = sequences(val_ids, SEQ, cfg.profile_tokens)
+    profiles = [profile_model(m, seqs, label=label, sinks=True) for label, (m, _) in models.items()]
     for p in profiles:
         p.provenance.update({"data": cfg.corpus, "split": "validation", "dtype": "fp32", "device": device})
     write_report(profiles, out / "profile")
     timings["profile"] = time.perf_counter() - t
 
-    print("[3/5] attention-logit bit sweep and W x A grid")
+    print(f"[3/5] attention-logit bit sweep and W x A grid on the {evalset.numel():,}-token evaluation slice")
     t = time.perf_counter()
-    evalseq = sequences(val_ids, 256, cfg.sweep_tokens)
-    evaluators = {label: Evaluator(["ppl"], evalseq, tok, val, {}) for label, (_, tok) in models.items()}
+    evaluators = {label: Evaluator(["ppl"], evalset, tok, val, {}) for label, (_, tok) in models.items()}
     cells = build_cells(list(models), ["attn_logits"], list(cfg.sweep_bits), list(cfg.granularities),
                         list(cfg.wa_bits), None, {})
     (out / "sweep").mkdir(exist_ok=True)
@@ -91,7 +103,8 @@ def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool =
     print(f"[4/5] profiling SmolLM2-135M (a real pretrained Llama) on {cfg.smollm_tokens:,} tokens")
     t = time.perf_counter()
     smol, smol_tok = load_model("smollm2-135m", cache=cache, device=device)
-    smol_prof = profile_model(smol, sequences(encode(smol_tok, val), 256, cfg.smollm_tokens), label="SmolLM2-135M")
+    smol_prof = profile_model(smol, sequences(encode(smol_tok, val), SEQ, cfg.smollm_tokens), label="SmolLM2-135M",
+                              sinks=True)
     smol_prof.provenance.update({"data": cfg.corpus, "split": "validation", "dtype": "fp32", "device": device})
     write_report([smol_prof], out / "smollm2")
     del smol
@@ -99,15 +112,36 @@ def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool =
 
     print("[5/5] writing the report")
     timings["total"] = time.perf_counter() - t0
-    summary = {"config": asdict(cfg), "train": {a: {k: m[k] for k in ("parameters", "tokens_per_s", "final_val")}
-                                                for a, m in train["models"].items()},
+    fp = {r["model"]: r for r in rows if r["scheme"] == "fp"}
+    summary = {"config": asdict(cfg), "pair_checkpoints": str(pair_dir),
+               "eval": {"tokens": next(iter(fp.values()))["tokens"], "sequences": len(evalset), "seq_len": SEQ,
+                        "slice": f"the first {len(evalset)} windows of {SEQ} tokens of the {cfg.corpus} validation split"},
+               "train": {display(a): {"parameters": m["parameters"], "tokens": cfg.train_tokens,
+                                      "tokens_per_s": m["tokens_per_s"], "loss": fp[display(a)]["loss"],
+                                      "loss_se": fp[display(a)]["loss_se"], "ppl": fp[display(a)]["ppl"],
+                                      "ppl_ci95": fp[display(a)]["ppl_ci95"],
+                                      "accuracy": fp[display(a)]["next_token_acc"],
+                                      "accuracy_se": fp[display(a)]["next_token_acc_se"],
+                                      "final_val_loss": m["final_val"]["loss"]}
+                         for a, m in train["models"].items()},
                "unigram_entropy": train["data"]["unigram_entropy"], "table5": table5_rows(profiles),
-               "smollm2_table5": table5_rows([smol_prof]), "sweep": rows, "seconds": timings,
-               "pair_checkpoints": str(pair_dir)}
+               "profile_tokens": profiles[0].provenance["tokens"],
+               "sinks": sink_rows([profile_json(p) for p in profiles]),
+               "emergence_final": {label: pts[-1]["model"] for label, pts in emergence["models"].items()},
+               "smollm2_table5": table5_rows([smol_prof]), "smollm2_sinks": sink_rows([profile_json(smol_prof)]),
+               "smollm2_tokens": smol_prof.provenance["tokens"], "sweep": rows, "seconds": timings,
+               "next": next_commands(pair_dir)}
     atomic_write_json(out / "summary.json", summary)
-    report = render_report(summary, profiles)
-    atomic_write_text(out / "report.md", report)
+    atomic_write_text(out / "report.md", render_report(summary))
     return summary
+
+
+def next_commands(pair_dir: Path) -> list[str]:
+    b, d = pair_dir / "baseline", pair_dir / "diff"
+    return [f"diffquant sweep --model Transformer={b} --model DIFF={d} --bits 16,8,6,4 --granularity tensor,head,token "
+            "--out runs/sweep",
+            f"diffquant profile --model Transformer={b} --model DIFF={d} --tokens 65536 --out runs/profile",
+            f"diffquant quantize --model {d} --scheme w8a8-static --out runs/diff-w8a8"]
 
 
 def _verdict(rows: list[list]) -> list[str]:
@@ -126,25 +160,48 @@ def _verdict(rows: list[list]) -> list[str]:
     return lines
 
 
-def render_report(s: dict, profiles) -> str:
-    from diffquant.report.profile_report import KIND_TITLE, PAPER_TABLE5, TABLE5_HEADER
+def training_rows(s: dict) -> list[list]:
+    from diffquant.stats.intervals import Z95, fmt_pm
+
+    return [[label, m["parameters"], m["tokens"], fmt_pm(m["loss"], Z95 * m["loss_se"], 4),
+             f"{m['ppl']:.2f} [{m['ppl_ci95'][0]:.2f}, {m['ppl_ci95'][1]:.2f}]",
+             fmt_pm(m["accuracy"], Z95 * m["accuracy_se"], 3), f"{m['tokens_per_s']:,.0f}"]
+            for label, m in s["train"].items()]
+
+
+TRAINING_HEADER = ["model", "parameters", "training tokens", "held-out loss (nats)", "perplexity [95%]",
+                   "next-token accuracy", "training tokens/s"]
+
+
+def wa_rows(rows: list[dict]) -> list[list]:
+    from diffquant.sweep import cell_text
+
+    return [[r["model"], r["wbits"], r["bits"], cell_text(r, "ppl")] for r in rows if r["kind"] == "wa"]
+
+
+def render_report(s: dict) -> str:
+    from diffquant.report.profile_report import KIND_TITLE, PAPER_TABLE5, SINK_HEADER, TABLE5_HEADER
     from diffquant.report.tables import markdown
     from diffquant.sweep import summary_table
 
-    cfg = s["config"]
-    params = s["train"]["diff"]["parameters"]
+    cfg, ev = s["config"], s["eval"]
+    params = s["train"]["DIFF"]["parameters"]
     lines = [
         "# diffquant demo report", "",
         f"Scale of this run: a matched pair of {params / 1e6:.1f}M parameters trained on {cfg['train_tokens']:,} "
         f"tokens of {cfg['corpus']} each; the paper's models have {PAPER_SCALE}. The paper's effect belongs to models "
         "trained at scale: read these numbers as a measurement of small models, not as a test of the paper.", "",
+        f"Every perplexity and accuracy below is measured on one held-out slice, {ev['slice']} "
+        f"({ev['tokens']:,} predicted tokens); ± and brackets are 95% intervals over its {ev['sequences']} sequences, "
+        "and changes from 16-bit are paired over the same sequences. One seed.", "",
         "## Training", "",
-        markdown(["model", "parameters", "val loss", "val ppl", "next-token acc", "tokens/s"],
-                 [[a, m["parameters"], m["final_val"]["loss"], m["final_val"]["ppl"], m["final_val"]["accuracy"],
-                   m["tokens_per_s"]] for a, m in s["train"].items()]),
+        markdown(TRAINING_HEADER, training_rows(s)),
         f"Unigram entropy of the training tokens: {s['unigram_entropy']:.3f} nats (a model that learned nothing "
         "beyond token frequencies has this loss).", "",
-        "## Largest activations (Table 5 analog)", "",
+        "## Outliers as they emerge during training", "",
+        "Both models profiled on 8 held-out sequences at log-spaced points of training (`diffquant train --track`).", "",
+        "![emergence](emergence/emergence.png)", "",
+        f"## Largest activations (Table 5 analog, {s['profile_tokens']:,} held-out tokens)", "",
         markdown(TABLE5_HEADER, s["table5"]),
         *_verdict(s["table5"]), "",
         "Paper (Table 5):", "",
@@ -153,21 +210,30 @@ def render_report(s: dict, profiles) -> str:
         "![top-1 and median by layer](profile/absmax_vs_layer.png)", "",
         "![kurtosis by layer](profile/kurtosis_vs_layer.png)", "",
         "![distribution of |x|](profile/histograms.png)", "",
+        "## Attention sinks and massive activations", "",
+        markdown(SINK_HEADER, s["sinks"]),
+        "![sinks by layer](profile/sinks_vs_layer.png)", "",
         "## Attention logits quantized (Figure 8 analog)", "",
-        "Dynamic absmax quantization of the attention logits only; perplexity on held-out text (lower is better). "
-        "The paper reports zero-shot HellaSwag on 3B models: DIFF 66.2 → 58.8 and Transformer 63.4 → 33.9 from 16 "
-        "to 4 bits.", "",
+        "Dynamic absmax quantization of the attention logits only (scales per tensor or per head of each sequence); "
+        "perplexity on the evaluation slice (lower is better). The paper reports zero-shot HellaSwag on 3B models: "
+        "DIFF 66.2 → 58.8 and Transformer 63.4 → 33.9 from 16 to 4 bits.", "",
         summary_table(s["sweep"]),
         "![metric vs bits](sweep/metric_vs_bits.png)", "",
         "## Weights × activations", "",
-        markdown(["model", "W bits", "A bits", "ppl"], [[r["model"], r["wbits"], r["bits"], r.get("ppl")]
-                                                         for r in s["sweep"] if r["kind"] == "wa"]),
+        "Per-channel weights and per-token Linear inputs at W/A bits; perplexity ± 95% interval, and in brackets "
+        "the paired change from the float model.", "",
+        markdown(["model", "W bits", "A bits", "perplexity"], wa_rows(s["sweep"])),
         "![W x A grid](sweep/wa_grid.png)", "",
-        "## A real pretrained model: SmolLM2-135M", "",
+        f"## A real pretrained model: SmolLM2-135M ({s['smollm2_tokens']:,} tokens)", "",
         markdown(TABLE5_HEADER, s["smollm2_table5"]),
+        markdown(SINK_HEADER, s["smollm2_sinks"]),
         "SmolLM2's weights were Q4_1 in its GGUF before dequantization: its activations are real, weight-quantization "
         "results on it are not clean.", "",
         "![SmolLM2 top-1 and median by layer](smollm2/absmax_vs_layer.png)", "",
+        "![SmolLM2 sinks by layer](smollm2/sinks_vs_layer.png)", "",
+        "## Next", "",
+        f"The trained pair is in `{s['pair_checkpoints']}` (`baseline/` and `diff/`). Go on with:", "",
+        "```bash", *s["next"], "```", "",
         "## Time", "",
         markdown(["step", "seconds"], [[k, v] for k, v in s["seconds"].items()]),
     ]
@@ -175,8 +241,8 @@ def render_report(s: dict, profiles) -> str:
 
 
 def run_cli(args) -> None:
-    from diffquant.report.tables import markdown
     from diffquant.report.profile_report import TABLE5_HEADER
+    from diffquant.report.tables import markdown
     from diffquant.sweep import summary_table
 
     cfg = QUICK if args.quick else DemoConfig()
@@ -185,6 +251,10 @@ def run_cli(args) -> None:
         raise DiffquantError(f"{out} already holds a report; pass --force to overwrite or choose another --out")
     s = run_demo(cfg, out, args.cache_dir, force=args.force)
     print()
+    print(markdown(TRAINING_HEADER, training_rows(s)))
     print(markdown(TABLE5_HEADER, s["table5"]))
     print(summary_table(s["sweep"]))
     print(f"report: {out / 'report.md'} ({s['seconds']['total']:.0f} s)")
+    print(f"trained pair: {s['pair_checkpoints']}/baseline and {s['pair_checkpoints']}/diff; next:")
+    for command in s["next"]:
+        print(f"  {command}")

@@ -74,4 +74,6 @@ def multiple_choice(model, tokenizer, examples: list[dict], progress: bool = Fal
             correct += max(range(len(scores)), key=scores.__getitem__) == gold
             correct_norm += max(range(len(norms)), key=norms.__getitem__) == gold
     n = len(examples)
-    return {"acc": correct / n, "acc_norm": correct_norm / n, "examples": n}
+    binomial = lambda p: (p * (1 - p) / (n - 1)) ** 0.5 if n > 1 else None  # noqa: E731 - SE of a mean of 0/1
+    return {"acc": correct / n, "acc_se": binomial(correct / n), "acc_norm": correct_norm / n,
+            "acc_norm_se": binomial(correct_norm / n), "examples": n}

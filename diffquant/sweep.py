@@ -34,6 +34,14 @@ class Cell:
     def key(self) -> str:
         return "|".join(str(v) for v in asdict(self).values())
 
+    def label(self) -> str:
+        """How a progress bar names the cell."""
+        if self.kind == "wa":
+            return f"{self.model} W{self.wbits}A{self.bits}"
+        where = f"layer {self.layer} " if self.kind == "layer" else ""
+        bits = "fp" if self.bits == NATIVE else f"int{self.bits} per {self.granularity}"
+        return f"{self.model} {where}{self.site} {bits}"
+
     def scheme(self) -> QuantScheme:
         if self.kind == "wa":
             acts = () if self.bits == NATIVE else tuple((p, int_config(self.bits, G.PerToken())) for p in LINEAR_INPUTS)
@@ -63,6 +71,7 @@ def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: lis
         G.parse_granularity(g)  # fail before any model runs
     cells = []
     for label in labels:
+        cells.append(Cell(label, "act", sites[0] if sites else "attn_logits", NATIVE, grans[0]))  # the float reference
         for site in sites:
             for g in grans:
                 cells += [Cell(label, "act", site, b, g) for b in bits]
@@ -71,7 +80,7 @@ def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: lis
         if layer_bits:
             for site in sites:
                 cells += [Cell(label, "layer", site, layer_bits, grans[0], layer=i) for i in range(layers[label])]
-    return cells
+    return list(dict.fromkeys(cells))  # the float reference may also be one of the requested cells
 
 
 class Evaluator:
@@ -88,14 +97,17 @@ class Evaluator:
         for e in self.evals:
             if e == "ppl":
                 r = language_modeling(model, self.sequences)
-                out.update({"loss": r["loss"], "ppl": r["ppl"], "next_token_acc": r["accuracy"]})
+                out.update({"loss": r["loss"], "loss_se": r["loss_se"], "ppl": r["ppl"], "ppl_ci95": r["ppl_ci95"],
+                            "next_token_acc": r["accuracy"], "next_token_acc_se": r["accuracy_se"],
+                            "tokens": r["tokens"], "per_sequence_loss": r["per_sequence_loss"]})
             elif e == "needle":
                 r = needle_accuracy(model, self.tokenizer, self.haystack)
                 out.update({"needle_choice": r["choice"], "needle_exact": r["exact"]})
             elif e.startswith("mc:"):
                 r = multiple_choice(model, self.tokenizer, self.mc[e[3:]])
                 name = task_label(e[3:])
-                out.update({f"{name}_acc": r["acc"], f"{name}_acc_norm": r["acc_norm"]})
+                out.update({f"{name}_acc": r["acc"], f"{name}_acc_se": r["acc_se"], f"{name}_acc_norm": r["acc_norm"],
+                            f"{name}_acc_norm_se": r["acc_norm_se"], f"{name}_examples": r["examples"]})
         return out
 
 
@@ -151,7 +163,7 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
     todo = [c for c in cells if c.key() not in done]
     bar = tqdm(todo, desc="sweep", unit="cell", disable=not progress)
     for cell in bar:
-        bar.set_postfix_str(f"{cell.model} {cell.kind} {cell.site} w{cell.wbits}a{cell.bits} {cell.granularity}")
+        bar.set_postfix_str(cell.label())
         model = models[cell.model][0]
         scheme = cell.scheme()
         t0 = time.perf_counter()
@@ -165,6 +177,8 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
                 attachment.remove()
             if scheme.is_identity:
                 fp_cache[cell.model] = metrics
+        if not scheme.is_identity and cell.model in fp_cache:
+            metrics = {**metrics, **versus_float(fp_cache[cell.model], metrics)}
         row = {"key": cell.key(), **asdict(cell), "scheme": scheme.name, "metrics": metrics,
                "seconds": time.perf_counter() - t0}
         append_row(out, row)
@@ -173,8 +187,25 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
     return [_flat(done[c.key()]) for c in cells]
 
 
+def versus_float(fp: dict, q: dict) -> dict:
+    """The cell's change from its model's float evaluation on the same sequences: paired Δloss with its 95%
+    interval, and the same as a perplexity change in % (exp(Δ) − 1)."""
+    import math
+
+    from diffquant.stats.intervals import paired
+
+    if "per_sequence_loss" not in fp or "per_sequence_loss" not in q:
+        return {}
+    d = paired(fp["per_sequence_loss"], q["per_sequence_loss"])
+    pct = lambda x: 100 * (math.exp(x) - 1)  # noqa: E731
+    return {"delta_loss": d["mean"], "delta_loss_ci95": d["ci95"], "ppl_change_pct": pct(d["mean"]),
+            "ppl_change_pct_ci95": [pct(x) for x in d["ci95"]] if d["ci95"] else None}
+
+
 def _flat(row: dict) -> dict:
-    return {**{k: v for k, v in row.items() if k != "metrics"}, **row["metrics"]}
+    """A result row: the cell and its metrics, without the per-sequence values (kept in cells.jsonl)."""
+    return {**{k: v for k, v in row.items() if k != "metrics"},
+            **{k: v for k, v in row["metrics"].items() if k != "per_sequence_loss"}}
 
 
 def run_cli(args) -> None:
@@ -225,18 +256,46 @@ def run_cli(args) -> None:
     print(f"results in {out / 'results.csv'}")
 
 
+def cell_text(r: dict, metric: str) -> str:
+    """"74.11 ± 1.20" (95% interval over sequences), with the paired change from float for quantized cells:
+    "76.04 ± 1.25 (+2.6% [+2.1, +3.1])"."""
+    from diffquant.stats.intervals import Z95, fmt_pm
+
+    v = r.get(metric)
+    if v is None:
+        return "-"
+    if metric == "ppl":
+        half = Z95 * r["loss_se"] * v if r.get("loss_se") else None  # delta method: d ppl = ppl · d loss
+    else:
+        se = r.get(f"{metric}_se")
+        half = Z95 * se if se is not None else None
+    text = fmt_pm(v, half, 4)
+    if metric == "ppl" and r.get("ppl_change_pct_ci95"):
+        lo, hi = r["ppl_change_pct_ci95"]
+        text += f" ({r['ppl_change_pct']:+.1f}% [{lo:+.1f}, {hi:+.1f}])"
+    return text
+
+
 def summary_table(rows: list[dict]) -> str:
-    """Markdown: one line per (model, site, granularity), one column per bit-width, first metric."""
+    """Markdown: one line per (model, site, granularity), one column per bit-width, first metric with its 95%
+    interval over sequences and, for quantized cells, the paired change from the model's float evaluation."""
     from diffquant.report.tables import markdown
 
     act = [r for r in rows if r["kind"] == "act"]
     if not act:
         return ""
-    metric = next(k for k in ("ppl", "needle_choice") if k in act[0]) if any(
-        k in act[0] for k in ("ppl", "needle_choice")) else next(k for k in act[0] if k.endswith("_acc"))
+    metric = next((k for k in ("ppl", "needle_choice") if k in act[0]), None) or \
+        next(k for k in act[0] if k.endswith("_acc"))
     bits = sorted({r["bits"] for r in act}, reverse=True)
     groups: dict[tuple, dict] = {}
     for r in act:
-        groups.setdefault((r["model"], r["site"], r["granularity"]), {})[r["bits"]] = r.get(metric)
-    body = [[m, s, g, *[v.get(b) for b in bits]] for (m, s, g), v in groups.items()]
-    return f"{metric} by bit-width:\n\n" + markdown(["model", "site", "granularity", *[f"{b}-bit" for b in bits]], body)
+        if r["bits"] == NATIVE:
+            continue
+        groups.setdefault((r["model"], r["site"], r["granularity"]), {})[r["bits"]] = r
+    fp = {r["model"]: r for r in act if r["bits"] == NATIVE}
+    body = [[m, s, g, *[cell_text(fp[m] if b == NATIVE else v[b], metric) if (b == NATIVE and m in fp) or b in v
+                        else "-" for b in bits]] for (m, s, g), v in groups.items()]
+    n = next((r.get("tokens") or r.get(metric.replace("_acc", "_examples")) for r in act), None)
+    return (f"{metric} by bit-width ({n:,} held-out {'tokens' if metric == 'ppl' else 'examples'} per cell; ± = 95% "
+            "interval over sequences; in brackets the change from 16-bit with its 95% paired interval):\n\n"
+            + markdown(["model", "site", "granularity", *[f"{b}-bit" for b in bits]], body))

@@ -92,12 +92,11 @@ def _apply_scheme(model, folder: Path):
     return load_saved_scheme(model, folder)
 
 
-PAIR_LABELS = (("baseline", "Transformer"), ("diff", "DIFF"))
-
-
-def load_pair(folder: str | Path, device: str | None = None) -> dict[str, tuple]:
+def load_pair(folder: str | Path, device: str | None = None, archs=("baseline", "diff")) -> dict[str, tuple]:
     """{"Transformer": (model, tokenizer), "DIFF": (...)} from a folder written by `diffquant train`."""
-    return {label: load_model(str(Path(folder) / arch), device=device) for arch, label in PAIR_LABELS}
+    from diffquant.report.style import display
+
+    return {display(arch): load_model(str(Path(folder) / arch), device=device) for arch in archs}
 
 
 def _load_zoo(name: str, kwargs: dict, cache: str | None):

@@ -5,6 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffquant.report.plots import _plt, _save
+from diffquant.report.style import color, integer_ticks
+
+Z95 = 1.959963984540054
+MIN_SPAN = {"next_token_acc": 0.05, "needle_choice": 0.2, "needle_exact": 0.2}  # accuracy axes: never zoom into noise
 
 METRIC_LABEL = {"ppl": "perplexity", "loss": "loss (nats)", "next_token_acc": "next-token accuracy",
                 "needle_choice": "needle retrieval accuracy (choice)", "needle_exact": "needle retrieval (exact)"}
@@ -26,22 +30,55 @@ def plot_bits(rows: list[dict], out: Path) -> list[Path]:
     fig, axes = plt.subplots(len(metrics), len(panels), figsize=(4.2 * len(panels), 3.4 * len(metrics)),
                              squeeze=False, layout="constrained")
     bits = sorted({r["bits"] for r in act}, reverse=True)
+    fp = {r["model"]: r for r in act if r["bits"] == 16}
     for i, metric in enumerate(metrics):
         for j, (site, gran) in enumerate(panels):
             ax = axes[i][j]
             for label in sorted({r["model"] for r in act}):
-                pts = {r["bits"]: r.get(metric) for r in act if r["model"] == label and r["site"] == site
+                pts = {r["bits"]: r for r in act if r["model"] == label and r["site"] == site
                        and r["granularity"] == gran}
-                ax.plot(range(len(bits)), [pts.get(b) for b in bits], marker="o", label=label)
+                if label in fp:
+                    pts.setdefault(16, fp[label])
+                xs = [k for k, b in enumerate(bits) if b in pts and pts[b].get(metric) is not None]
+                ys = [pts[bits[k]][metric] for k in xs]
+                ax.errorbar(xs, ys, yerr=_errors([pts[bits[k]] for k in xs], metric), marker="o", capsize=3,
+                            label=label, color=color(label))
             ax.set_xticks(range(len(bits)), [f"{b}" + (" (fp)" if b == 16 else "") for b in bits])
             ax.set(xlabel="bits", ylabel=METRIC_LABEL.get(metric, metric), title=f"{site}, per {gran}")
             values = [r.get(metric) for r in act if r.get(metric)]
             if metric == "ppl" and values and max(values) / min(values) > 3:
                 ax.set_yscale("log")
+            _min_span(ax, MIN_SPAN.get(metric) or (0.05 if metric.endswith("_acc_norm") else None))
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle("Quantized at the site only; 16 = the model's own precision (cf. paper Figure 8)", fontsize=10)
+    n = next((r.get("tokens") for r in act if r.get("tokens")), None)
+    fig.suptitle("Only this site quantized; 16 = the model's own precision (cf. paper Fig. 8)."
+                 + (f" Bars: 95% interval over sequences ({n:,} tokens)." if n else ""), fontsize=9, wrap=True)
     return _save(fig, out, "metric_vs_bits")
+
+
+def _errors(rows: list[dict], metric: str):
+    """[[below], [above]] of each point's 95% interval over sequences (perplexity: exp(loss ± 1.96 SE))."""
+    lo, hi = [], []
+    for r in rows:
+        v = r[metric]
+        if metric == "ppl" and r.get("ppl_ci95"):
+            lo.append(v - r["ppl_ci95"][0])
+            hi.append(r["ppl_ci95"][1] - v)
+        else:
+            se = r.get(f"{metric}_se")
+            lo.append(Z95 * se if se else 0.0)
+            hi.append(Z95 * se if se else 0.0)
+    return [lo, hi]
+
+
+def _min_span(ax, span: float | None) -> None:
+    if span is None:
+        return
+    lo, hi = ax.get_ylim()
+    if hi - lo < span:
+        mid = (lo + hi) / 2
+        ax.set_ylim(mid - span / 2, mid + span / 2)
 
 
 def plot_wa(rows: list[dict], out: Path) -> list[Path]:
@@ -65,7 +102,7 @@ def plot_wa(rows: list[dict], out: Path) -> list[Path]:
                 ax.text(x, y, f"{arr[y, x]:.3g}", ha="center", va="center", color="w", fontsize=8)
         ax.set_xticks(range(len(acts)), [f"A{a}" for a in acts])
         ax.set_yticks(range(len(ws)), [f"W{w}" for w in ws])
-        ax.set_title(f"{label}: perplexity")
+        ax.set_title(f"{label}: perplexity", color=color(label))
         fig.colorbar(im, ax=ax, label="log10 perplexity")
     return _save(fig, out, "wa_grid")
 
@@ -82,7 +119,10 @@ def plot_sensitivity(rows: list[dict], out: Path) -> list[Path]:
         rs = sorted((r for r in layer if r["model"] == label), key=lambda r: r["layer"])
         base = fp.get(label)
         ys = [r["ppl"] - base if base else r["ppl"] for r in rs]
-        ax.bar([r["layer"] for r in rs], ys)
+        ax.bar([r["layer"] for r in rs], ys, color=color(label),
+               yerr=[[r["ppl"] - r["ppl_ci95"][0] for r in rs], [r["ppl_ci95"][1] - r["ppl"] for r in rs]]
+               if all(r.get("ppl_ci95") for r in rs) else None, capsize=2)
+        integer_ticks(ax)
         bits = rs[0]["bits"] if rs else ""
         ax.set(xlabel="layer quantized alone", ylabel="perplexity increase" if base else "perplexity",
                title=f"{label}: {rs[0]['site'] if rs else ''} int{bits}")
