@@ -36,6 +36,11 @@ def validate(args) -> None:
         from diffquant.quant.scheme import get_scheme
 
         get_scheme(args.scheme)
+    for text in (getattr(args, "mitigate", None) or "").split(","):
+        if text.strip():
+            from diffquant.quant.mitigate import parse
+
+            parse(text)
     for key in ("bits", "wa_grid"):
         if getattr(args, key, None):
             from diffquant.sweep import parse_bits
@@ -92,6 +97,9 @@ def _quantize(sub) -> None:
     p.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (default 8192)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--calib-batches", type=int, default=16, help="calibration batches for static scales")
+    p.add_argument("--mitigate", default="none",
+                   help="a function-preserving fix applied first: none, smoothquant[:ALPHA], rotate[:SEED], clip:mse, "
+                        "clip:percentile:P (see --list)")
     p.add_argument("--save-weights", action="store_true",
                    help="simulated schemes: also save a full copy of the float weights (default: the scheme and a "
                         "reference to --model, a few kB)")
@@ -145,6 +153,10 @@ def _sweep(sub) -> None:
     p.add_argument("--eval", default="ppl", help="comma-separated: ppl, needle, mc:TASK (BIG-bench name or .jsonl)")
     p.add_argument("--wa-grid", default=None, help="bit-widths for a weight × activation grid, e.g. 8,6,4")
     p.add_argument("--per-layer", type=int, default=None, help="BITS: quantize one layer at a time (sensitivity)")
+    p.add_argument("--mitigate", default="none",
+                   help="comma-separated fixes applied before each scheme, one more sweep axis: none, "
+                        "smoothquant[:ALPHA], rotate[:SEED], clip:mse, clip:percentile:P (calibrated on the training "
+                        "split)")
     p.add_argument("--data", default="kjv")
     p.add_argument("--tokens", type=int, default=16384, help="held-out tokens for ppl (default 16384)")
     p.add_argument("--seq-len", type=int, default=256)

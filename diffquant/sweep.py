@@ -30,17 +30,19 @@ class Cell:
     granularity: str = "tensor"
     wbits: int = NATIVE
     layer: int | None = None
+    mitigate: str = "none"  # a function-preserving transform applied before the scheme (quant/mitigate.py)
 
     def key(self) -> str:
         return "|".join(str(v) for v in asdict(self).values())
 
     def label(self) -> str:
         """How a progress bar names the cell."""
+        fix = "" if self.mitigate == "none" else f" + {self.mitigate}"
         if self.kind == "wa":
-            return f"{self.model} W{self.wbits}A{self.bits}"
+            return f"{self.model} W{self.wbits}A{self.bits}{fix}"
         where = f"layer {self.layer} " if self.kind == "layer" else ""
         bits = "fp" if self.bits == NATIVE else f"int{self.bits} per {self.granularity}"
-        return f"{self.model} {where}{self.site} {bits}"
+        return f"{self.model} {where}{self.site} {bits}{fix}"
 
     def scheme(self) -> QuantScheme:
         if self.kind == "wa":
@@ -66,20 +68,26 @@ def parse_bits(text: str) -> list[int]:
 
 
 def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: list[str], wa: list[int] | None,
-                layer_bits: int | None, layers: dict[str, int]) -> list[Cell]:
+                layer_bits: int | None, layers: dict[str, int], mitigations: list[str] = ("none",)) -> list[Cell]:
+    from diffquant.quant.mitigate import parse
+
     for g in grans:
         G.parse_granularity(g)  # fail before any model runs
+    for m in mitigations:
+        parse(m)
     cells = []
     for label in labels:
         cells.append(Cell(label, "act", sites[0] if sites else "attn_logits", NATIVE, grans[0]))  # the float reference
-        for site in sites:
-            for g in grans:
-                cells += [Cell(label, "act", site, b, g) for b in bits]
-        if wa:
-            cells += [Cell(label, "wa", "linear", a, "token", w) for w in wa for a in wa]
-        if layer_bits:
+        for fix in mitigations:
             for site in sites:
-                cells += [Cell(label, "layer", site, layer_bits, grans[0], layer=i) for i in range(layers[label])]
+                for g in grans:
+                    cells += [Cell(label, "act", site, b, g, mitigate=fix) for b in bits]
+            if wa:
+                cells += [Cell(label, "wa", "linear", a, "token", w, mitigate=fix) for w in wa for a in wa]
+            if layer_bits:
+                for site in sites:
+                    cells += [Cell(label, "layer", site, layer_bits, grans[0], layer=i, mitigate=fix)
+                              for i in range(layers[label])]
     return list(dict.fromkeys(cells))  # the float reference may also be one of the requested cells
 
 
@@ -151,12 +159,14 @@ def write_results(out: Path, rows: list[dict]) -> None:
 
 
 def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str, Evaluator], out: Path,
-              progress: bool = True, compile: bool = False) -> list[dict]:
+              progress: bool = True, compile: bool = False, calibration: dict | None = None) -> list[dict]:
     """Evaluate every cell not yet in out/cells.jsonl; returns all rows (old and new) in cell order.
-    `compile` fuses the fake quantizers (see `quantize_`)."""
+    `compile` fuses the fake quantizers (see `quantize_`); `calibration` ({model: token ids}) feeds
+    mitigations that calibrate (smoothquant) and static scales."""
     from tqdm.auto import tqdm
 
-    from diffquant.quant.scheme import quantize_
+    from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse
+    from diffquant.quant.scheme import calibrate, quantize_
 
     done = load_done(out)
     fp_cache: dict[str, dict] = {r["model"]: r["metrics"] for r in done.values() if r["scheme"] == "fp"}
@@ -165,19 +175,29 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
     for cell in bar:
         bar.set_postfix_str(cell.label())
         model = models[cell.model][0]
-        scheme = cell.scheme()
+        fix = parse(cell.mitigate)
+        scheme = adjust_scheme(cell.scheme(), fix)
+        calib = (calibration or {}).get(cell.model)
         t0 = time.perf_counter()
-        if scheme.is_identity and cell.model in fp_cache:
+        if scheme.is_identity and fix is None and cell.model in fp_cache:
             metrics = fp_cache[cell.model]
         else:
-            attachment = quantize_(model, scheme, compile)
+            applied = mitigate_(model, fix, calib)
+            attachment = None
             try:
+                attachment = quantize_(model, scheme, compile)
+                if any(not q.config.dynamic for q in attachment.quantizers.values()):
+                    if calib is None:
+                        raise DiffquantError(f"{cell.label()}: static scales need calibration data")
+                    calibrate(model, attachment, calib.split(8))
                 metrics = evaluators[cell.model](model)
             finally:
-                attachment.remove()
-            if scheme.is_identity:
+                if attachment is not None:
+                    attachment.remove()
+                applied.remove()
+            if scheme.is_identity and fix is None:
                 fp_cache[cell.model] = metrics
-        if not scheme.is_identity and cell.model in fp_cache:
+        if (not scheme.is_identity or fix is not None) and cell.model in fp_cache:
             metrics = {**metrics, **versus_float(fp_cache[cell.model], metrics)}
         row = {"key": cell.key(), **asdict(cell), "scheme": scheme.name, "metrics": metrics,
                "seconds": time.perf_counter() - t0}
@@ -237,7 +257,8 @@ def run_cli(args) -> None:
     text, _ = load_text(args.data, args.cache_dir)
     _, val = split(text)
     mc = {e[3:]: load_task(e[3:], args.mc_limit, cache=args.cache_dir) for e in evals if e.startswith("mc:")}
-    models, evaluators = {}, {}
+    train_text = split(text)[0][:200_000]
+    models, evaluators, calibration = {}, {}, {}
     for label, source in parse_model_args(args.model):
         model, tokenizer = load_model(source, cache=args.cache_dir)
         if tokenizer is None:
@@ -245,9 +266,11 @@ def run_cli(args) -> None:
         models[label] = (model, tokenizer)
         evaluators[label] = Evaluator(evals, sequences(encode(tokenizer, val), args.seq_len, args.tokens), tokenizer,
                                       val, mc)
+        calibration[label] = sequences(encode(tokenizer, train_text), args.seq_len, 16 * args.seq_len)
     layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
-    cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers)
-    rows = run_cells(models, cells, evaluators, out, compile=args.compile)
+    mitigations = [m.strip() for m in args.mitigate.split(",") if m.strip()]
+    cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers, mitigations)
+    rows = run_cells(models, cells, evaluators, out, compile=args.compile, calibration=calibration)
     if not args.no_plots:
         from diffquant.report.sweep_plots import plot_sweep
 
@@ -289,13 +312,18 @@ def summary_table(rows: list[dict]) -> str:
     bits = sorted({r["bits"] for r in act}, reverse=True)
     groups: dict[tuple, dict] = {}
     for r in act:
-        if r["bits"] == NATIVE:
+        if r["bits"] == NATIVE and r.get("mitigate", "none") == "none":
             continue
-        groups.setdefault((r["model"], r["site"], r["granularity"]), {})[r["bits"]] = r
-    fp = {r["model"]: r for r in act if r["bits"] == NATIVE}
-    body = [[m, s, g, *[cell_text(fp[m] if b == NATIVE else v[b], metric) if (b == NATIVE and m in fp) or b in v
-                        else "-" for b in bits]] for (m, s, g), v in groups.items()]
+        groups.setdefault((r["model"], r["site"], r["granularity"], r.get("mitigate", "none")), {})[r["bits"]] = r
+    fp = {r["model"]: r for r in act if r["bits"] == NATIVE and r.get("mitigate", "none") == "none"}
+    fixes = any(k[3] != "none" for k in groups)
+
+    def cell(m, v, b):
+        r = v.get(b, fp.get(m) if b == NATIVE else None)
+        return cell_text(r, metric) if r is not None else "-"
+
+    body = [[m, s, g, *([fix] if fixes else []), *[cell(m, v, b) for b in bits]] for (m, s, g, fix), v in groups.items()]
     n = next((r.get("tokens") or r.get(metric.replace("_acc", "_examples")) for r in act), None)
     return (f"{metric} by bit-width ({n:,} held-out {'tokens' if metric == 'ppl' else 'examples'} per cell; ± = 95% "
             "interval over sequences; in brackets the change from 16-bit with its 95% paired interval):\n\n"
-            + markdown(["model", "site", "granularity", *[f"{b}-bit" for b in bits]], body))
+            + markdown(["model", "site", "granularity", *(["fix"] if fixes else []), *[f"{b}-bit" for b in bits]], body))

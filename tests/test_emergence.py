@@ -73,7 +73,7 @@ def _cfg(tmp, **kw):
 def test_tracking_matches_an_independent_profile_and_changes_nothing(tmp_path):
     cfg = _cfg(tmp_path)
     res = train_pair(cfg, tmp_path / "tracked", progress=False)
-    plain = train_pair(TrainConfig(**{**cfg.__dict__, "track": False}), tmp_path / "plain", progress=False)
+    train_pair(TrainConfig(**{**cfg.__dict__, "track": False}), tmp_path / "plain", progress=False)
     doc = json.loads((tmp_path / "tracked" / "emergence.json").read_text())
     assert (tmp_path / "tracked" / "emergence.png").is_file()
     for arch, label in (("baseline", "Transformer"), ("diff", "DIFF")):

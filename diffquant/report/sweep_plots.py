@@ -30,19 +30,22 @@ def plot_bits(rows: list[dict], out: Path) -> list[Path]:
     fig, axes = plt.subplots(len(metrics), len(panels), figsize=(4.2 * len(panels), 3.4 * len(metrics)),
                              squeeze=False, layout="constrained")
     bits = sorted({r["bits"] for r in act}, reverse=True)
-    fp = {r["model"]: r for r in act if r["bits"] == 16}
+    fp = {r["model"]: r for r in act if r["bits"] == 16 and r.get("mitigate", "none") == "none"}
     for i, metric in enumerate(metrics):
         for j, (site, gran) in enumerate(panels):
             ax = axes[i][j]
+            fixes = sorted({r.get("mitigate", "none") for r in act}, key=lambda f: (f != "none", f))
             for label in sorted({r["model"] for r in act}):
-                pts = {r["bits"]: r for r in act if r["model"] == label and r["site"] == site
-                       and r["granularity"] == gran}
-                if label in fp:
-                    pts.setdefault(16, fp[label])
-                xs = [k for k, b in enumerate(bits) if b in pts and pts[b].get(metric) is not None]
-                ys = [pts[bits[k]][metric] for k in xs]
-                ax.errorbar(xs, ys, yerr=_errors([pts[bits[k]] for k in xs], metric), marker="o", capsize=3,
-                            label=label, color=color(label))
+                for n, fix in enumerate(fixes):
+                    pts = {r["bits"]: r for r in act if r["model"] == label and r["site"] == site
+                           and r["granularity"] == gran and r.get("mitigate", "none") == fix}
+                    if label in fp:
+                        pts.setdefault(16, fp[label])
+                    xs = [k for k, b in enumerate(bits) if b in pts and pts[b].get(metric) is not None]
+                    ys = [pts[bits[k]][metric] for k in xs]
+                    ax.errorbar(xs, ys, yerr=_errors([pts[bits[k]] for k in xs], metric), marker="o", capsize=3,
+                                label=label if fix == "none" else f"{label} + {fix}", color=color(label),
+                                ls=("-", "--", ":", "-.")[n % 4])
             ax.set_xticks(range(len(bits)), [f"{b}" + (" (fp)" if b == 16 else "") for b in bits])
             ax.set(xlabel="bits", ylabel=METRIC_LABEL.get(metric, metric), title=f"{site}, per {gran}")
             values = [r.get(metric) for r in act if r.get(metric)]
@@ -82,7 +85,7 @@ def _min_span(ax, span: float | None) -> None:
 
 
 def plot_wa(rows: list[dict], out: Path) -> list[Path]:
-    wa = [r for r in rows if r["kind"] == "wa" and "ppl" in r]
+    wa = [r for r in rows if r["kind"] == "wa" and "ppl" in r and r.get("mitigate", "none") == "none"]
     if not wa:
         return []
     plt = _plt()
@@ -108,7 +111,7 @@ def plot_wa(rows: list[dict], out: Path) -> list[Path]:
 
 
 def plot_sensitivity(rows: list[dict], out: Path) -> list[Path]:
-    layer = [r for r in rows if r["kind"] == "layer" and "ppl" in r]
+    layer = [r for r in rows if r["kind"] == "layer" and "ppl" in r and r.get("mitigate", "none") == "none"]
     fp = {r["model"]: r["ppl"] for r in rows if r["scheme"] == "fp" and "ppl" in r}
     if not layer:
         return []

@@ -1,0 +1,211 @@
+"""Post-training fixes: function preservation, exact removal, the math against independent computations,
+composition with schemes, refusals, and the CLI round trip."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from diffquant import DiffquantError
+from diffquant.models.matrix import FAMILIES
+from diffquant.quant.hadamard import hadamard, orthogonal
+from diffquant.quant.mitigate import Clip, Rotate, SmoothQuant, adjust_scheme, apply_record, mitigate_, parse
+from diffquant.quant.scheme import calibrate, get_scheme, quantize_
+
+SUPPORTED_FAMILIES = ("llama", "diffllama", "diffllama-gqa", "qwen2", "qwen3", "mistral", "smollm3", "gated",
+                      "clipsoftmax", "sink")
+
+
+def _ids(n=4, t=16, seed=0):
+    return torch.randint(3, 512, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _with_random_norms(model):
+    """Random norm gains and a few large embedding channels, so folding and smoothing have work to do."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.copy_(torch.rand_like(p) * 1.5 + 0.25)
+        model.get_input_embeddings().weight[:, :3] *= 20
+    return model
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+@pytest.mark.parametrize("mitigation,tol", [(SmoothQuant(0.5), 1e-4), (SmoothQuant(0.8), 1e-4), (Rotate(), 1e-3)])
+def test_preserves_the_float_model_and_removes_exactly(family, mitigation, tol):
+    model = _with_random_norms(FAMILIES[family].build())
+    ids = _ids()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = model(ids).logits
+        applied = mitigate_(model, mitigation, _ids(seed=1))
+        out = model(ids).logits
+        changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before)
+        applied.remove()
+        back = model(ids).logits
+    assert changed
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= tol
+    assert torch.equal(back, ref)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_smoothquant_scales_follow_the_paper():
+    """s = max|X|^α / max|W|^(1−α) per channel, with max|X| read by plain hooks here, and the smoothed
+    activations equal X / s."""
+    model = _with_random_norms(FAMILIES["llama"].build())
+    calib = _ids(seed=1)
+    layer = model.model.layers[1]
+    seen = {}
+    hooks = [layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("attn", []).append(a[0])),
+             layer.mlp.gate_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("mlp", []).append(a[0])),
+             layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("down", []).append(a[0]))]
+    with torch.no_grad():
+        model(calib)
+    for h in hooks:
+        h.remove()
+    alpha = 0.5
+    x = {k: torch.cat([t.reshape(-1, t.shape[-1]) for t in v]).abs().amax(0).double() for k, v in seen.items()}
+    with torch.no_grad():
+        w = {"attn": torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                layer.self_attn.v_proj.weight]).abs().amax(0).double(),
+             "mlp": torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).abs().amax(0).double(),
+             "down": layer.mlp.down_proj.weight.abs().amax(0).double()}
+    applied = mitigate_(model, SmoothQuant(alpha), calib)
+    try:
+        got = applied.record["scales"]["1"]
+        for ours, theirs in (("attn_in", "attn"), ("mlp_in", "mlp"), ("down_in", "down")):
+            ref = x[theirs] ** alpha / w[theirs] ** (1 - alpha)
+            np.testing.assert_allclose(got[ours], ref.numpy(), rtol=1e-5)
+        after = []
+        h = layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: after.append(a[0]))
+        with torch.no_grad():
+            model(calib)
+        h.remove()
+        torch.testing.assert_close(after[0].double(), seen["attn"][0].double() / torch.tensor(got["attn_in"]),
+                                   rtol=1e-5, atol=1e-6)
+    finally:
+        applied.remove()
+
+
+def test_hadamard_orders_and_orthogonality():
+    for n in (4, 12, 20, 28, 36, 64, 176, 256, 576, 768, 1536):
+        h = hadamard(n)
+        assert h is not None and torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64)), n
+    assert hadamard(688) is None and hadamard(6) is None
+    for n in (576, 688):
+        q, kind = orthogonal(n, seed=3)
+        assert kind == ("hadamard" if n == 576 else "random")
+        assert (q @ q.T - torch.eye(n, dtype=torch.float64)).abs().max() < 1e-12
+
+
+def test_rotation_spreads_a_massive_channel():
+    """The residual stream after rotation: the same norms, no single channel holding the outlier."""
+    model = _with_random_norms(FAMILIES["llama"].build())
+    ids = _ids()
+    with torch.no_grad():
+        h0 = model(ids, output_hidden_states=True).hidden_states[1]
+        applied = mitigate_(model, Rotate(), None)
+        h1 = model(ids, output_hidden_states=True).hidden_states[1]
+        applied.remove()
+    torch.testing.assert_close(h1.norm(dim=-1), h0.norm(dim=-1), rtol=1e-4, atol=1e-5)
+    assert h1.abs().amax() < 0.5 * h0.abs().amax()
+
+
+def test_tied_embeddings_are_untied_and_retied():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = _with_random_norms(LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                                             num_hidden_layers=2, num_attention_heads=4,
+                                                             tie_word_embeddings=True)).eval())
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+        applied = mitigate_(model, Rotate(), None)
+        out = model(ids).logits
+        applied.remove()
+        back = model(ids).logits
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-3
+    assert torch.equal(back, ref) and model.lm_head.weight is model.get_input_embeddings().weight
+
+
+def test_composes_with_schemes_and_record_replays():
+    model = _with_random_norms(FAMILIES["diffllama"].build())
+    ids, calib = _ids(), _ids(seed=1)
+    for text in ("smoothquant:0.5", "rotate"):
+        applied = mitigate_(model, parse(text), calib)
+        handle = quantize_(model, get_scheme("w8a8-static"))
+        calibrate(model, handle, calib.split(2))
+        with torch.no_grad():
+            a = model(ids).logits
+        handle.remove()
+        applied.remove()
+        replay = apply_record(model, json.loads(json.dumps(applied.record)))
+        handle = quantize_(model, get_scheme("w8a8-static"))
+        calibrate(model, handle, calib.split(2))
+        with torch.no_grad():
+            b = model(ids).logits
+        handle.remove()
+        replay.remove()
+        assert torch.equal(a, b), text
+
+
+def test_clip_changes_the_scheme_only():
+    s = adjust_scheme(get_scheme("w8a8-static"), Clip("mse"))
+    assert all(c.calibration == "mse" and not c.dynamic for _, c in s.activations + s.weights)
+    p = adjust_scheme(get_scheme("w8a8-static"), parse("clip:percentile:99.9"))
+    assert all(c.calibration == "percentile" and c.percentile == 99.9 for _, c in p.activations)
+    d = adjust_scheme(get_scheme("w8a8"), Clip("mse"))
+    assert all(c.dynamic for _, c in d.activations)  # dynamic activations keep their per-token ranges
+    model = FAMILIES["llama"].build()
+    applied = mitigate_(model, Clip("mse"), None)
+    assert applied.record == {"mitigation": "clip:mse"}
+    # the MSE-clipped static weight scale is never worse (squared error) than min-max on that weight
+    w = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    errs = {}
+    h = quantize_(model, adjust_scheme(get_scheme("w8a16"), Clip("mse")))
+    calibrate(model, h, [_ids(1)])
+    errs["mse"] = float(((model.model.layers[0].mlp.down_proj.weight.detach() - w) ** 2).sum())
+    h.remove()
+    h = quantize_(model, get_scheme("w8a16"))
+    errs["minmax"] = float(((model.model.layers[0].mlp.down_proj.weight.detach() - w) ** 2).sum())
+    h.remove()
+    assert errs["mse"] <= errs["minmax"] * (1 + 1e-6)
+
+
+def test_refusals():
+    with pytest.raises(DiffquantError, match="pre-RMSNorm SwiGLU decoder"):
+        mitigate_(FAMILIES["gpt2"].build(), Rotate(), None)
+    with pytest.raises(DiffquantError, match="calibration data"):
+        mitigate_(FAMILIES["llama"].build(), SmoothQuant(), None)
+    for bad in ("smoothquant:2", "rotate:x", "clip:median", "magic"):
+        with pytest.raises(DiffquantError):
+            parse(bad)
+
+
+def test_cli_quantize_with_mitigation_round_trip(tmp_path, capsys):
+    from diffquant.cli import main
+    from diffquant.models.load import load_model
+
+    model = FAMILIES["llama"].build()
+    model.save_pretrained(tmp_path / "m")
+    from diffquant.data.tokens import byte_tokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path / "m")
+    (tmp_path / "c.txt").write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(3000)))
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(tmp_path / "m"), "--scheme", "w8a8-static", "--mitigate", "smoothquant:0.5",
+                 "--data", str(tmp_path / "c.txt"), "--tokens", "512", "--seq-len", "32", "--calib-batches", "4",
+                 "--out", str(out)]) == 0
+    saved = json.loads((out / "diffquant_scheme.json").read_text())
+    assert saved["mitigation"]["mitigation"] == "smoothquant:0.5" and "scales" in saved["mitigation"]
+    result = json.loads((out / "quantize.json").read_text())
+    loaded, tok = load_model(str(out))
+    from diffquant.data.corpora import split
+    from diffquant.data.tokens import encode, sequences
+    from diffquant.evaluate import language_modeling
+
+    evalset = sequences(encode(tok, split((tmp_path / "c.txt").read_text())[1]), 32, 512)
+    assert language_modeling(loaded, evalset)["loss"] == pytest.approx(result["simulated"]["loss"], rel=1e-6)
+    assert main(["quantize", "--list"]) == 0 and "smoothquant" in capsys.readouterr().out
