@@ -24,7 +24,8 @@ NATIVE = 16  # "16 bits": the model's own precision, as in the paper's Figure 8
 @dataclass(frozen=True)
 class Cell:
     model: str
-    kind: str  # "act": one site everywhere; "wa": weights × Linear inputs; "layer": one site of one layer
+    kind: str  # "act": one site everywhere; "wa": weights × Linear inputs; "layer": one site of one layer;
+    # "scheme": the named scheme (a preset or file) in `site`
     site: str = "attn_logits"
     bits: int = NATIVE  # activation bits
     granularity: str = "tensor"
@@ -38,6 +39,8 @@ class Cell:
     def label(self) -> str:
         """How a progress bar names the cell."""
         fix = "" if self.mitigate == "none" else f" + {self.mitigate}"
+        if self.kind == "scheme":
+            return f"{self.model} {self.site}{fix}"
         if self.kind == "wa":
             return f"{self.model} W{self.wbits}A{self.bits}{fix}"
         where = f"layer {self.layer} " if self.kind == "layer" else ""
@@ -45,6 +48,10 @@ class Cell:
         return f"{self.model} {where}{self.site} {bits}{fix}"
 
     def scheme(self) -> QuantScheme:
+        if self.kind == "scheme":
+            from diffquant.quant.scheme import get_scheme
+
+            return get_scheme(self.site)
         if self.kind == "wa":
             acts = () if self.bits == NATIVE else tuple((p, int_config(self.bits, G.PerToken())) for p in LINEAR_INPUTS)
             weights = () if self.wbits == NATIVE else ((LAYER_WEIGHTS, int_config(self.wbits, G.PerChannel(0))),)

@@ -89,6 +89,8 @@ def _presets() -> dict[str, QuantScheme]:
                               "int4 group-128 weights, int8 per-token Linear inputs")
     out["w6a6"] = QuantScheme("w6a6", acts(6), ((LAYER_WEIGHTS, _w(6)),),
                               "int6 per-channel weights, int6 per-token Linear inputs")
+    out["w4a4"] = QuantScheme("w4a4", acts(4), ((LAYER_WEIGHTS, _w(4)),),
+                              "int4 per-channel weights, int4 per-token Linear inputs (QuaRot's setting)")
     out["w8a8-static"] = QuantScheme(
         "w8a8-static", tuple((p, int_config(8, G.PerTensor(), dynamic=False)) for p in LINEAR_INPUTS),
         ((LAYER_WEIGHTS, _w(8)),), "int8 weights, int8 per-tensor static activations (min-max calibration, "

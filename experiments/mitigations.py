@@ -1,0 +1,136 @@
+"""How much post-training fixing does each model need? SmoothQuant, rotation and clipping against no fix, at
+each bit-width, on SmolLM2-135M and on the matched pairs (the demo pair, and the pair of the emergence
+regime), seed 0 of each.
+
+    python experiments/mitigations.py [--quick] [--models smollm2 demo regime] [--out docs/mitigations]
+
+Per model × scheme × fix: held-out perplexity with its 95% interval over sequences and the paired change
+from the float model, and (optional, --mc) BIG-bench multiple-choice accuracy. Every fix is calibrated on
+the training split (16 windows), never on the evaluation text. Settings fixed before any run: the paper's
+α = 0.5 for SmoothQuant, QuaRot's randomised Hadamard (seed 0), MSE range search for clipping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
+
+SCHEMES = ("w8a8-static", "w6a6", "w4a8", "w4a4", "logits-int4")
+FIXES = ("none", "smoothquant:0.5", "rotate", "clip:mse")
+EVAL_TOKENS, SEQ = 8192, 256
+
+
+def models_to_run(which, runs: Path, quick: bool) -> dict[str, str]:
+    """{label: model source}: SmolLM2 from the zoo, the pairs from experiments/rivals.py's runs (trained here
+    with the same settings when missing)."""
+    from emergence import config
+    from rivals import DEMO, regime_setting
+
+    from diffquant.train import TrainConfig, train_pair
+
+    out = {}
+    if "smollm2" in which:
+        out["SmolLM2-135M"] = "smollm2-135m"
+    settings = {"demo": ("demo", DEMO)}
+    if "regime" in which:
+        settings["regime"] = regime_setting(Path("docs/emergence/search.json"))
+    for key in ("demo", "regime"):
+        if key not in which:
+            continue
+        name, overrides = settings[key]
+        if quick:
+            overrides = {**overrides, "preset": "micro", "tokens": 8 * 4 * 64, "batch_size": 4, "seq_len": 64}
+        folder = (runs / "rivals" if key == "demo" else runs / "emergence") / name / "s0"
+        cfg = config(overrides, 0, ("baseline", "diff")) if key == "regime" else TrainConfig(
+            **{**overrides, "archs": ("baseline", "diff"), "eval_every": 10**9, "save_every": 200, "track": True,
+               "track_points": 16})
+        train_pair(cfg, folder, resume=(folder / "train_config.json").exists(), progress=False)
+        out[f"Transformer ({key})"] = str(folder / "baseline")
+        out[f"DIFF ({key})"] = str(folder / "diff")
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--models", nargs="+", default=["smollm2", "demo", "regime"], choices=["smollm2", "demo", "regime"])
+    p.add_argument("--mc", default=None, help="a BIG-bench task for multiple-choice accuracy (e.g. hyperbaton)")
+    p.add_argument("--out", default="docs/mitigations")
+    p.add_argument("--runs", default="runs")
+    a = p.parse_args(argv)
+    from diffquant.data.corpora import load_text, split
+    from diffquant.data.tasks import load_task
+    from diffquant.data.tokens import encode, sequences
+    from diffquant.models.load import load_model
+    from diffquant.report.tables import markdown
+    from diffquant.sweep import Cell, Evaluator, cell_text, run_cells
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    which = ["demo"] if a.quick else a.models
+    sources = models_to_run(which, Path(a.runs), a.quick)
+    text = load_text("kjv")[0]
+    train_text, val = split(text)
+    evals = ["ppl"] + ([f"mc:{a.mc}"] if a.mc else [])
+    mc = {a.mc: load_task(a.mc, 200)} if a.mc else {}
+    tokens = 1024 if a.quick else EVAL_TOKENS
+    schemes, fixes = (("w8a8-static", "logits-int4"), ("none", "smoothquant:0.5")) if a.quick else (SCHEMES, FIXES)
+    rows = []
+    for label, source in sources.items():
+        model, tok = load_model(source)
+        ids = encode(tok, val)
+        evaluator = Evaluator(evals, sequences(ids, SEQ, tokens), tok, val, mc)
+        calib = sequences(encode(tok, train_text[:200_000]), SEQ, 16 * SEQ)
+        cells = [Cell(label, "act", "attn_logits")] + [
+            Cell(label, "scheme", scheme, mitigate=fix) for scheme in schemes for fix in fixes]
+        folder = out / "cells" / label.replace(" ", "_").replace("(", "").replace(")", "")
+        folder.mkdir(parents=True, exist_ok=True)
+        rows += run_cells({label: (model, tok)}, cells, {label: evaluator}, folder, progress=False,
+                          calibration={label: calib})
+        del model
+    atomic_write_json(out / "results.json", {"rows": rows, "eval_tokens": tokens, "schemes": schemes, "fixes": fixes,
+                                             "sources": sources})
+    table = [[r["model"], r["site"], r["mitigate"], cell_text(r, "ppl")] for r in rows if r["kind"] == "scheme"]
+    fp = [[r["model"], "float", "-", cell_text(r, "ppl")] for r in rows if r["kind"] == "act"]
+    n = rows[0]["tokens"]
+    atomic_write_text(out / "results.md", f"Perplexity on {n:,} held-out KJV tokens ({n // (SEQ - 1)} sequences of "
+                      f"{SEQ}); ± = 95% interval over sequences; brackets: change from the model's float perplexity "
+                      "with its 95% paired interval. Fixes calibrated on 16 training windows; seed 0.\n\n"
+                      + markdown(["model", "scheme", "fix", "perplexity"], fp + table))
+    _plot(rows, out)
+    print((out / "results.md").read_text())
+
+
+def _plot(rows: list[dict], out: Path) -> None:
+    from diffquant.report.plots import _plt, _save
+    from diffquant.report.style import color
+
+    scheme_rows = [r for r in rows if r["kind"] == "scheme" and r.get("ppl_change_pct") is not None]
+    if not scheme_rows:
+        return
+    plt = _plt()
+    models = list(dict.fromkeys(r["model"] for r in scheme_rows))
+    schemes = list(dict.fromkeys(r["site"] for r in scheme_rows))
+    fixes = list(dict.fromkeys(r["mitigate"] for r in scheme_rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.8), squeeze=False, layout="constrained")
+    width = 0.8 / len(fixes)
+    for ax, model in zip(axes[0], models):
+        for k, fix in enumerate(fixes):
+            pts = [next((r for r in scheme_rows if r["model"] == model and r["site"] == s and r["mitigate"] == fix), None)
+                   for s in schemes]
+            ys = [max(p["ppl_change_pct"], 0.01) if p else float("nan") for p in pts]
+            ax.bar([i + k * width for i in range(len(schemes))], ys, width, label=fix,
+                   color=[f"C{k}"] * len(schemes), edgecolor=color(model))
+        ax.set_xticks([i + width * (len(fixes) - 1) / 2 for i in range(len(schemes))], schemes, rotation=30, fontsize=8)
+        ax.set(yscale="log", title=model, ylabel="perplexity change from float (%)")
+        ax.legend(fontsize=7)
+    _save(fig, out, "mitigations")
+
+
+if __name__ == "__main__":
+    main()
