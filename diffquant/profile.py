@@ -36,7 +36,7 @@ class StatsObserver:
     def __call__(self, x: torch.Tensor, ctx) -> None:
         if self.stats is None:
             self.stats = SiteStats(ctx.site.dims, self.k, x.device, compile=self.compile)
-        self.stats.update(x, ctx.valid, ctx.batch.input_ids, ctx.batch.row_offset)
+        self.stats.update(x, ctx.valid, ctx.batch.input_ids, ctx.batch.row_offset, ctx.block)
 
 
 class SinkObserver:
@@ -50,9 +50,9 @@ class SinkObserver:
 
     def __call__(self, x: torch.Tensor, ctx) -> None:
         if self.point == "attn_probs":
-            self.sinks.add_mass("probs", x, ctx.valid)
+            self.sinks.add_mass("probs", x, ctx.valid, ctx.block)
         elif self.point == "attn_map":
-            self.sinks.add_mass("map", x, ctx.valid)
+            self.sinks.add_mass("map", x, ctx.valid, ctx.block)
         elif self.point == "v":
             self.sinks.add_values(x, ctx.valid)
         else:

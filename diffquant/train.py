@@ -226,6 +226,9 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(spec.config(arch, vocab=data.vocab, seq_len=seq_len))
         state, start = None, 0
+    from diffquant.models.fused import fuse
+
+    fuse(model)  # DIFF: one softmax per layer
     model.to(device).train()
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     if state is not None:

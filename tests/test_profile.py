@@ -115,9 +115,15 @@ def test_profile_cli_errors(checkpoint, tmp_path, capsys):
     assert "no site matches" in capsys.readouterr().err
     assert main(["profile", "--model", str(checkpoint / "llama"), "--data", str(tmp_path / "missing.txt"),
                  "--out", str(tmp_path / "o2")]) == 2
-    assert main(["profile", "--model", "tiny:diff", "--out", str(tmp_path / "o3"), "--data",
+    capsys.readouterr()
+    assert main(["profile", "--model", "micro:diff", "--out", str(tmp_path / "o3"), "--data",
+                 str(checkpoint / "corpus.txt"), "--tokens", "256", "--seq-len", "32", "--no-plots"]) == 0  # bytes
+    from diffquant.models.presets import PRESETS, build
+
+    build(PRESETS["micro"], "baseline").save_pretrained(tmp_path / "bare")
+    assert main(["profile", "--model", str(tmp_path / "bare"), "--out", str(tmp_path / "o4"), "--data",
                  str(checkpoint / "corpus.txt")]) == 2
-    assert "no tokenizer" in capsys.readouterr().err
+    assert "no tokenizer files" in capsys.readouterr().err
 
 
 @pytest.mark.slow

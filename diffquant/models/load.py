@@ -83,6 +83,9 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
             )
     if device is not None and device_map is None:
         model = model.to(device)
+    from diffquant.models.fused import fuse
+
+    fuse(model)  # DIFF: one softmax per layer (same weights, same numbers)
     return model.eval(), tokenizer
 
 

@@ -99,8 +99,12 @@ def build(spec: ModelSpec, arch: str, seed: int = 0, vocab: int | None = None, s
     import torch
     from transformers import AutoModelForCausalLM
 
+    from diffquant.models.fused import fuse
+
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(spec.config(arch, vocab, seq_len)).eval()
+    model = AutoModelForCausalLM.from_config(spec.config(arch, vocab, seq_len)).eval()
+    fuse(model)  # DIFF: one softmax per layer
+    return model
 
 
 def build_pair(spec: ModelSpec, seed: int = 0):

@@ -28,6 +28,7 @@ class FakeQuant:
         self._lo = self._hi = None
         self._mse_err: torch.Tensor | None = None
         self._hist = None
+        self._range = None  # (lo, hi) of all query blocks of one attention call, see taps/attention.py
 
     def __repr__(self) -> str:
         return f"FakeQuant({self.config.label()})"
@@ -38,7 +39,10 @@ class FakeQuant:
         if self.calibrating:
             self._observe(x, ctx)
             return None
-        if cfg.dynamic:
+        if cfg.dynamic and self._range is not None:  # a query block: the scale of the whole call's range
+            scale, zero = Q.qparams(*self._range, cfg.format)
+            y = Q.fake_quantize(x, scale, zero, cfg.format, cfg.granularity, self.compile)
+        elif cfg.dynamic:
             y = Q.dynamic_fake_quantize(x, cfg.format, cfg.granularity, ctx.site.dims, ctx.valid, self.compile)
         else:
             if self.scale is None:
@@ -48,6 +52,32 @@ class FakeQuant:
         if ctx.valid is not None:
             y = Q.keep_masked(y, x, ctx.valid)  # masked positions stay as they were (and stay masked)
         return y
+
+    # ---------------------------------------------------- attention in query blocks
+    def needs_range(self, ctx) -> bool:
+        """Whether a dynamic scale spans the query positions (per tensor, per head, per key), so a call
+        computed in query blocks must read every block's range first."""
+        if not self.config.dynamic or self.calibrating or "q_pos" not in ctx.site.dims:
+            return False
+        x = torch.empty((1,) * len(ctx.site.dims), device="meta")
+        _, reduce = Q.grouped(x, self.config.granularity, ctx.site.dims, per_sequence=True)
+        return ctx.site.dims.index("q_pos") in reduce
+
+    def start_range(self) -> None:
+        self._range = None
+        self._block_range = None
+
+    def observe_range(self, x: torch.Tensor, ctx) -> None:
+        xg, reduce = Q.grouped(x.detach().float(), self.config.granularity, ctx.site.dims, per_sequence=True)
+        lo, hi = Q.value_range(xg, reduce, ctx.valid, self.config.format.symmetric)
+        if self._block_range is None:
+            self._block_range = (lo, hi)
+        else:
+            self._block_range = (torch.minimum(self._block_range[0], lo), torch.maximum(self._block_range[1], hi))
+        self._range = self._block_range
+
+    def end_range(self) -> None:
+        self._range = self._block_range = None
 
     # -------------------------------------------------------------- calibration
     def _observe(self, x: torch.Tensor, ctx) -> None:

@@ -22,17 +22,21 @@ import torch
 EPSILON = 0.3
 
 
-def first_key_mass(probs: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def first_key_mass(probs: torch.Tensor, valid: torch.Tensor | None, block: tuple[int, int, int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum over queries of the mass on each row's first valid key, per head; number of queries counted).
-    probs: [batch, head, q, k]; valid broadcastable to it. Query rows whose first valid key is themselves
-    (the first token) or that have no valid key are not counted."""
+    probs: [batch, head, q, k]; valid broadcastable to it; `block` = (first query, end, all queries) when
+    probs holds a block of rows. Query rows whose first valid key is themselves (the first token) or that
+    have no valid key are not counted."""
     b, h, q, k = probs.shape
+    start, total = (0, q) if block is None else (block[0], block[2])
     if valid is None:
-        mass = probs[:, :, 1:, 0].float()
-        return mass.sum(dim=(0, 2)).double(), torch.tensor(b * (q - 1), dtype=torch.float64, device=probs.device)
+        mass = probs[:, :, (1 if start == 0 else 0):, 0].float()
+        return mass.sum(dim=(0, 2)).double(), torch.tensor(b * mass.shape[2], dtype=torch.float64, device=probs.device)
     v = valid.expand(b, -1, q, k)[:, :1]  # the mask is the same for every head
     first = v.to(torch.int8).argmax(dim=-1)  # [b, 1, q] first valid key of each query row
-    rows = v.any(dim=-1) & (first != (torch.arange(q, device=probs.device) + (k - q)))  # not the query itself
+    own = torch.arange(start, start + q, device=probs.device) + (k - total)  # each query's own key position
+    rows = v.any(dim=-1) & (first != own)  # not the query itself
     mass = probs.float().gather(-1, first[..., None].expand(b, h, q, 1))[..., 0]
     mass = torch.where(rows, mass, 0.0)
     return mass.sum(dim=(0, 2)).double(), rows.sum().double()
@@ -68,8 +72,8 @@ class LayerSinks:
         self.massive = [0.0, 0]
         self.massive_max: dict | None = None
 
-    def add_mass(self, which: str, probs: torch.Tensor, valid: torch.Tensor | None) -> None:
-        s, n = first_key_mass(probs.detach(), valid)
+    def add_mass(self, which: str, probs: torch.Tensor, valid: torch.Tensor | None, block=None) -> None:
+        s, n = first_key_mass(probs.detach(), valid, block)
         self.mass[which] = s.cpu() + self.mass.get(which, 0)
         self.queries[which] = n.cpu() + self.queries.get(which, 0)
 

@@ -82,9 +82,12 @@ class SiteStats:
         self.pass_inf = torch.zeros(2, dtype=torch.float64, device=device)
         self._batches: list[torch.Tensor] = []  # per update: count, sum, central power sums, ∞-norm
 
-    def update(self, x: torch.Tensor, valid: torch.Tensor | None = None, input_ids=None, row_offset: int = 0) -> None:
+    def update(self, x: torch.Tensor, valid: torch.Tensor | None = None, input_ids=None, row_offset: int = 0,
+               block: tuple[int, int, int] | None = None) -> None:
         """Add one activation (values where `valid`, broadcastable to x, is True; non-finite ones counted
-        apart). Every value is trusted once their sum is finite; only then are they checked one by one."""
+        apart). Every value is trusted once their sum is finite; only then are they checked one by one.
+        `block` = (first query, end, all queries) when x is one query block of an attention call: its
+        positions are offset, and the blocks of one call make one pass of the per-pass statistics."""
         x = x.detach()
         if x.dtype != torch.float32:
             x = x.float()
@@ -92,12 +95,18 @@ class SiteStats:
         if not bool(torch.isfinite(out[4])):
             out = self._passes(x, valid, check=True)  # inf or NaN among the values: leave them out
         ok, bins, left_out, n, s1, m2, m3, m4, rowmax, chan, pos, hits, nonfinite = out
-        self._batches.append(torch.stack([n, s1, m2, m3, m4, rowmax.max().double()]))
-        if len(self._batches) >= _FOLD_EVERY:
+        entry = torch.stack([n, s1, m2, m3, m4, rowmax.max().double()])
+        if block is not None and block[0] > 0 and self._batches:
+            entry = _same_pass(self._batches.pop(), entry)  # one attention call: one pass
+        self._batches.append(entry)
+        if len(self._batches) >= _FOLD_EVERY and (block is None or block[1] == block[2]):
             self._fold()
-        self.topk.add(x, ok, self.dims, input_ids, row_offset, rowmax)
+        offset = 0 if block is None else block[0]
+        self.topk.add(x, ok, self.dims, input_ids, row_offset, rowmax, offset, None if block is None else block[2])
         self.hist.add_bins(bins, zeros_left_out=left_out)
         self.channel_absmax = _elementwise_max(self.channel_absmax, chan)
+        if pos is not None and offset:
+            pos = torch.nn.functional.pad(pos, (offset, 0))
         self.position_absmax = _elementwise_max(self.position_absmax, pos)
         if hits is not None:
             self.channel_hits = hits if self.channel_hits is None else self.channel_hits + hits
@@ -186,6 +195,12 @@ class SiteStats:
                 row["token_id"] = coords[-1]
             rows.append(row)
         return rows
+
+
+def _same_pass(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two updates' [count, sum, central power sums, ∞-norm] pooled into one (blocks of one pass)."""
+    pooled = Moments.pool(*torch.stack([a, b])[:, :5].unbind(1))
+    return torch.stack([pooled.n, pooled.mean * pooled.n, pooled.m2, pooled.m3, pooled.m4, torch.maximum(a[5], b[5])])
 
 
 def _elementwise_max(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

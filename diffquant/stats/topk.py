@@ -19,8 +19,10 @@ class TopK:
         self.coords = torch.empty(0, ndim + 1, dtype=torch.int64, device=device)
 
     def add(self, x: torch.Tensor, ok: torch.Tensor | None, dims: tuple[str, ...], input_ids=None,
-            row_offset: int = 0, rowmax: torch.Tensor | None = None) -> None:
+            row_offset: int = 0, rowmax: torch.Tensor | None = None, pos_offset: int = 0,
+            pos_total: int | None = None) -> None:
         """Offer the values of x (shaped by `dims`) where `ok` (broadcastable) is True (None: all of them).
+        `pos_offset` is added to the position coordinate when x holds positions pos_offset.. of `pos_total`.
 
         With `rowmax` (|x| maxima along the last dim, -1 for rows without a valid value), only the k rows
         with the largest maxima are searched: every element of the top k lies in one of them (a row
@@ -44,10 +46,13 @@ class TopK:
         top, idx = top[keep], idx[keep]
         coords = torch.stack(torch.unravel_index(idx, x.shape), dim=1) if x.dim() else idx.new_zeros(len(idx), 0)
         token = torch.full((len(idx), 1), -1, dtype=torch.int64, device=x.device)
+        pos_dim = dims.index("pos") if "pos" in dims else dims.index("q_pos") if "q_pos" in dims else None
+        if pos_dim is not None:
+            coords[:, pos_dim] += pos_offset
         if "batch" in dims:
             b = dims.index("batch")
-            pos_dim = dims.index("pos") if "pos" in dims else dims.index("q_pos") if "q_pos" in dims else None
-            if input_ids is not None and pos_dim is not None and input_ids.shape[1] == x.shape[pos_dim]:
+            total = pos_total if pos_total is not None else (x.shape[pos_dim] if pos_dim is not None else None)
+            if input_ids is not None and pos_dim is not None and input_ids.shape[1] == total:
                 ids = input_ids.to(x.device)
                 token[:, 0] = ids[coords[:, b], coords[:, pos_dim]]
             coords[:, b] += row_offset

@@ -6,16 +6,26 @@ transformers would otherwise pass `attention_mask=None` for unpadded input and r
 own causality, which an explicit matmul does not have. Layers without attention taps fall through to
 SDPA when the model ran on SDPA (with no mask, its `is_causal` kernel, where the mask is plainly causal),
 and to the explicit computation otherwise (eager models with logit softcapping or attention sinks,
-flash-attention models, whose kernels cannot take the materialised mask). For DiffLlama, whose layer
-calls attention twice with the same Q and K (once per half of V), the second call reuses the first
-call's probabilities, so each logit passes the taps exactly once; the check compares Q and K as the
-layer passed them, before grouped-query heads are repeated.
+flash-attention models, whose kernels cannot take the materialised mask).
+
+DIFF: diffquant runs DiffLlama with one attention call per layer (models/fused.py, `diff_attention`
+here): every logit, probability and differential map passes the taps once. A DiffLlama in transformers'
+own two-call form is handled too: the second call (same Q and K) reuses the first call's probabilities;
+the check compares Q and K as the layer passed them, before grouped-query heads are repeated.
+
+Long contexts: queries are processed in blocks of `BLOCK` (1024; $DIFFQUANT_ATTN_BLOCK), so the logits
+never exist as one [batch, head, T, T] tensor: the extra memory is O(batch · head · BLOCK · T). Taps see
+each block with its query offset (`ctx.block`), statistics are exactly those of the whole tensor, and a
+quantizer whose scale spans queries (per tensor or per head) first reads every block's range
+(`needs_range` / `observe_range`), then quantizes each block with the full range.
 
 Sinks (`s_aux`, gpt-oss and diffquant's `sink` design) are a per-head logit in the softmax denominator:
 they are parameters, not activations, so `attn_logits` never contains them.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from transformers import AttentionInterface
@@ -25,6 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from diffquant import DiffquantError
 
 NAME = "diffquant"
+BLOCK = int(os.environ.get("DIFFQUANT_ATTN_BLOCK", "1024"))
 
 
 def diffquant_mask(*args, **kwargs):
@@ -34,11 +45,15 @@ def diffquant_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def valid_positions(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor:
-    """Boolean [batch|1, 1, q, k] mask of the positions a query may attend (bottom-right causal if None)."""
+def valid_positions(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device,
+                    rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Boolean [batch|1, 1, q, k] mask of the positions a query may attend (bottom-right causal if None);
+    with `rows`, only queries rows[0]:rows[1]."""
+    r0, r1 = rows or (0, q_len)
     if attention_mask is None:
-        return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
-    mask = attention_mask[:, :, :, :k_len]
+        q = torch.arange(r0, r1, device=device)[:, None] + (k_len - q_len)
+        return (torch.arange(k_len, device=device)[None, :] <= q)[None, None]
+    mask = attention_mask[:, :, r0:r1, :k_len]
     if mask.dtype == torch.bool:
         return mask
     return mask > torch.finfo(mask.dtype).min / 2  # additive float mask (eager)
@@ -90,26 +105,101 @@ def _attend(module, taps, query, key, value, attention_mask, scaling, dropout, k
         raise DiffquantError("tapped attention does not apply attention dropout; use model.eval() or dropout 0")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    n_rep = query.shape[1] // key.shape[1]
+    value = repeat_kv(value, query.shape[1] // value.shape[1])
+    if query.shape[2] > BLOCK:
+        if getattr(module, "_diffquant_paired", False) and not getattr(module, "_diffquant_fused", False):
+            raise DiffquantError("a long context in DiffLlama's two-call form: give the model the fused forward "
+                                 "(diffquant.models.fused.fuse), which diffquant's loaders and taps do")
+        out = _blocked(module, taps, query, repeat_kv(key, n_rep), attention_mask, scaling, kwargs,
+                       lambda p, rows: torch.matmul(p.to(value.dtype), value))
+        return out.transpose(1, 2).contiguous(), None
     pending = module.__dict__.pop("_diffquant_pending", None)
     if pending is not None and pending[0] is query and pending[1] is key:
         probs = pending[2]  # DiffLlama's second call: same Q and K, reuse (observed, maybe quantized) probs
     else:
-        n_rep = query.shape[1] // key.shape[1]
         probs = _probabilities(module, taps, query, repeat_kv(key, n_rep), attention_mask, scaling, kwargs)
         if getattr(module, "_diffquant_paired", False):
             module._diffquant_pending = (query, key, probs)  # before repeat_kv, which makes a new tensor
-    value = repeat_kv(value, query.shape[1] // value.shape[1])
+            if "attn_map" in taps or "lambda" in taps:
+                lam = diff_lambda(module)
+                run_taps(taps.get("lambda"), lam, None)
+                _differential_map(module, taps, probs, lam, query.shape[2], key.shape[2], attention_mask, None)
     out = torch.matmul(probs.to(value.dtype), value)
     return out.transpose(1, 2).contiguous(), probs
 
 
-def _probabilities(module, taps, query, key, attention_mask, scaling, kwargs):
-    softcap, sinks, clip = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("clip_softmax")
+def diff_attention(module, query, key, vpair, attention_mask, scaling, lam, tapped: bool):
+    """DIFF in one call: the softmax maps of all H heads (taps on logits and probabilities see each once),
+    A = P[:, :H/2] − λ·P[:, H/2:] per differential head (the `attn_map` site), and A·[V1 | V2].
+    Returns ([batch, pos, H/2, 2d], probabilities or None when computed in blocks)."""
+    taps = (getattr(module, "_diffquant_taps", None) or {}) if tapped else {}
+    run_taps(taps.get("lambda"), lam.float(), None)
+    key = repeat_kv(key, query.shape[1] // key.shape[1])
+    q_len, k_len = query.shape[2], key.shape[2]
+
+    def combine(probs, rows):
+        a = _differential_map(module, taps, probs, lam, q_len, k_len, attention_mask, rows)
+        return torch.matmul(a.to(vpair.dtype), vpair)
+
+    if q_len > BLOCK:
+        return _blocked(module, taps, query, key, attention_mask, scaling, {}, combine).transpose(1, 2), None
+    probs = _probabilities(module, taps, query, key, attention_mask, scaling, {})
+    return combine(probs, None).transpose(1, 2), probs
+
+
+def _differential_map(module, taps, probs, lam, q_len, k_len, attention_mask, rows):
+    half = probs.shape[1] // 2
+    a = probs[:, :half] - lam.to(probs.dtype) * probs[:, half:]
+    if "attn_map" in taps:
+        valid = valid_positions(attention_mask, q_len, k_len, probs.device, rows)
+        run_taps(taps["attn_map"], a, valid, _block_of(rows, q_len))
+    return a
+
+
+def _block_of(rows, q_len):
+    return None if rows is None else (rows[0], rows[1], q_len)
+
+
+def _blocked(module, taps, query, key, attention_mask, scaling, kwargs, consume):
+    """Attention in query blocks: `consume(probs_block, rows)` turns each block's probabilities into its
+    output rows; nothing of size T × T is kept."""
+    q_len = query.shape[2]
+    blocks = [(i, min(i + BLOCK, q_len)) for i in range(0, q_len, BLOCK)]
+    ranged = [(tap, ctx) for tap, ctx in taps.get("attn_logits", ()) if getattr(tap, "needs_range", None)
+              and tap.needs_range(ctx)]
+    for tap, ctx in ranged:  # pass 1: the full range of quantizers whose scale spans query blocks
+        tap.start_range()
+        for rows in blocks:
+            logits = _logits(query[:, :, rows[0]:rows[1]], key, scaling, kwargs.get("softcap"))
+            valid = valid_positions(attention_mask, q_len, key.shape[2], query.device, rows)
+            tap.observe_range(logits, ctx.with_valid(valid))
+    try:
+        outs = [consume(_probabilities(module, taps, query, key, attention_mask, scaling, kwargs, rows), rows)
+                for rows in blocks]
+    finally:
+        for tap, _ in ranged:
+            tap.end_range()
+    return torch.cat(outs, dim=2)
+
+
+def _logits(query, key, scaling, softcap):
     logits = torch.matmul(query, key.transpose(2, 3)).mul_(scaling)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    valid = valid_positions(attention_mask, query.shape[2], key.shape[2], query.device)
-    tapped = run_taps(taps.get("attn_logits"), logits, valid)
+    return logits
+
+
+def _probabilities(module, taps, query, key, attention_mask, scaling, kwargs, rows=None):
+    """Softmax probabilities of all queries (or of query rows `rows` of a blocked call), through the taps."""
+    sinks, clip = kwargs.get("s_aux"), kwargs.get("clip_softmax")
+    q_len = query.shape[2]
+    if rows is not None:
+        query = query[:, :, rows[0]:rows[1]]
+    block = _block_of(rows, q_len)
+    logits = _logits(query, key, scaling, kwargs.get("softcap"))
+    valid = valid_positions(attention_mask, q_len, key.shape[2], query.device, rows)
+    tapped = run_taps(taps.get("attn_logits"), logits, valid, block)
     scores = masked_scores(tapped, logits, valid)
     if sinks is not None:  # a learned per-head logit in the denominator only (gpt-oss): softmax, then drop it
         sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
@@ -123,14 +213,7 @@ def _probabilities(module, taps, query, key, attention_mask, scaling, kwargs):
     if bool(empty.any()):  # fully masked rows (padding): zeros, not NaN
         probs = probs.masked_fill(empty, 0.0)
     probs = probs.to(query.dtype)
-    probs = run_taps(taps.get("attn_probs"), probs, valid)
-    if "attn_map" in taps or "lambda" in taps:
-        lam = diff_lambda(module)
-        run_taps(taps.get("lambda"), lam, None)
-        if "attn_map" in taps:
-            half = probs.shape[1] // 2
-            run_taps(taps["attn_map"], probs[:, :half] - lam.to(probs.dtype) * probs[:, half:], valid)
-    return probs
+    return run_taps(taps.get("attn_probs"), probs, valid, block)
 
 
 def masked_scores(tapped: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -146,10 +229,11 @@ def masked_scores(tapped: torch.Tensor, logits: torch.Tensor, valid: torch.Tenso
     return scores.masked_fill_(~valid, float("-inf")) if ours else scores.masked_fill(~valid, float("-inf"))
 
 
-def run_taps(entries, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """Pass x through the (tap, context) entries of one site in attach order."""
+def run_taps(entries, x: torch.Tensor, valid: torch.Tensor | None, block=None) -> torch.Tensor:
+    """Pass x through the (tap, context) entries of one site in attach order; `block` = (first query, end,
+    all queries) when x holds one block of a longer attention."""
     for tap, ctx in entries or ():
-        y = tap(x, ctx.with_valid(valid))
+        y = tap(x, ctx.with_valid(valid, block))
         if y is not None:
             x = y
     return x

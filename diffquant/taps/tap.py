@@ -36,9 +36,12 @@ class TapContext:
     site: Site
     batch: Batch = field(default_factory=Batch)
     valid: torch.Tensor | None = None  # bool, broadcastable to the activation; None = all valid
+    block: tuple[int, int, int] | None = None  # (first query, end, all queries) of a blocked attention call
 
-    def with_valid(self, valid: torch.Tensor | None) -> "TapContext":
-        return self if valid is None and self.valid is None else replace(self, valid=valid)
+    def with_valid(self, valid: torch.Tensor | None, block: tuple[int, int, int] | None = None) -> "TapContext":
+        if valid is None and self.valid is None and block is None and self.block is None:
+            return self
+        return replace(self, valid=valid, block=block)
 
 
 Tap = Callable[[torch.Tensor, TapContext], "torch.Tensor | None"]
