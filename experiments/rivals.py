@@ -42,10 +42,11 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--archs", nargs="+", default=list(ARCHS))
     p.add_argument("--out", default="docs/rivals")
-    p.add_argument("--runs", default="runs/rivals")
+    p.add_argument("--runs", default="runs", help="checkpoints: RUNS/rivals/demo, and RUNS/emergence/<setting> (shared "
+                                                  "with experiments/emergence.py, whose seed-0 baseline it reuses)")
     p.add_argument("--search", default="docs/emergence/search.json")
     a = p.parse_args(argv)
-    out, runs = Path(a.out), Path(a.runs)
+    out, root = Path(a.out), Path(a.runs)
     settings = {}
     if a.quick:
         settings["demo"] = ("quick", next(iter(QUICK.values())))
@@ -56,6 +57,7 @@ def main(argv=None) -> None:
             settings["regime"] = regime_setting(Path(a.search))
     n_eval = 8 if a.quick else 64
     for which, (name, overrides) in settings.items():
+        runs = root / ("emergence" if which == "regime" else "rivals")
         regime(name, overrides, tuple(a.archs), a.seeds, runs, out / which, n_eval, SCHEMES)
         print(f"## {which}: {name}\n")
         print((out / which / "results.md").read_text())
