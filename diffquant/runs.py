@@ -29,5 +29,8 @@ def mean_spread(values: list[float]) -> tuple[float, float]:
 
 
 def fmt_ms(values: list[float]) -> str:
-    m, s = mean_spread(values)
-    return f"{m:.4g} ± {s:.2g}" if len(values) > 1 else f"{m:.4g}"
+    """Mean ± 95% t-interval over seeds (the mean alone for one seed)."""
+    from diffquant.stats.intervals import fmt_pm, t_interval
+
+    t = t_interval(values)
+    return fmt_pm(t["mean"], t["half"], 4)

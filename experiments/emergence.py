@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
 from diffquant.report.style import display  # noqa: E402
 from diffquant.report.tables import markdown  # noqa: E402
+from diffquant.runs import start_run  # noqa: E402
 from diffquant.stats.intervals import fmt_pm  # noqa: E402
 from diffquant.train import TrainConfig, prepare_data, train_pair  # noqa: E402
 
@@ -186,8 +187,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     settings = QUICK if a.quick else SEARCH
     n_eval = 8 if a.quick else EVAL_SEQUENCES
-    out, runs = Path(a.out), Path(a.runs)
-    out.mkdir(parents=True, exist_ok=True)
+    out, runs = Path(a.out), (Path(a.out) / "runs" if a.quick else Path(a.runs))
+    start_run(out, {**vars(a), "settings": settings}, "cuda" if torch.cuda.is_available() else "cpu")
     found = None
     if a.only != "regime":
         found = search(settings, runs, out, n_eval)

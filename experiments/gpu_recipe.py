@@ -1,5 +1,6 @@
-"""GPU recipe: on one H200, train the `small` matched pair token-matched (33.7M parameters each), profile
-both (Table 5 analog) and run the Figure 8 sweep, all under one folder, in about 10 minutes.
+"""GPU recipe: on one H200, train the `small` matched pair token-matched (33.7M parameters each) with outlier
+tracking (`train --track`: emergence.json and curves at 33.7M parameters), profile both (Table 5 analog, sinks)
+and run the Figure 8 sweep, all under one folder, in about 10 minutes.
 `--quick` runs the same pipeline on CPU with tiny budgets (the test suite does).
 
     python experiments/gpu_recipe.py --out runs/gpu        # on a GPU
@@ -60,15 +61,21 @@ def run(s: Settings, out: Path) -> None:
     out = start_run(out, s, dev)
     t0 = time.perf_counter()
     folder = trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds[:1], out / "pairs", batch_size=s.batch_size,
-                           lr=s.lr)[0]
+                           lr=s.lr, track=True)[0]
     t_train = time.perf_counter() - t0
+    import json
+
+    from diffquant.report.emergence_plots import plot_emergence
+
+    (out / "emergence").mkdir(exist_ok=True)
+    plot_emergence(json.loads((folder / "emergence.json").read_text()), out / "emergence")
     val = validation_text(s.corpus)
     models = load_pair(folder, dev)
     val_ids = encode(models["DIFF"][1], val)
     from diffquant.models.presets import get_preset
 
     seq_len = get_preset(s.preset).seq_len
-    profiles = [profile_model(m, sequences(val_ids, seq_len, s.profile_tokens), label=label, batch_size=32)
+    profiles = [profile_model(m, sequences(val_ids, seq_len, s.profile_tokens), label=label, batch_size=32, sinks=True)
                 for label, (m, _) in models.items()]
     write_report(profiles, out / "profile")
     evalset = sequences(val_ids, seq_len, s.eval_tokens)

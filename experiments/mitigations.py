@@ -70,10 +70,11 @@ def main(argv=None) -> None:
     from diffquant.report.tables import markdown
     from diffquant.sweep import Cell, Evaluator, cell_text, run_cells
 
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from diffquant.runs import start_run
+
+    out = start_run(a.out, vars(a), "cpu")
     which = ["demo"] if a.quick else a.models
-    sources = models_to_run(which, Path(a.runs), a.quick)
+    sources = models_to_run(which, out / "runs" if a.quick else Path(a.runs), a.quick)
     text = load_text("kjv")[0]
     train_text, val = split(text)
     evals = ["ppl"] + ([f"mc:{a.mc}"] if a.mc else [])

@@ -21,13 +21,14 @@ def validation_text(corpus: str) -> str:
 
 
 def trained_pairs(preset: str, corpus: str, tokens: int, seeds: list[int], root: Path, needle_fraction: float = 0.0,
-                  batch_size: int = 16, lr: float = 3e-3) -> list[Path]:
-    """One trained pair folder per seed under root (resumed if already there)."""
+                  batch_size: int = 16, lr: float = 3e-3, track: bool = False) -> list[Path]:
+    """One trained pair folder per seed under root (resumed if already there); `track` writes emergence.json."""
     folders = []
     for seed in seeds:
-        folder = root / (f"{preset}-{corpus}-{tokens}-s{seed}" + (f"-n{needle_fraction}" if needle_fraction else ""))
+        folder = root / (f"{preset}-{corpus}-{tokens}-s{seed}" + (f"-n{needle_fraction}" if needle_fraction else "")
+                         + ("-track" if track else ""))
         cfg = TrainConfig(preset=preset, corpus=corpus, tokens=tokens, seed=seed, batch_size=batch_size, lr=lr,
-                          needle_fraction=needle_fraction, eval_every=100, save_every=200)
+                          needle_fraction=needle_fraction, eval_every=100, save_every=200, track=track)
         train_pair(cfg, folder, device(), resume=(folder / "train_config.json").exists())
         folders.append(folder)
     return folders

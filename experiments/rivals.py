@@ -46,7 +46,10 @@ def main(argv=None) -> None:
                                                   "with experiments/emergence.py, whose seed-0 baseline it reuses)")
     p.add_argument("--search", default="docs/emergence/search.json")
     a = p.parse_args(argv)
-    out, root = Path(a.out), Path(a.runs)
+    out, root = Path(a.out), (Path(a.out) / "runs" if a.quick else Path(a.runs))
+    from diffquant.runs import start_run
+
+    start_run(out, vars(a), "cpu")
     settings = {}
     if a.quick:
         settings["demo"] = ("quick", next(iter(QUICK.values())))

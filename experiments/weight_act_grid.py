@@ -49,7 +49,8 @@ def run(s: Settings, out: Path) -> None:
     groups: dict[tuple, list[float]] = {}
     for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, out / "pairs")):
         for r in sweep_pair(folder, dev, val, ["ppl"], s.eval_tokens, out / f"seed{seed}", wa=s.bits):
-            groups.setdefault((r["model"], r["wbits"]), {}).setdefault(r["bits"], []).append(r["ppl"])
+            if r["kind"] == "wa":
+                groups.setdefault((r["model"], r["wbits"]), {}).setdefault(r["bits"], []).append(r["ppl"])
     body = [[m, f"W{w}", *[fmt_ms(v[a]) for a in s.bits]] for (m, w), v in sorted(groups.items())]
     table = (f"Perplexity, W×A grid, {s.preset} pair, {s.train_tokens:,} training tokens, seeds {s.seeds}.\n\n"
              + markdown(["model", "weights", *[f"A{a}" for a in s.bits]], body))

@@ -95,7 +95,8 @@ def test_notebook_runs(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["table5_outliers.py", "fig8_logit_quant.py", "weight_act_grid.py",
-                                    "needle_under_quant.py", "gpu_recipe.py", "real_model_profile.py"])
+                                    "needle_under_quant.py", "gpu_recipe.py", "real_model_profile.py", "emergence.py",
+                                    "rivals.py", "mitigations.py"])
 def test_experiments_quick(script, tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "experiments" / script), "--quick", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=900)
