@@ -2,8 +2,9 @@
 
 1. search: train the *baseline* under each setting of SEARCH (tracked), and record whether it reaches the
    outlier regime: hidden top-1 / median >= 100 (worst layer) or sink rate >= 0.5, on held-out sequences.
-2. regime: in the first setting of SEARCH that reaches it (or, when none does, the one that came closest),
-   train every design identically for three seeds and report mean ± 95% t-interval over seeds.
+2. regime: in the first setting of SEARCH that reaches it (or, when none does, the one whose curves
+   extrapolate to it at the smallest token budget), train every design identically for three seeds and
+   report mean ± 95% t-interval over seeds.
 
     python experiments/emergence.py [--quick] [--out docs/emergence] [--runs runs/emergence]
     python experiments/emergence.py --only search|regime [--setting NAME] [--archs baseline diff] [--seeds 0 1 2]
@@ -92,6 +93,19 @@ def train_and_measure(name: str, overrides: dict, seed: int, archs, runs: Path, 
                  minutes=minutes / len(archs), emergence=info["emergence"])
         out[arch] = m
     return out
+
+
+def choose(settings: dict, found: dict) -> str:
+    """The first setting in the regime; when none is, the one whose curves reach it soonest (the smallest
+    extrapolated token budget; the largest hidden top-1/median when nothing extrapolates)."""
+    done = [n for n in settings if n in found]
+    hits = [n for n in done if in_regime(found[n])]
+    if hits:
+        return hits[0]
+    budget = {n: found[n].get("extrapolated_tokens") for n in done}
+    if any(budget.values()):
+        return min((n for n in done if budget[n]), key=budget.get)
+    return max(done, key=lambda n: found[n]["hidden_ratio"])
 
 
 def in_regime(m: dict) -> bool:
@@ -195,11 +209,7 @@ def main(argv=None) -> None:
         print((out / "search.md").read_text())
     if a.only == "search":
         return
-    name = a.setting
-    if name is None:
-        found = found or json.loads((out / "search.json").read_text())["results"]
-        hits = [n for n in settings if in_regime(found[n])]
-        name = hits[0] if hits else max(settings, key=lambda n: found[n]["hidden_ratio"])
+    name = a.setting or choose(settings, found or json.loads((out / "search.json").read_text())["results"])
     regime(name, settings[name], tuple(a.archs), a.seeds, runs, out, n_eval)
     print((out / "results.md").read_text())
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from emergence import QUICK, SEARCH, in_regime, regime  # noqa: E402
+from emergence import QUICK, SEARCH, choose, regime  # noqa: E402
 
 ARCHS = ("baseline", "diff", "gated", "clipsoftmax", "sink")
 SCHEMES = ("logits-int4", "w8a8")
@@ -29,9 +29,8 @@ DEMO = dict(preset="tiny", corpus="kjv", seq_len=256, batch_size=16, lr=3e-3, we
 
 
 def regime_setting(search_json: Path) -> tuple[str, dict]:
-    found = json.loads(search_json.read_text())["results"]
-    hits = [n for n in SEARCH if n in found and in_regime(found[n])]
-    name = hits[0] if hits else max((n for n in SEARCH if n in found), key=lambda n: found[n]["hidden_ratio"])
+    """The setting experiments/emergence.py chose (see `choose`)."""
+    name = choose(SEARCH, json.loads(search_json.read_text())["results"])
     return name, SEARCH[name]
 
 
