@@ -1,9 +1,9 @@
 """diffquant: profile and quantize Differential Transformers and their matched baselines.
 
 Heavy modules (torch, transformers) load lazily so `diffquant --help` answers at once. The rival attention
-designs (diffquant.designs) register with transformers' Auto classes as soon as transformers loads its
-Auto model classes, so after `import diffquant` a saved checkpoint of any design loads with
-`AutoModelForCausalLM.from_pretrained(path)`, without diffquant importing transformers itself.
+designs (diffquant.designs) register with transformers' Auto classes the first time those are used, so after
+`import diffquant` a saved checkpoint of any design loads with `AutoModelForCausalLM.from_pretrained(path)`,
+without diffquant importing transformers itself.
 """
 
 import importlib.abc
@@ -31,8 +31,31 @@ def _register_designs() -> None:
         warnings.warn(f"diffquant could not register its attention designs with transformers: {e}", stacklevel=2)
 
 
+def _register_on_first_use(modeling_auto) -> None:
+    """Make the Auto classes register the designs on their first use (and then be themselves again): when
+    transformers loads its Auto module it may be in the middle of importing other models, too early to
+    import ours."""
+    from transformers.models.auto import configuration_auto
+
+    targets = [(configuration_auto.AutoConfig, "from_pretrained"), (configuration_auto.AutoConfig, "for_model"),
+               (modeling_auto._BaseAutoModelClass, "from_pretrained"), (modeling_auto._BaseAutoModelClass, "from_config")]
+    originals = {(cls, name): cls.__dict__[name] for cls, name in targets}
+
+    def restore():
+        for (cls, name), original in originals.items():
+            setattr(cls, name, original)
+
+    for (cls, name), original in originals.items():
+        def first_use(klass, *args, _func=original.__func__, **kwargs):
+            restore()
+            _register_designs()
+            return _func(klass, *args, **kwargs)
+
+        setattr(cls, name, classmethod(first_use))
+
+
 class _AfterAutoImport(importlib.abc.MetaPathFinder):
-    """Runs `_register_designs` right after transformers' Auto model module has loaded (once)."""
+    """Arms `_register_on_first_use` right after transformers' Auto model module has loaded (once)."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname != _AUTO:
@@ -45,7 +68,7 @@ class _AfterAutoImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            _register_designs()
+            _register_on_first_use(module)
 
         spec.loader.exec_module = exec_module
         return spec

@@ -186,13 +186,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.run_demo:
         run_demo()
+    from diffquant.report.tables import between_markers
+
     text = README.read_text()
-    if BEGIN not in text or END not in text:
+    new = between_markers(text, BEGIN, END, results_block())
+    if new is None:
         print(f"README has no {BEGIN} ... {END} markers", file=sys.stderr)
         return 2
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{BEGIN}\n{results_block()}\n{END}{tail}"
     if a.check:
         return 0 if new == text else 1
     README.write_text(new)

@@ -110,13 +110,13 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true")
     p.add_argument("--no-real", action="store_true", help="skip the real backends column")
     args = p.parse_args(argv)
+    from diffquant.report.tables import between_markers
+
     text = README.read_text()
-    if BEGIN not in text or END not in text:
+    new = between_markers(text, BEGIN, END, table(not args.no_real))
+    if new is None:
         print(f"README has no {BEGIN} ... {END} markers", file=sys.stderr)
         return 2
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{BEGIN}\n{table(not args.no_real)}\n{END}{tail}"
     if args.check:
         return 0 if new == text else 1
     README.write_text(new)

@@ -61,6 +61,19 @@ def attention_function(module, fallback):
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb, eager_attention_forward  # noqa: E402
 
 
+def project_qkv(module, hidden_states, position_embeddings, cache, kwargs):
+    """Llama's attention prelude: q, k, v as [batch, head, pos, head_dim], RoPE on q and k, the KV cache."""
+    hidden_shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+    query = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    if cache is not None:
+        key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
+    return query, key, value
+
+
 class VariantAttention(LlamaAttention):
     """LlamaAttention's forward with the two places designs change: the attention function and its extra
     arguments (`attention_kwargs`), and the output before o_proj (`gate_output`). `explicit` designs
@@ -80,14 +93,7 @@ class VariantAttention(LlamaAttention):
         from diffquant.taps.attention import explicit_attention
 
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        query, key, value = project_qkv(self, hidden_states, position_embeddings, cache, kwargs)
         impl = self.config._attn_implementation
         if self.explicit:
             attend = attention_function(self, explicit_attention)

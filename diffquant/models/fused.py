@@ -48,19 +48,11 @@ def diff_lambda(module, dtype) -> torch.Tensor:
 
 
 def fused_forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-    from transformers.models.diffllama.modeling_diffllama import apply_rotary_pos_emb
-
+    from diffquant.designs.variant import project_qkv  # DiffLlama's prelude is Llama's
     from diffquant.taps import attention as A
 
     input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    query, key = apply_rotary_pos_emb(query, key, cos, sin)
-    if cache is not None:
-        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    query, key, value = project_qkv(self, hidden_states, position_embeddings, cache, kwargs)
     lam = diff_lambda(self, query.dtype)
     heads = query.shape[1]
     impl = self.config._attn_implementation

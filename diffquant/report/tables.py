@@ -30,3 +30,12 @@ def to_csv(header: list[str], rows: list[list]) -> str:
     writer.writerow(header)
     writer.writerows(rows)
     return buf.getvalue()
+
+
+def between_markers(text: str, begin: str, end: str, block: str) -> str | None:
+    """`text` with what stands between the `begin` and `end` marker lines replaced by `block` (None when the
+    markers are missing): how scripts keep generated tables in the README."""
+    if begin not in text or end not in text:
+        return None
+    head, rest = text.split(begin, 1)
+    return f"{head}{begin}\n{block}\n{end}{rest.split(end, 1)[1]}"
