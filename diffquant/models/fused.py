@@ -9,9 +9,10 @@ what the baseline's attention costs. `fuse(model)` gives every DiffLlama attenti
 
 - with diffquant's tapped attention, one call that passes `diff_lambda` and the paired values, so every
   logit, probability and differential map is observed (and quantized) once;
-- otherwise the explicit fused computation (one fp32 softmax; measured faster than two SDPA calls on CPU,
-  see benchmarks/), or, while training, one SDPA call with Q and K zero-padded to 2d (the same scores) and V
-  = [V1 | V2], whose fused backward beats the explicit one.
+- otherwise, where the mask is plainly causal (or a single query decodes), one SDPA call with Q and K
+  zero-padded to 2d (the same scores) and V = [V1 | V2]: one softmax and SDPA's fused kernels, in training
+  and inference, with no T × T tensor; with padding masks the explicit fused computation (one fp32 softmax,
+  the differential map times the paired values).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def fused_forward(self, hidden_states, position_embeddings, attention_mask=None,
     heads = query.shape[1]
     impl = self.config._attn_implementation
     weights = None
-    if impl == "sdpa" and self.training and (attention_mask is None or
-                                             A.plain_causal(attention_mask, query.shape[2], key.shape[2])):
+    q_len, k_len = query.shape[2], key.shape[2]
+    plain = attention_mask is None and (q_len == k_len or q_len == 1) or A.plain_causal(attention_mask, q_len, k_len)
+    if impl == "sdpa" and plain and not kwargs.get("output_attentions"):
         out = _sdpa_padded(query, key, value, self.scaling)  # [B, T, H, 2d], the two calls' layout
         half = heads // 2
         out = out[:, :, :half] - lam * out[:, :, half:]
@@ -70,10 +72,13 @@ def fused_forward(self, hidden_states, position_embeddings, attention_mask=None,
 
 
 def _sdpa_padded(query, key, value, scaling):
-    """Both value halves in one causal SDPA call: Q and K padded with zeros to 2d leave every score as it is."""
+    """Both value halves in one SDPA call: Q and K padded with zeros to 2d leave every score as it is, and SDPA's
+    fused kernels then take the 2d-wide values. Causal when queries and keys are the same positions; a single
+    query (decoding with a cache) attends every key."""
     v1, v2 = (x.repeat(1, 2, 1, 1) for x in torch.chunk(value, 2, dim=1))
     q = torch.cat([query, torch.zeros_like(query)], dim=-1)
     k = torch.cat([key, torch.zeros_like(key)], dim=-1)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, torch.cat([v1, v2], dim=-1), is_causal=True,
-                                                           scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, torch.cat([v1, v2], dim=-1),
+                                                           is_causal=query.shape[2] == key.shape[2] > 1, scale=scaling,
+                                                           enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
