@@ -195,10 +195,11 @@ def main(argv=None) -> None:
     p.add_argument("--only", choices=["search", "regime"])
     p.add_argument("--setting", help="regime: the SEARCH setting to use (default: chosen by the search)")
     p.add_argument("--archs", nargs="+", default=["baseline", "diff"])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0 1)")
     p.add_argument("--out", default="docs/emergence")
     p.add_argument("--runs", default="runs/emergence")
     a = p.parse_args(argv)
+    a.seeds = a.seeds or ([0, 1] if a.quick else [0, 1, 2])
     settings = QUICK if a.quick else SEARCH
     n_eval = 8 if a.quick else EVAL_SEQUENCES
     out, runs = Path(a.out), (Path(a.out) / "runs" if a.quick else Path(a.runs))

@@ -38,13 +38,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=["demo", "regime"])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0 1)")
     p.add_argument("--archs", nargs="+", default=list(ARCHS))
     p.add_argument("--out", default="docs/rivals")
     p.add_argument("--runs", default="runs", help="checkpoints: RUNS/rivals/demo, and RUNS/emergence/<setting> (shared "
                                                   "with experiments/emergence.py, whose seed-0 baseline it reuses)")
     p.add_argument("--search", default="docs/emergence/search.json")
     a = p.parse_args(argv)
+    a.seeds = a.seeds or ([0, 1] if a.quick else [0, 1, 2])
     out, root = Path(a.out), (Path(a.out) / "runs" if a.quick else Path(a.runs))
     from diffquant.runs import start_run
 
