@@ -1,0 +1,54 @@
+"""The README's generated results and the benchmark's operator breakdown: figures come from the files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_ranges_over_the_last_full_runs(tmp_path, monkeypatch):
+    rr = _module("docs/readme_results.py", "readme_results_under_test")
+    (tmp_path / "benchmarks").mkdir()
+    runs = [{"quick": False, "sweep": {"ratio_vs_four_plain": r, "ratio_vs_four_plain_compiled": 1.0}}
+            for r in (9.0, 1.4, 1.6, 1.5)] + [{"quick": True, "sweep": {"ratio_vs_four_plain": 7.0}}]
+    (tmp_path / "benchmarks/history-cpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    (tmp_path / "benchmarks/results-cpu.json").write_text(json.dumps(
+        {"threads": 2, "preset": "tiny", "batch": [8, 256], "rounds": 7,
+         "sweep": {"ratio_vs_four_plain": 1.5, "ratio_vs_four_plain_compiled": 1.0}}))
+    monkeypatch.setattr(rr, "ROOT", tmp_path)
+    text = "\n".join(rr.benchmark_part())
+    # the last three full runs (1.4, 1.6, 1.5): the oldest (9.0) and the quick run (7.0) are left out
+    assert "1.50× (1.40–1.60× over 3 runs) eager" in text
+    assert "1.00× (1.00–1.00× over 3 runs) compiled" in text
+
+
+def test_profile_ops_shares_come_from_the_trace():
+    torch = pytest.importorskip("torch")
+    bench = _module("benchmarks/run.py", "bench_under_test")
+    from diffquant.models.presets import PRESETS, build_pair
+
+    torch.manual_seed(0)
+    model = build_pair(PRESETS["micro"])[0].eval()
+    ids = torch.randint(0, PRESETS["micro"].vocab, (2, 32))
+    ops = bench.bench_profile_ops(model, ids, rounds=1)
+    assert ops["stats_s"] > ops["plain_s"] > 0
+    assert ops["extra_s"] == pytest.approx(ops["stats_s"] - ops["plain_s"])
+    shares = ops["extra_share_by_op"]
+    assert shares and all(k.startswith("aten::") and 0 < v <= 1 for k, v in shares.items())
+    # the statistics' own operators appear, a plain forward's matmul does not grow
+    assert {"aten::topk", "aten::bincount"} & set(shares)
+    assert ops["extra_calls_per_forward"].get("aten::mm", 0) == 0
