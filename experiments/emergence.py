@@ -128,17 +128,21 @@ def extrapolate(emergence: list[dict]) -> float | None:
 
 
 def search(settings: dict, runs: Path, out: Path, n_eval: int) -> dict:
-    rows, found = [], {}
+    found = {}
     for name, overrides in settings.items():
         m = train_and_measure(name, overrides, 0, ("baseline",), runs, n_eval)["baseline"]
         found[name] = {k: v for k, v in m.items() if k != "emergence"} | {"extrapolated_tokens": extrapolate(m["emergence"])}
-        rows.append([name, overrides["preset"], m["parameters"], overrides["corpus"], overrides["lr"],
-                     overrides.get("weight_decay", 0.1), overrides.get("bos", False) or overrides["corpus"].startswith("synth"),
-                     overrides["seq_len"], m["train_tokens"], round(m["minutes"], 1), m["sink_rate"], m["hidden_ratio"],
-                     m["massive_ratio"], m["logit_top1"], m["loss"], "yes" if in_regime(m) else "no",
-                     found[name]["extrapolated_tokens"]])
-        _write_search(rows, found, out, n_eval)
+        _write_search(settings, found, out, n_eval)
     return found
+
+
+def _search_row(name: str, overrides: dict, m: dict) -> list:
+    budget = m["extrapolated_tokens"]
+    return [name, overrides["preset"], m["parameters"], overrides["corpus"], overrides["lr"],
+            overrides.get("weight_decay", 0.1), overrides.get("bos", False) or overrides["corpus"].startswith("synth"),
+            overrides["seq_len"], m["train_tokens"], round(m["minutes"], 1), m["sink_rate"], m["hidden_ratio"],
+            m["massive_ratio"], m["logit_top1"], m["loss"], "yes" if in_regime(m) else "no",
+            f"{budget / 1e6:,.0f}M" if budget else "does not grow"]
 
 
 SEARCH_HEADER = ["setting", "preset", "parameters", "corpus", "lr", "weight decay", "BOS", "seq", "train tokens",
@@ -146,12 +150,13 @@ SEARCH_HEADER = ["setting", "preset", "parameters", "corpus", "lr", "weight deca
                  "tokens to reach 100× (extrapolated)"]
 
 
-def _write_search(rows, found, out: Path, n_eval: int) -> None:
+def _write_search(settings: dict, found: dict, out: Path, n_eval: int) -> None:
+    rows = [_search_row(name, settings[name], m) for name, m in found.items()]
     atomic_write_json(out / "search.json", {"criterion": {"hidden_ratio": RATIO, "sink_rate": SINK},
-                                            "eval_sequences": n_eval, "seed": 0, "settings": SEARCH, "results": found})
+                                            "eval_sequences": n_eval, "seed": 0, "settings": settings, "results": found})
     atomic_write_text(out / "search.md", f"Baseline (Transformer) only, seed 0; measured on {n_eval} held-out "
-                      f"sequences. Regime: hidden top-1/median >= {RATIO:g} or sink rate >= {SINK}.\n\n"
-                      + markdown(SEARCH_HEADER, rows))
+                      f"sequences. Regime: hidden top-1/median >= {RATIO:g} or sink rate >= {SINK}. Minutes are "
+                      "wall-clock on 2 CPU cores shared with other runs.\n\n" + markdown(SEARCH_HEADER, rows))
 
 
 def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_eval: int,

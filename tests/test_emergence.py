@@ -119,3 +119,35 @@ def test_bos_windows_and_config_recorded(tmp_path):
     train_pair(cfg, tmp_path / "run2", progress=False)
     saved = json.loads((tmp_path / "run2" / "train_config.json").read_text())
     assert saved["bos"] is True and saved["weight_decay"] == 0.0 and saved["schedule"] == "constant"
+
+
+def _experiment():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "experiments"
+    sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location("emergence_experiment", folder / "emergence.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_extrapolated_budget_and_choice_hand_worked():
+    e = _experiment()
+    # ratio = 2·sqrt(tokens / 1e4) in the second half: reaches 100 at tokens = (50)² · 1e4 = 2.5e7
+    pts = [{"tokens": t, "model": {"hidden_ratio_max": 2 * (t / 1e4) ** 0.5}} for t in (0, 1e3, 1e4, 1e5, 1e6, 4e6, 8e6)]
+    assert e.extrapolate(pts) == pytest.approx(2.5e7, rel=1e-9)
+    flat = [{"tokens": t, "model": {"hidden_ratio_max": 5.0}} for t in (1e3, 1e4, 1e5, 1e6, 1e7, 1e8)]
+    assert e.extrapolate(flat) is None
+    found = {"a": {"hidden_ratio": 20, "sink_rate": 0, "extrapolated_tokens": 9e8},
+             "b": {"hidden_ratio": 10, "sink_rate": 0, "extrapolated_tokens": 4e7},
+             "c": {"hidden_ratio": 30, "sink_rate": 0, "extrapolated_tokens": None}}
+    assert e.choose({"a": {}, "b": {}, "c": {}}, found) == "b"  # none in the regime: the smallest budget
+    found["c"]["sink_rate"] = 0.6
+    assert e.choose({"a": {}, "b": {}, "c": {}}, found) == "c"  # the first in the regime
+    row = e._search_row("b", {"preset": "mini", "corpus": "synth:bb", "lr": 3e-3, "seq_len": 128},
+                        {**found["b"], "parameters": 1, "train_tokens": 2, "minutes": 3.04, "massive_ratio": 1,
+                         "logit_top1": 1, "loss": 1})
+    assert row[-1] == "40M" and row[-2] == "no" and row[6] is True
