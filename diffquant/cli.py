@@ -44,14 +44,15 @@ def _cmd_models(args) -> None:
 
 
 def _cmd_sites(args) -> None:
-    from diffquant.models.load import load_model
-    from diffquant.taps import site_docs, site_table
+    from diffquant.taps.sites import site_docs
 
     if args.model is None:
         for point, shape, doc in site_docs():
             print(f"{point:<16} {shape:<34} {doc}")
         return
+    from diffquant.models.load import load_model
     from diffquant.quant.scheme import PRESETS, applies
+    from diffquant.taps import site_table
 
     model, _ = load_model(args.model, hub=args.hub)
     table = site_table(model)
