@@ -7,6 +7,7 @@ bits 16/8/6/4 and a W × A grid, profile SmolLM2-135M, and write a report folder
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -94,6 +95,8 @@ def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool =
     evaluators = {label: Evaluator(["ppl"], evalset, tok, val, {}) for label, (_, tok) in models.items()}
     cells = build_cells(list(models), ["attn_logits"], list(cfg.sweep_bits), list(cfg.granularities),
                         list(cfg.wa_bits), None, {})
+    if force:  # the sweep resumes from its cells.jsonl: never from another run's cells
+        shutil.rmtree(out / "sweep", ignore_errors=True)
     (out / "sweep").mkdir(exist_ok=True)
     rows = run_cells(models, cells, evaluators, out / "sweep")
     write_results(out / "sweep", rows)

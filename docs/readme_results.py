@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -195,6 +196,7 @@ def results_block() -> str:
 
 def run_demo() -> None:
     """The demo on an empty cache (KJV and SmolLM2 fetched, the pair trained), timed, into docs/demo."""
+    shutil.rmtree(ROOT / "docs/demo", ignore_errors=True)  # nothing of an older run survives
     with tempfile.TemporaryDirectory() as cache:
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "diffquant.cli", "demo", "--force", "--out", str(ROOT / "docs/demo"),

@@ -76,6 +76,14 @@ def test_demo_quick(tmp_path, capsys):
     assert {r["bits"] for r in summary["sweep"] if r["kind"] == "act"} == {16, 8, 6, 4}
     assert "report:" in capsys.readouterr().out
     assert main(["plot", str(out)]) == 0
+    # --force recomputes the sweep instead of resuming another run's cells
+    cells = out / "sweep" / "cells.jsonl"
+    rows = [json.loads(line) for line in cells.read_text().splitlines()]
+    cells.write_text("".join(json.dumps({**r, "ppl": 12345.0}) + "\n" for r in rows))
+    assert main(["demo", "--quick", "--force", "--out", str(out)]) == 0
+    again = json.loads((out / "summary.json").read_text())["sweep"]
+    assert all(r["ppl"] != 12345.0 for r in again)
+    assert [r["ppl"] for r in again] == pytest.approx([r["ppl"] for r in summary["sweep"]], rel=1e-6)
 
 
 def test_notebook_runs(tmp_path):
