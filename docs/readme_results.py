@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -197,6 +198,7 @@ def results_block() -> str:
 def run_demo() -> None:
     """The demo on an empty cache (KJV and SmolLM2 fetched, the pair trained), timed, into docs/demo."""
     shutil.rmtree(ROOT / "docs/demo", ignore_errors=True)  # nothing of an older run survives
+    load = os.getloadavg()[0]  # other work on the machine slows the demo: say how much there was
     with tempfile.TemporaryDirectory() as cache:
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "diffquant.cli", "demo", "--force", "--out", str(ROOT / "docs/demo"),
@@ -205,7 +207,8 @@ def run_demo() -> None:
         summary = ROOT / "docs/demo/summary.json"
         s = json.loads(summary.read_text().replace(cache, "~/.cache/diffquant"))  # where a user's default cache is
     s["timing_note"] = (f"{minutes:.1f} min from an empty cache, fetching KJV and SmolLM2 included, measured by "
-                        "`python docs/readme_results.py --run-demo`")
+                        f"`python docs/readme_results.py --run-demo` on {os.cpu_count()} cores with a load average of "
+                        f"{load:.1f} from other work when it started")
     from diffquant.demo import render_report
     from diffquant.paths import atomic_write_json, atomic_write_text
 
