@@ -52,3 +52,21 @@ def test_profile_ops_shares_come_from_the_trace():
     # the statistics' own operators appear, a plain forward's matmul does not grow
     assert {"aten::topk", "aten::bincount"} & set(shares)
     assert ops["extra_calls_per_forward"].get("aten::mm", 0) == 0
+
+
+def test_emergence_text_says_when_no_setting_reached_the_regime(tmp_path, monkeypatch):
+    rr = _module("docs/readme_results.py", "readme_results_under_test")
+    (tmp_path / "docs/emergence").mkdir(parents=True)
+    found = {"a": {"hidden_ratio": 20.0, "sink_rate": 0.0, "extrapolated_tokens": 4e7, "train_tokens": 8e6},
+             "b": {"hidden_ratio": 30.0, "sink_rate": 0.1, "extrapolated_tokens": None, "train_tokens": 2e6}}
+    search = {"criterion": {"hidden_ratio": 100, "sink_rate": 0.5}, "results": found}
+    (tmp_path / "docs/emergence/search.json").write_text(json.dumps(search))
+    (tmp_path / "docs/emergence/results.json").write_text(json.dumps({"setting": "a"}))
+    monkeypatch.setattr(rr, "ROOT", tmp_path)
+    text = "\n".join(rr.emergence_part())
+    assert "0 of 2 settings reached the regime" in text
+    assert "`a` (its worst layer's hidden top-1/median extrapolates to 100 at about 40M tokens, 5× what was trained)" in text
+    found["b"]["sink_rate"] = 0.6
+    (tmp_path / "docs/emergence/search.json").write_text(json.dumps(search))
+    text = "\n".join(rr.emergence_part())
+    assert "1 of 2 settings reached the regime" in text and "None did" not in text
