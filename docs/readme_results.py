@@ -236,18 +236,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.run_demo:
         run_demo()
-    from diffquant.report.tables import between_markers
+    from diffquant.report.tables import update_between_markers
 
-    text = README.read_text()
-    new = between_markers(text, BEGIN, END, results_block())
-    if new is None:
-        print(f"README has no {BEGIN} ... {END} markers", file=sys.stderr)
-        return 2
-    if a.check:
-        return 0 if new == text else 1
-    README.write_text(new)
-    print(f"wrote the results into {README}")
-    return 0
+    return update_between_markers(README, BEGIN, END, results_block(), a.check, "the results")
 
 
 if __name__ == "__main__":

@@ -110,18 +110,9 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true")
     p.add_argument("--no-real", action="store_true", help="skip the real backends column")
     args = p.parse_args(argv)
-    from diffquant.report.tables import between_markers
+    from diffquant.report.tables import update_between_markers
 
-    text = README.read_text()
-    new = between_markers(text, BEGIN, END, table(not args.no_real))
-    if new is None:
-        print(f"README has no {BEGIN} ... {END} markers", file=sys.stderr)
-        return 2
-    if args.check:
-        return 0 if new == text else 1
-    README.write_text(new)
-    print(f"wrote the support table into {README}")
-    return 0
+    return update_between_markers(README, BEGIN, END, table(not args.no_real), args.check, "the support table")
 
 
 if __name__ == "__main__":

@@ -70,3 +70,16 @@ def test_emergence_text_says_when_no_setting_reached_the_regime(tmp_path, monkey
     (tmp_path / "docs/emergence/search.json").write_text(json.dumps(search))
     text = "\n".join(rr.emergence_part())
     assert "1 of 2 settings reached the regime" in text and "None did" not in text
+
+
+def test_update_between_markers(tmp_path, capsys):
+    from diffquant.report.tables import update_between_markers
+
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- b -->\nold\n<!-- e -->\nrest\n")
+    assert update_between_markers(readme, "<!-- b -->", "<!-- e -->", "new", True, "x") == 1
+    assert update_between_markers(readme, "<!-- b -->", "<!-- e -->", "new", False, "x") == 0
+    assert readme.read_text() == "intro\n<!-- b -->\nnew\n<!-- e -->\nrest\n"
+    assert update_between_markers(readme, "<!-- b -->", "<!-- e -->", "new", True, "x") == 0
+    assert update_between_markers(readme, "<!-- c -->", "<!-- e -->", "new", False, "x") == 2
+    assert capsys.readouterr().err.strip() == "README.md has no <!-- c --> ... <!-- e --> markers"

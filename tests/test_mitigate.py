@@ -133,21 +133,21 @@ def test_tied_embeddings_are_untied_and_retied():
 def test_composes_with_schemes_and_record_replays():
     model = _with_random_norms(FAMILIES["diffllama"].build())
     ids, calib = _ids(), _ids(seed=1)
-    for text in ("smoothquant:0.5", "rotate"):
-        applied = mitigate_(model, parse(text), calib)
+
+    def quantized_logits(applied):
         handle = quantize_(model, get_scheme("w8a8-static"))
         calibrate(model, handle, calib.split(2))
         with torch.no_grad():
-            a = model(ids).logits
+            logits = model(ids).logits
         handle.remove()
         applied.remove()
-        replay = apply_record(model, json.loads(json.dumps(applied.record)))
-        handle = quantize_(model, get_scheme("w8a8-static"))
-        calibrate(model, handle, calib.split(2))
-        with torch.no_grad():
-            b = model(ids).logits
-        handle.remove()
-        replay.remove()
+        return logits
+
+    for text in ("smoothquant:0.5", "rotate"):
+        applied = mitigate_(model, parse(text), calib)
+        record = json.loads(json.dumps(applied.record))
+        a = quantized_logits(applied)
+        b = quantized_logits(apply_record(model, record))
         assert torch.equal(a, b), text
 
 

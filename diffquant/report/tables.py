@@ -39,3 +39,22 @@ def between_markers(text: str, begin: str, end: str, block: str) -> str | None:
         return None
     head, rest = text.split(begin, 1)
     return f"{head}{begin}\n{block}\n{end}{rest.split(end, 1)[1]}"
+
+
+def update_between_markers(path, begin: str, end: str, block: str, check: bool, what: str) -> int:
+    """The command behind the README scripts: rewrite `path` between its markers (exit code 0), or with `check`
+    only compare (1 when it differs); 2 with a one-line message when the markers are missing."""
+    import sys
+    from pathlib import Path
+
+    path = Path(path)
+    text = path.read_text()
+    new = between_markers(text, begin, end, block)
+    if new is None:
+        print(f"{path.name} has no {begin} ... {end} markers", file=sys.stderr)
+        return 2
+    if check:
+        return 0 if new == text else 1
+    path.write_text(new)
+    print(f"wrote {what} into {path}")
+    return 0
