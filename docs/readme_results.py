@@ -98,7 +98,7 @@ def emergence_part() -> list[str]:
         lines += [f"{len(hits)} of {len(found)} settings reached the regime within the budget. {why}"
                   "Baseline and DIFF trained identically:", ""]
     if (ROOT / "docs/emergence/results.md").is_file():
-        lines += [*_md("docs/emergence/results.md"),
+        lines += [*_md("docs/emergence/results.md"), *against_diff(results),
                   "![emergence](docs/emergence/emergence.png)", ""]
     return lines
 
@@ -111,8 +111,39 @@ def rivals_part() -> list[str]:
                 lines += ["### DIFF against the rival fixes (`experiments/rivals.py`)", "",
                           "Same data order, seed, tokens, schedule and hyper-parameters for every design (chosen for "
                           "the baseline); three seeds.", ""]
-            lines += [f"In {title}:", "", *_md(f"docs/rivals/{which}/results.md")]
+            lines += [f"In {title}:", "", *_md(f"docs/rivals/{which}/results.md"),
+                      *against_diff(_load(f"docs/rivals/{which}/results.json"))]
     return lines
+
+
+VERDICT_METRICS = {"loss": "loss", "logit_top1": "logit top-1", "hidden_ratio": "hidden top-1/median",
+                   "sink_rate": "sink rate", "massive_ratio": "max‖h‖/median", "logits_int4_cost": "int4-logit cost",
+                   "w8a8_cost": "W8A8 cost"}
+
+
+def against_diff(results: dict | None, reference: str = "DIFF") -> list[str]:
+    """Each design against DIFF, metric by metric: 'lower'/'higher' where Welch's t-test over the seeds finds a
+    difference (p < 0.05), '≈' where it does not; so the table says when a rival removes outliers better or
+    worse than DIFF."""
+    from diffquant.report.tables import markdown
+    from diffquant.stats.intervals import welch
+
+    if not results or reference not in results.get("aggregate", {}):
+        return []
+    agg = results["aggregate"]
+    metrics = [k for k in VERDICT_METRICS if k in agg[reference]]
+    rows = []
+    for design, values in agg.items():
+        if design == reference:
+            continue
+        row = [design]
+        for k in metrics:
+            w = welch(values.get(k, {}).get("values", []), agg[reference][k]["values"])
+            row.append("-" if w is None else f"{('≈', 'higher', 'lower')[w['sign']]} (p {w['p']:.2g})")
+        rows.append(row)
+    return [f"Against {reference} (Welch's t-test over the {len(results['seeds'])} seeds; 'higher'/'lower' where "
+            "p < 0.05, '≈' where no difference is detected):", "",
+            markdown(["design", *[VERDICT_METRICS[k] for k in metrics]], rows), ""]
 
 
 def mitigations_part() -> list[str]:

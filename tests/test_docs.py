@@ -83,3 +83,21 @@ def test_update_between_markers(tmp_path, capsys):
     assert update_between_markers(readme, "<!-- b -->", "<!-- e -->", "new", True, "x") == 0
     assert update_between_markers(readme, "<!-- c -->", "<!-- e -->", "new", False, "x") == 2
     assert capsys.readouterr().err.strip() == "README.md has no <!-- c --> ... <!-- e --> markers"
+
+
+def test_designs_against_diff_say_which_way(tmp_path):
+    rr = _module("docs/readme_results.py", "readme_results_under_test")
+
+    def agg(values):
+        return {"values": values}
+
+    results = {"seeds": [0, 1, 2], "aggregate": {
+        "Transformer": {"hidden_ratio": agg([30.0, 31.0, 32.0]), "sink_rate": agg([0.1, 0.2, 0.15])},
+        "DIFF": {"hidden_ratio": agg([20.0, 21.0, 19.0]), "sink_rate": agg([0.1, 0.2, 0.1])},
+        "Gated": {"hidden_ratio": agg([10.0, 11.0, 12.0]), "sink_rate": agg([0.1, 0.2, 0.1])}}}
+    text = "\n".join(rr.against_diff(results))
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()
+            if line.startswith("| ") and "design" not in line}
+    assert rows["Transformer"][0].startswith("higher") and rows["Gated"][0].startswith("lower")
+    assert rows["Gated"][1] == "≈ (p 1)" and "DIFF" not in rows
+    assert rr.against_diff(None) == [] and rr.against_diff({"aggregate": {}}) == []

@@ -300,3 +300,17 @@ def test_language_modeling_interval_over_sequences(micro_pair):
     assert r["ppl_ci95"] == pytest.approx([np.exp(np.mean(per) - Z95 * sps.sem(per)),
                                            np.exp(np.mean(per) + Z95 * sps.sem(per))], rel=1e-4)
     assert r["tokens"] == 5 * 11 and r["sequences"] == 5
+
+
+def test_welch_against_a_hand_computation():
+    from diffquant.stats.intervals import welch
+
+    a, b = [10.0, 11.0, 12.0], [1.0, 2.0, 4.0]
+    va, vb = np.var(a, ddof=1) / 3, np.var(b, ddof=1) / 3
+    t = (np.mean(a) - np.mean(b)) / np.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 2)  # Welch–Satterthwaite
+    w = welch(a, b)
+    assert w["p"] == pytest.approx(2 * sps.t.sf(abs(t), df), rel=1e-9) and w["sign"] == 1
+    assert welch(b, a)["sign"] == -1 and welch(b, a)["diff"] == pytest.approx(-w["diff"])
+    assert welch([1.0, 2.0, 3.0], [1.1, 2.2, 2.9])["sign"] == 0  # no difference detected
+    assert welch([1.0], [2.0, 3.0]) is None and welch([0.0, 0.0], [0.0, 0.0])["sign"] == 0

@@ -61,3 +61,20 @@ def fmt_pm(mean: float | None, half: float | None, digits: int = 3) -> str:
         return f"{mean:.{digits}g}"
     decimals = max(0, digits - 1 - int(math.floor(math.log10(abs(mean))))) if mean else digits
     return f"{mean:.{decimals}f} ± {half:.{decimals}f}"
+
+
+def welch(a: list[float], b: list[float]) -> dict | None:
+    """Welch's t-test of mean(a) against mean(b) over independent runs (seeds): {"diff", "p", "sign"} with sign
+    -1, 0 or +1 (0 when p >= 0.05); None with fewer than two values on either side."""
+    from scipy.stats import ttest_ind
+
+    a = [v for v in a if v is not None and not math.isnan(v)]
+    b = [v for v in b if v is not None and not math.isnan(v)]
+    if len(a) < 2 or len(b) < 2:
+        return None
+    if stdev(a) == 0 and stdev(b) == 0:  # identical constants: no test, the difference is exact
+        d = fmean(a) - fmean(b)
+        return {"diff": d, "p": 0.0 if d else 1.0, "sign": (d > 0) - (d < 0)}
+    p = float(ttest_ind(a, b, equal_var=False).pvalue)
+    d = fmean(a) - fmean(b)
+    return {"diff": d, "p": p, "sign": ((d > 0) - (d < 0)) if p < 0.05 else 0}
