@@ -229,8 +229,8 @@ def benchmark_part() -> list[str]:
                           for k, v in ops["extra_share_by_op"].items())
         lines += [f"Where the profiler's extra time goes (torch.profiler self CPU time, statistics on every hidden "
                   f"state and Linear input minus the plain forward, {ops['rounds']} forwards): the extra is "
-                  f"{ops['extra_s'] / ops['plain_s']:.0%} of the plain forward's operator time; by operator, with "
-                  f"extra calls per forward: {share}.", ""]
+                  f"{ops['extra_s'] / ops['plain_s']:.0%} of the plain forward's operator time; each operator's share "
+                  f"of the added time, with its extra calls per forward: {share}.", ""]
     return lines
 
 
