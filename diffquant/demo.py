@@ -143,7 +143,7 @@ def next_commands(pair_dir: Path) -> list[str]:
     b, d = pair_dir / "baseline", pair_dir / "diff"
     return [f"diffquant sweep --model Transformer={b} --model DIFF={d} --bits 16,8,6,4 --granularity tensor,head,token "
             "--out runs/sweep",
-            f"diffquant profile --model Transformer={b} --model DIFF={d} --tokens 65536 --out runs/profile",
+            f"diffquant profile --model Transformer={b} --model DIFF={d} --tokens 49152 --out runs/profile",
             f"diffquant quantize --model {d} --scheme w8a8-static --out runs/diff-w8a8"]
 
 
