@@ -110,7 +110,8 @@ def test_ddp_two_gloo_ranks_match_single_process(corpus, tmp_path):
         port = str(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
            "-m", "diffquant.cli", *args, "--out", str(tmp_path / "ddp")]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]  # torchrun's own message, to tell a port race from a bug
     a = load_file(tmp_path / "single" / "diff" / "model.safetensors")
     b = load_file(tmp_path / "ddp" / "diff" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4) for k in a)
