@@ -5,8 +5,10 @@ regime), seed 0 of each.
     python experiments/mitigations.py [--quick] [--models smollm2 demo regime] [--out docs/mitigations]
 
 Per model × scheme × fix: held-out perplexity with its 95% interval over sequences and the paired change
-from the float model, and (optional, --mc) BIG-bench multiple-choice accuracy. Every fix is calibrated on
-the training split (16 windows), never on the evaluation text. Settings fixed before any run: the paper's
+from the float model, and (optional, --mc, models trained on text) BIG-bench multiple-choice accuracy. Each
+model is evaluated on the held-out split of its own corpus (KJV for SmolLM2 and the demo pair, the synthetic
+corpus for the regime pair) and every fix is calibrated on that corpus's training split (16 windows), never
+on the evaluation text. Settings fixed before any run: the paper's
 α = 0.5 for SmoothQuant, QuaRot's randomised Hadamard (seed 0), MSE range search for clipping.
 """
 
@@ -22,12 +24,12 @@ from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
 
 SCHEMES = ("w8a8-static", "w6a6", "w4a8", "w4a4", "logits-int4")
 FIXES = ("none", "smoothquant:0.5", "rotate", "clip:mse")
-EVAL_TOKENS, SEQ = 8192, 256
+EVAL_TOKENS, SEQ = 8192, 256  # SEQ: the windows of a pretrained model (a trained pair uses its own)
 
 
-def models_to_run(which, runs: Path, quick: bool) -> dict[str, str]:
-    """{label: model source}: SmolLM2 from the zoo, the pairs from experiments/rivals.py's runs (trained here
-    with the same settings when missing)."""
+def models_to_run(which, runs: Path, quick: bool) -> dict[str, tuple[str, object]]:
+    """{label: (model source, its training run's TrainConfig and folder, or None)}: SmolLM2 from the zoo, the
+    pairs from experiments/rivals.py's runs (trained here with the same settings when missing)."""
     from emergence import config
     from rivals import DEMO, regime_setting
 
@@ -35,7 +37,7 @@ def models_to_run(which, runs: Path, quick: bool) -> dict[str, str]:
 
     out = {}
     if "smollm2" in which:
-        out["SmolLM2-135M"] = "smollm2-135m"
+        out["SmolLM2-135M"] = ("smollm2-135m", None)
     settings = {"demo": ("demo", DEMO)}
     if "regime" in which:
         settings["regime"] = regime_setting(Path("docs/emergence/search.json"))
@@ -50,9 +52,31 @@ def models_to_run(which, runs: Path, quick: bool) -> dict[str, str]:
             **{**overrides, "archs": ("baseline", "diff"), "eval_every": 10**9, "save_every": 200, "track": True,
                "track_points": 16})
         train_pair(cfg, folder, resume=(folder / "train_config.json").exists(), progress=False)
-        out[f"Transformer ({key})"] = str(folder / "baseline")
-        out[f"DIFF ({key})"] = str(folder / "diff")
+        out[f"Transformer ({key})"] = (str(folder / "baseline"), (cfg, folder))
+        out[f"DIFF ({key})"] = (str(folder / "diff"), (cfg, folder))
     return out
+
+
+def held_out_and_calibration(tok, run, tokens: int):
+    """(evaluation windows, 16 calibration windows, corpus name, its validation text or None) for one model:
+    a trained pair uses its own run's corpus, tokenizer and window length (a synthetic corpus has no text to
+    score multiple-choice tasks on); a pretrained model uses KJV with its own tokenizer. Calibration windows
+    always come from the training split, never from the evaluation text."""
+    from dataclasses import asdict, replace
+
+    from diffquant.data.corpora import load_text, split
+    from diffquant.data.synthetic import is_synthetic
+    from diffquant.data.tokens import encode, sequences
+    from diffquant.train import TrainConfig, prepare_data
+
+    if run is None:
+        train_text, val = split(load_text("kjv")[0])
+        return (sequences(encode(tok, val), SEQ, tokens), sequences(encode(tok, train_text[:200_000]), SEQ, 16 * SEQ),
+                "kjv", val)
+    cfg, folder = run
+    data = prepare_data(TrainConfig(**{**asdict(replace(cfg, eval_tokens=tokens)), "archs": tuple(cfg.archs)}), folder)
+    val = None if is_synthetic(cfg.corpus) else split(load_text(cfg.corpus)[0])[1]
+    return data.val, data.train[:16], cfg.corpus, val
 
 
 def main(argv=None) -> None:
@@ -63,30 +87,26 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="docs/mitigations")
     p.add_argument("--runs", default="runs")
     a = p.parse_args(argv)
-    from diffquant.data.corpora import load_text, split
     from diffquant.data.tasks import load_task
-    from diffquant.data.tokens import encode, sequences
     from diffquant.models.load import load_model
     from diffquant.report.tables import markdown
+    from diffquant.runs import start_run
     from diffquant.sweep import Cell, Evaluator, cell_text, run_cells
 
-    from diffquant.runs import start_run
-
     out = start_run(a.out, vars(a), "cpu")
-    which = ["demo"] if a.quick else a.models
+    which = ["demo", "regime"] if a.quick else a.models
     sources = models_to_run(which, out / "runs" if a.quick else Path(a.runs), a.quick)
-    text = load_text("kjv")[0]
-    train_text, val = split(text)
-    evals = ["ppl"] + ([f"mc:{a.mc}"] if a.mc else [])
     mc = {a.mc: load_task(a.mc, 200)} if a.mc else {}
     tokens = 1024 if a.quick else EVAL_TOKENS
     schemes, fixes = (("w8a8-static", "logits-int4"), ("none", "smoothquant:0.5")) if a.quick else (SCHEMES, FIXES)
-    rows = []
-    for label, source in sources.items():
+    rows, data_used = [], {}
+    for label, (source, run) in sources.items():
         model, tok = load_model(source)
-        ids = encode(tok, val)
-        evaluator = Evaluator(evals, sequences(ids, SEQ, tokens), tok, val, mc)
-        calib = sequences(encode(tok, train_text[:200_000]), SEQ, 16 * SEQ)
+        seqs, calib, corpus, val = held_out_and_calibration(tok, run, tokens)
+        evals = ["ppl"] + ([f"mc:{a.mc}"] if a.mc and val is not None else [])
+        evaluator = Evaluator(evals, seqs, tok, val or "", mc if val is not None else {})
+        data_used[label] = {"corpus": corpus, "sequences": len(seqs), "seq_len": seqs.shape[1],
+                            "predicted_tokens": len(seqs) * (seqs.shape[1] - 1)}
         cells = [Cell(label, "act", "attn_logits")] + [
             Cell(label, "scheme", scheme, mitigate=fix) for scheme in schemes for fix in fixes]
         folder = out / "cells" / label.replace(" ", "_").replace("(", "").replace(")", "")
@@ -95,14 +115,15 @@ def main(argv=None) -> None:
                           calibration={label: calib})
         del model
     atomic_write_json(out / "results.json", {"rows": rows, "eval_tokens": tokens, "schemes": schemes, "fixes": fixes,
-                                             "sources": sources})
+                                             "sources": {k: v[0] for k, v in sources.items()}, "data": data_used})
     table = [[r["model"], r["site"], r["mitigate"], cell_text(r, "ppl")] for r in rows if r["kind"] == "scheme"]
     fp = [[r["model"], "float", "-", cell_text(r, "ppl")] for r in rows if r["kind"] == "act"]
-    n = rows[0]["tokens"]
-    atomic_write_text(out / "results.md", f"Perplexity on {n:,} held-out KJV tokens ({n // (SEQ - 1)} sequences of "
-                      f"{SEQ}); ± = 95% interval over sequences; brackets: change from the model's float perplexity "
-                      "with its 95% paired interval. Fixes calibrated on 16 training windows; seed 0.\n\n"
-                      + markdown(["model", "scheme", "fix", "perplexity"], fp + table))
+    held = "; ".join(f"{label}: {d['corpus']}, {d['predicted_tokens']:,} tokens ({d['sequences']} × {d['seq_len']})"
+                     for label, d in data_used.items())
+    atomic_write_text(out / "results.md", "Perplexity of each model on the held-out split of its own corpus (" + held
+                      + "); ± = 95% interval over sequences; brackets: change from the model's float perplexity with "
+                      "its 95% paired interval. Fixes calibrated on 16 training windows of the same corpus; seed 0."
+                      "\n\n" + markdown(["model", "scheme", "fix", "perplexity"], fp + table))
     _plot(rows, out)
     print((out / "results.md").read_text())
 

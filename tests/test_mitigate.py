@@ -2,6 +2,7 @@
 composition with schemes, refusals, and the CLI round trip."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ from diffquant.models.matrix import FAMILIES
 from diffquant.quant.hadamard import hadamard, orthogonal
 from diffquant.quant.mitigate import Clip, Rotate, SmoothQuant, adjust_scheme, apply_record, mitigate_, parse
 from diffquant.quant.scheme import calibrate, get_scheme, quantize_
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SUPPORTED_FAMILIES = ("llama", "diffllama", "diffllama-gqa", "qwen2", "qwen3", "mistral", "smollm3", "gated",
                       "clipsoftmax", "sink")
@@ -209,3 +212,36 @@ def test_cli_quantize_with_mitigation_round_trip(tmp_path, capsys):
     evalset = sequences(encode(tok, split((tmp_path / "c.txt").read_text())[1]), 32, 512)
     assert language_modeling(loaded, evalset)["loss"] == pytest.approx(result["simulated"]["loss"], rel=1e-6)
     assert main(["quantize", "--list"]) == 0 and "smoothquant" in capsys.readouterr().out
+
+
+def test_mitigations_experiment_evaluates_each_pair_on_its_own_corpus(tmp_path):
+    """A pair trained on a synthetic corpus is scored on that corpus's held-out windows (not on KJV through a
+    tokenizer that has never seen English), a text-trained pair on its own validation text."""
+    import importlib.util
+    from dataclasses import replace
+
+    from diffquant.data.corpora import split
+    from diffquant.data.tokens import encode
+    from diffquant.train import TrainConfig, prepare_data
+
+    spec = importlib.util.spec_from_file_location("mitigations_experiment", ROOT / "experiments" / "mitigations.py")
+    exp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exp)
+
+    synth = TrainConfig(preset="micro", corpus="synth:bb", tokens=4096, batch_size=4, seq_len=32, archs=("baseline",))
+    data = prepare_data(synth, tmp_path / "s")
+    seqs, calib, corpus, val = exp.held_out_and_calibration(data.tokenizer, (synth, tmp_path / "s"), 640)
+    ref = prepare_data(replace(synth, eval_tokens=640), tmp_path / "s")
+    assert corpus == "synth:bb" and val is None and seqs.shape == (20, 32)
+    assert torch.equal(seqs, ref.val) and torch.equal(calib, ref.train[:16])
+    assert int(seqs.max()) < data.vocab  # the synthetic vocabulary, not KJV through an unknown-token map
+
+    text = "".join(f"Line {i} of a small corpus about rivers and hills.\n" for i in range(3000))
+    (tmp_path / "t.txt").write_text(text)
+    plain = TrainConfig(preset="micro", corpus=str(tmp_path / "t.txt"), tokens=4096, batch_size=4, seq_len=32,
+                        archs=("baseline",))
+    tok = prepare_data(plain, tmp_path / "p").tokenizer
+    seqs, calib, corpus, val = exp.held_out_and_calibration(tok, (plain, tmp_path / "p"), 640)
+    assert val == split(text)[1] and corpus == str(tmp_path / "t.txt")
+    ids = encode(tok, val)
+    assert seqs[0].tolist() == list(ids[:32]) and seqs[1].tolist() == list(ids[32:64])
