@@ -159,6 +159,22 @@ def _write_search(settings: dict, found: dict, out: Path, n_eval: int) -> None:
                       "wall-clock on 2 CPU cores shared with other runs.\n\n" + markdown(SEARCH_HEADER, rows))
 
 
+def render_regime(doc: dict) -> str:
+    """results.md from results.json: one row per design, mean ± 95% t-interval over seeds per metric."""
+    from measure import METRICS
+
+    designs = list(doc["aggregate"])
+    keys = [k for k in METRICS if k in doc["aggregate"][designs[0]]]
+    body = [[d, doc["scale"][d]["parameters"], doc["scale"][d]["train_tokens"],
+             *[fmt_pm(doc["aggregate"][d][k]["mean"], doc["aggregate"][d][k]["half"], METRICS[k][1]) if k in
+               doc["aggregate"][d] else "-" for k in keys]] for d in designs]
+    seeds, tokens = doc["seeds"], doc["per_seed"][designs[0]][0]["tokens"]
+    return (f"Setting `{doc['setting']}` ({json.dumps(doc['overrides'])}); {len(seeds)} seeds "
+            f"({', '.join(map(str, seeds))}), mean ± 95% t-interval over seeds; every model measured on the same "
+            f"{doc['eval_sequences']} held-out sequences ({tokens:,} predicted tokens).\n\n"
+            + markdown(["model", "parameters", "train tokens", *[METRICS[k][0] for k in keys]], body))
+
+
 def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_eval: int,
            schemes=("logits-int4",)) -> dict:
     """Every design of `archs` trained identically for each seed; mean ± 95% t-interval over seeds."""
@@ -177,14 +193,7 @@ def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_ev
                         for a, ms in per.items()},
            "aggregate": {display(a): v for a, v in agg.items()}}
     atomic_write_json(out / "results.json", doc)
-    header = ["model", "parameters", "train tokens", *[METRICS[k][0] for k in METRICS if k in agg[archs[0]]]]
-    body = [[display(a), per[a][0]["parameters"], per[a][0]["train_tokens"],
-             *[fmt_pm(agg[a][k]["mean"], agg[a][k]["half"], METRICS[k][1]) for k in METRICS if k in agg[a]]]
-            for a in archs]
-    text = (f"Setting `{name}` ({json.dumps(overrides)}); {len(seeds)} seeds ({', '.join(map(str, seeds))}), mean ± 95% "
-            f"t-interval over seeds; every model measured on the same {n_eval} held-out sequences "
-            f"({per[archs[0]][0]['tokens']:,} predicted tokens).\n\n" + markdown(header, body))
-    atomic_write_text(out / "results.md", text)
+    atomic_write_text(out / "results.md", render_regime(doc))
     from diffquant.report.emergence_plots import plot_emergence
 
     first = {display(a): per[a][0]["emergence"] for a in archs}

@@ -281,6 +281,7 @@ def test_intervals_match_scipy_and_numpy():
     assert p["ci95"] == pytest.approx([d.mean() - Z95 * sps.sem(d), d.mean() + Z95 * sps.sem(d)])
     assert Z95 == pytest.approx(sps.norm.ppf(0.975), rel=1e-12)
     assert fmt_pm(74.1234, 1.234) == "74.1 ± 1.2" and fmt_pm(0.012345, 0.0021) == "0.0123 ± 0.0021"
+    assert fmt_pm(-0.000253, 0.016525) == "-0.0003 ± 0.0165" and fmt_pm(0.0, 0.0) == "0.000 ± 0.000"
 
 
 def test_language_modeling_interval_over_sequences(micro_pair):

@@ -54,12 +54,14 @@ def t_interval(values: list[float], confidence: float = 0.95) -> dict:
 
 
 def fmt_pm(mean: float | None, half: float | None, digits: int = 3) -> str:
-    """"74.1 ± 1.2" with `digits` significant digits of the mean (the half-width to the same decimals)."""
+    """"74.1 ± 1.2": `digits` significant digits of the larger of |mean| and the half-width, both to the same
+    decimals (so a mean near zero with a wide interval reads "-0.0003 ± 0.0165", not twelve digits)."""
     if mean is None:
         return "-"
     if half is None:
         return f"{mean:.{digits}g}"
-    decimals = max(0, digits - 1 - int(math.floor(math.log10(abs(mean))))) if mean else digits
+    scale = max(abs(mean), abs(half))
+    decimals = max(0, digits - 1 - int(math.floor(math.log10(scale)))) if scale else digits
     return f"{mean:.{decimals}f} ± {half:.{decimals}f}"
 
 
