@@ -261,23 +261,26 @@ print([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()
 """
 
 
+def long_context_run(seq: int, block: int) -> dict:
+    """One fresh process profiling SmolLM2-135M's logits on one sequence of `seq` in query blocks of `block`."""
+    out = subprocess.run([sys.executable, "-c", LONG_CHILD, str(seq), str(block)], capture_output=True, text=True)
+    if out.returncode:  # a negative code is the signal that killed it (9: the kernel's out-of-memory killer)
+        lines = [line for line in out.stderr.strip().splitlines() if "it/s]" not in line]
+        why = f"killed by signal {-out.returncode}" if out.returncode < 0 else f"exit {out.returncode}"
+        return {"error": f"{why}: {lines[-1][:200]}" if lines else why}
+    seconds, kib = out.stdout.strip().splitlines()[-2:]
+    return {"peak_mib": int(kib) / 1024, "seconds": float(seconds)}
+
+
 def bench_long_context(seqs=(2048, 4096, 8192)) -> dict:
     """Peak resident memory (fresh process, VmHWM) of profiling SmolLM2-135M's attention logits and sinks on one
     sequence, in query blocks of 1024 against the whole T × T logits at once (skipped where that would not
     fit: 9 heads × 8192² × 4 B = 2.4 GB per logit tensor, several of them alive)."""
-    def run(seq, block):
-        out = subprocess.run([sys.executable, "-c", LONG_CHILD, str(seq), str(block)], capture_output=True,
-                             text=True)
-        if out.returncode:
-            return {"error": out.stderr.strip().splitlines()[-1][:200]}
-        seconds, kib = out.stdout.strip().splitlines()[-2:]
-        return {"peak_mib": int(kib) / 1024, "seconds": float(seconds)}
-
     out = {}
     for seq in seqs:
-        out[str(seq)] = {"blocked_1024": run(seq, 1024)}
+        out[str(seq)] = {"blocked_1024": long_context_run(seq, 1024)}
         if seq <= 4096:
-            out[str(seq)]["whole"] = run(seq, 10**9)
+            out[str(seq)]["whole"] = long_context_run(seq, 10**9)
     return out
 
 
