@@ -265,7 +265,7 @@ def long_context_run(seq: int, block: int) -> dict:
     """One fresh process profiling SmolLM2-135M's logits on one sequence of `seq` in query blocks of `block`."""
     out = subprocess.run([sys.executable, "-c", LONG_CHILD, str(seq), str(block)], capture_output=True, text=True)
     if out.returncode:  # a negative code is the signal that killed it (9: the kernel's out-of-memory killer)
-        lines = [line for line in out.stderr.strip().splitlines() if "it/s]" not in line]
+        lines = [line for line in out.stderr.strip().splitlines() if line.strip() and "it/s]" not in line]
         why = f"killed by signal {-out.returncode}" if out.returncode < 0 else f"exit {out.returncode}"
         return {"error": f"{why}: {lines[-1][:200]}" if lines else why}
     seconds, kib = out.stdout.strip().splitlines()[-2:]
