@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -395,6 +396,7 @@ def main(argv=None) -> None:
     ids = torch.randint(0, PRESETS[preset].vocab, (batch, seq), device=device)
     results = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
                "threads": torch.get_num_threads(), "torch": torch.__version__, "preset": preset,
+               "load_average": os.getloadavg()[0],  # other work on the machine: what the ratios' noise comes from
                "batch": [batch, seq], "rounds": rounds}
     print(f"device {results['device']}, preset {preset}, batch {batch}x{seq}, {rounds} rounds")
     only = set(a.only or [])

@@ -218,7 +218,9 @@ def benchmark_part() -> list[str]:
         return []
     lines = ["### Benchmarks (`python benchmarks/run.py`)", "",
              f"Ratios measured within one run on {b.get('device') or 'this CPU'} ({b.get('threads')} threads), "
-             f"`{b.get('preset')}` preset, batch {b.get('batch')}; medians over {b.get('rounds')} interleaved rounds; "
+             f"`{b.get('preset')}` preset, batch {b.get('batch')}; medians over {b.get('rounds')} interleaved rounds"
+             + (f" (load average {b['load_average']:.1f} from other work when the last run started)"
+                if b.get("load_average") is not None else "") + "; "
              "in brackets the range over the last full runs that measured it "
              "([benchmarks/history-cpu.jsonl](benchmarks/history-cpu.jsonl)). "
              "[benchmarks/results-cpu.json](benchmarks/results-cpu.json) holds every figure.", "",
