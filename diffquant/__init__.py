@@ -10,12 +10,9 @@ import importlib.abc
 import importlib.util
 import sys
 
+from diffquant.errors import DiffquantError  # noqa: F401 - the public name stays `diffquant.DiffquantError`
+
 __version__ = "0.1.0"
-
-
-class DiffquantError(Exception):
-    """An error caused by the user's input; the CLI prints it as one line, without a traceback."""
-
 
 _AUTO = "transformers.models.auto.modeling_auto"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffquant import DiffquantError, __version__
+from diffquant import __version__
+from diffquant.errors import DiffquantError
 
 
 def _cmd_env(args) -> None:

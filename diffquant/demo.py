@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json, atomic_write_text, cache_dir
 from diffquant.report.style import display
 
@@ -56,7 +56,8 @@ def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool =
     from diffquant.data.corpora import load_text, split
     from diffquant.data.tokens import encode, sequences
     from diffquant.models.load import load_model, load_pair
-    from diffquant.profile import prepare_out, profile_model
+    from diffquant.commands.common import prepare_out
+    from diffquant.profile import profile_model
     from diffquant.report.emergence_plots import plot_emergence
     from diffquant.report.profile_report import profile_json, sink_rows, table5_rows, write_report
     from diffquant.report.sweep_plots import plot_sweep

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.frozen import frozen_weights
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 
 
 def write_local_task(examples: list[dict], folder: Path, name: str = "diffquant_local") -> Path:

@@ -7,16 +7,15 @@ and the statistics are merged across ranks before the report is written.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.frozen import frozen_weights
-from diffquant.stats.distributed import gather_merge, merge_across_ranks
+from diffquant.models.describe import describe
+from diffquant.stats.distributed import gather_merge, merge_across_ranks, rank_world
 from diffquant.stats.sinks import LayerSinks, model_sink_rates
 from diffquant.stats.site_stats import SiteStats
 from diffquant.taps import Batch, site_table, tapped
@@ -122,7 +121,7 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
             if site.layer is not None and site.kind in SINK_POINTS:
                 sink = layer_sinks.setdefault(site.layer, LayerSinks())
                 taps.setdefault(site.name, []).append(SinkObserver(sink, site.kind))
-    rank, world = _rank()
+    rank, world = rank_world()
     lo, hi = rank * len(sequences) // world, (rank + 1) * len(sequences) // world
     mine = sequences[lo:hi]  # contiguous shards keep global row numbers simple
     batch = Batch()
@@ -138,100 +137,7 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     stats = {name: o.stats for name, o in {**observers, **weight_observers}.items() if o.stats is not None}
     stats = merge_across_ranks(stats)
     layer_sinks = gather_merge(layer_sinks)
-    from diffquant.models.load import describe
-
     return ModelProfile(label, describe(model), stats, {s.name: s.layer for s in selected},
                         {s.name: s.kind for s in selected},
                         {"tokens": int(sequences.numel()), "sequences": int(sequences.shape[0]),
                          "seq_len": int(sequences.shape[1]), "world_size": world, "k": k}, layer_sinks)
-
-
-def _rank() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def init_distributed() -> None:
-    """Join the torchrun process group when launched by torchrun (gloo on CPU, nccl on CUDA)."""
-    import torch.distributed as dist
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def finish_distributed() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def parse_model_args(values: list[str]) -> list[tuple[str, str]]:
-    out = []
-    for v in values:
-        label, sep, source = v.partition("=")
-        out.append((label, source) if sep and source else (Path(v).name or v, v))
-    labels = [label for label, _ in out]
-    if len(set(labels)) != len(labels):
-        raise DiffquantError(f"model labels must differ, got {labels}; name them LABEL=SOURCE")
-    return out
-
-
-def prepare_out(out: str | Path, force: bool, marker: str) -> Path:
-    """Create the output folder; refuse one that already holds results unless --force."""
-    path = Path(out)
-    if (path / marker).exists() and not force:
-        raise DiffquantError(f"{path} already holds results ({marker}); pass --force to overwrite or choose another --out")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".diffquant-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise DiffquantError(f"cannot write to {path}: {e.strerror}") from None
-    return path
-
-
-def run_cli(args) -> None:
-    from diffquant.data.corpora import load_text, split
-    from diffquant.data.tokens import encode, sequences
-    from diffquant.models.load import load_model
-    from diffquant.report.profile_report import write_report
-
-    if args.tokens <= 0:
-        raise DiffquantError(f"--tokens must be positive, got {args.tokens}")
-    init_distributed()
-    out = Path(args.out)
-    if _rank()[0] == 0:
-        prepare_out(out, args.force, "stats.json")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    text, _ = load_text(args.data, args.cache_dir)
-    _, val = split(text)
-    profiles = []
-    for label, source in parse_model_args(args.model):
-        model, tokenizer = load_model(source, dtype=args.dtype, device=None if args.device_map else device,
-                                      device_map=args.device_map, hub=args.hub, cache=args.cache_dir)
-        if tokenizer is None:
-            raise DiffquantError(f"{source} has no tokenizer files; pass a folder that holds them (diffquant train "
-                                 "saves them with every checkpoint)")
-        seqs = sequences(encode(tokenizer, val), args.seq_len, args.tokens)
-        if seqs.numel() < args.tokens:
-            print(f"{label}: the validation split of {args.data} holds {seqs.numel():,} tokens in whole sequences of "
-                  f"{args.seq_len}, fewer tokens than asked ({args.tokens:,}); profiling {seqs.numel():,}")
-        prof = profile_model(model, seqs, args.sites, batch_size=args.batch_size, k=args.k, label=label,
-                             compile=args.compile, sinks=not args.no_sinks)
-        prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,
-                                "device": str(input_device(model))})
-        profiles.append(prof)
-        del model
-    if _rank()[0] == 0:
-        paths = write_report(profiles, out, plots=not args.no_plots)
-        print((out / "table5.md").read_text())
-        print(f"wrote {', '.join(str(p) for p in paths)}")
-    finish_distributed()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json, fix_modes
+from diffquant.stats.distributed import rank_world
 
 ARCHS = ("baseline", "diff")  # the default pair; any key of diffquant.designs trains
 SCHEDULES = ("cosine", "linear", "constant")
@@ -189,14 +189,6 @@ def _synthetic_data(cfg: TrainConfig, out: Path, seq_len: int) -> Data:
                  "val_windows": len(val), "synthetic": spec.label(), "bos": True, "vocab": spec.vocab + 1})
 
 
-def _rank_world():
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str = "cpu", resume: bool = False,
                 progress: bool = True, stop_after: int | None = None) -> dict:
     """Train one model of the pair; checkpoints in out/<arch>. Returns its metrics."""
@@ -207,7 +199,7 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
     from diffquant.models.presets import get_preset
 
     spec = get_preset(cfg.preset)
-    rank, world = _rank_world()
+    rank, world = rank_world()
     seq_len = data.train.shape[1]
     total = max(1, cfg.tokens // (cfg.batch_size * seq_len))
     if cfg.batch_size % world:
@@ -367,7 +359,7 @@ def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, res
         for arch in cfg.archs:
             shutil.rmtree(out / arch, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    rank, _ = _rank_world()
+    rank, _ = rank_world()
     if rank == 0:
         atomic_write_json(cfg_path, asdict(cfg) | {"archs": list(dict.fromkeys(saved_archs + tuple(cfg.archs)))})
     data = prepare_data(cfg, out, cache)
@@ -401,35 +393,3 @@ def write_emergence(results: dict, out: Path) -> None:
                                                                  for a, m in results["models"].items()}}
     atomic_write_json(out / "emergence.json", doc)
     plot_emergence(doc, out)
-
-
-def run_cli(args) -> None:
-    from diffquant.profile import finish_distributed, init_distributed
-
-    try:
-        archs = tuple(a.strip() for part in args.arch for a in part.split(",") if a.strip())
-        cfg = TrainConfig(preset=args.preset, corpus=args.corpus, tokens=args.tokens, batch_size=args.batch_size,
-                          seq_len=args.seq_len, lr=args.lr, schedule=args.schedule, seed=args.seed,
-                          eval_every=args.eval_every, save_every=args.save_every, archs=archs,
-                          needle_fraction=args.needle_fraction, weight_decay=args.weight_decay,
-                          warmup_frac=args.warmup_frac, min_lr_ratio=args.min_lr_ratio, bos=args.bos,
-                          track=args.track, track_points=args.track_points)
-    except ValueError as e:
-        raise DiffquantError(str(e)) from None
-    init_distributed()
-    device = args.device
-    if device is None and torch.cuda.is_available():
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    results = train_pair(cfg, args.out, device, resume=args.resume, force=args.force, cache=args.cache_dir)
-    if _rank_world()[0] == 0:
-        print(f"unigram entropy of the training tokens: {results['data']['unigram_entropy']:.3f} nats")
-        from diffquant.report.style import display
-
-        for arch, m in results["models"].items():
-            v = m["final_val"]
-            print(f"{display(arch):<12} params {m['parameters']:,}  val loss {v['loss']:.3f}  ppl {v['ppl']:.2f}  "
-                  f"acc {v['accuracy']:.3f}  {m['tokens_per_s']:,.0f} tok/s  ({v['tokens']:,} held-out tokens)")
-        print(f"checkpoints in {', '.join(str(Path(args.out) / a) for a in cfg.archs)}")
-        if cfg.track:
-            print(f"emergence: {Path(args.out) / 'emergence.json'} and emergence*.png")
-    finish_distributed()

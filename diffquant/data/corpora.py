@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json, atomic_write_text, cache_dir
 
 VAL_EVERY, BLOCK = 20, 50  # every 20th block of 50 lines is validation

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.frozen import frozen_weights
 
 CITIES = ("Paris", "London", "Tokyo", "Cairo", "Lima", "Oslo", "Rome", "Delhi", "Sydney", "Toronto", "Madrid", "Berlin",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 
 KINDS = ("bb", "markov")
 

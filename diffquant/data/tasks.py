@@ -9,7 +9,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_text, cache_dir
 
 BIGBENCH = "bigbench==1.0.0"

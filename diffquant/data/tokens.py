@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import torch
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 
 EOS = "<|endoftext|>"
 

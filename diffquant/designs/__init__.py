@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from diffquant import DiffquantError
+from diffquant.designs.params import gate_parameters, mlp_narrowing  # noqa: F401 - part of the registry's API
+from diffquant.errors import DiffquantError
 
 
 @dataclass(frozen=True)
@@ -27,18 +28,6 @@ class Design:
     doc: str
     added: Callable[[int, int], int] = lambda hidden, heads: 0  # parameters a layer adds to Llama's
     narrow_mlp: bool = False  # absorbs `added` by narrowing the SwiGLU width (see mlp_narrowing)
-
-
-def mlp_narrowing(added: int, hidden: int) -> int:
-    """SwiGLU units to remove so a layer that adds `added` parameters stays matched: 3·hidden parameters
-    per unit, rounded (the count then differs by at most 1.5·hidden per layer)."""
-    return round(added / (3 * hidden))
-
-
-def gate_parameters(hidden: int, heads: int, gate: str = "elementwise") -> int:
-    """The gate projection of `gated`: hidden → H·d (= hidden) or → H, with a bias."""
-    width = hidden if gate == "elementwise" else heads
-    return hidden * width + width
 
 
 def _llama(common: dict, seq_len: int):
@@ -80,13 +69,10 @@ DESIGNS: dict[str, Design] = {}
 
 
 def register(design: Design) -> None:
-    """Add a design; a second design of the same key is an error."""
-    from diffquant.report.style import register as register_style
-
+    """Add a design; a second design of the same key is an error. Reports read names and colours from here."""
     if design.key in DESIGNS:
         raise ValueError(f"design {design.key!r} is registered already")
     DESIGNS[design.key] = design
-    register_style(design.key, design.display, design.color)
 
 
 def get(key: str) -> Design:

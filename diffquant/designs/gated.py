@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from diffquant.designs import gate_parameters, mlp_narrowing
+from diffquant.designs.params import gate_parameters, mlp_narrowing
 from diffquant.designs.variant import VariantAttention, llama_variant, register
 
 GATES = ("elementwise", "headwise")

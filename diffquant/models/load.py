@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.models.presets import PRESETS
 from diffquant.models.zoo import ZOO, zoo_file
 
@@ -153,18 +153,3 @@ def _tokenizer(path, local_files_only: bool = True, **extra):
         return AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, **extra)
     except (OSError, ValueError, TypeError):
         return None
-
-
-def describe(model) -> dict:
-    """Provenance of a model for reports."""
-    p = next(model.parameters())
-    return {
-        "name": getattr(model, "name_or_path", "") or type(model).__name__,
-        "architecture": type(model).__name__,
-        "model_type": model.config.model_type,
-        "parameters": sum(x.numel() for x in model.parameters()),
-        "layers": model.config.num_hidden_layers,
-        "hidden_size": model.config.hidden_size,
-        "dtype": str(p.dtype).replace("torch.", ""),
-        "device": str(p.device),
-    }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 
 
 @dataclass(frozen=True)

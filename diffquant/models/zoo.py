@@ -12,7 +12,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.paths import cache_dir
 
 

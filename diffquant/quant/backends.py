@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 
 SKIP = ["lm_head"]  # diffquant's W/A schemes keep the output head in full precision too
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json
 
 def list_text() -> str:
@@ -54,7 +54,7 @@ def run_cli(args) -> None:
     from diffquant.data.tokens import encode, sequences
     from diffquant.models.load import load_model
     from diffquant.paths import fix_modes
-    from diffquant.profile import prepare_out
+    from diffquant.commands.common import prepare_out
     from diffquant.quant import backends
     from diffquant.quant.scheme import calibrate, get_scheme, quantize_, save_scheme
     from diffquant.stats.intervals import paired

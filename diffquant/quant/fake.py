@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.quant import math as Q
 from diffquant.quant.config import QuantConfig
 

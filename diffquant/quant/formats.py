@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 
 if TYPE_CHECKING:
     import torch

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 
 if TYPE_CHECKING:
     import torch

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 
 if TYPE_CHECKING:
     import torch
@@ -197,16 +197,16 @@ def apply_record(model, record: dict) -> Applied:
 def _smoothquant(model, sq: SmoothQuant, calibration: torch.Tensor, applied: Applied) -> None:
     import torch
 
-    from diffquant.profile import profile_model
+    from diffquant.calibrate import channel_absmax
 
     layers = _layers(model)
-    prof = profile_model(model, calibration, ["*.attn_in", "*.mlp_in", "*.down_in"], k=1, progress=False)
+    absmax = channel_absmax(model, calibration, ["*.attn_in", "*.mlp_in", "*.down_in"])
     scales = {}
     for i, layer in enumerate(layers):
         attn, mlp = _readers(layer)
         per = {}
         for point, readers in (("attn_in", attn), ("mlp_in", mlp), ("down_in", [layer.mlp.down_proj])):
-            x = prof.sites[f"layers.{i}.{point}"].channel_absmax.double().cpu()
+            x = absmax[f"layers.{i}.{point}"].double().cpu()
             w = torch.stack([r.weight.detach().abs().amax(dim=0) for r in readers]).amax(dim=0).double().cpu()
             s = x.pow(sq.alpha) / w.pow(1 - sq.alpha)
             per[point] = torch.where((x > 0) & (w > 0) & torch.isfinite(s), s, torch.ones_like(s)).clamp_min(1e-5)

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.frozen import frozen_weights
 from diffquant.quant import granularity as G
 from diffquant.quant.config import QuantConfig, int_config

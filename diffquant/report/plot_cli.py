@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 
 
 def redraw(folder: Path) -> list[Path]:

@@ -39,3 +39,32 @@ def gather_merge(objects: dict) -> dict:
         for key, value in part.items():
             merged[key] = value if key not in merged else merged[key].merge(value)
     return merged
+
+
+def init_distributed() -> None:
+    """Join the torchrun process group when launched by torchrun (gloo on CPU, nccl on CUDA)."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def finish_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of this process; (0, 1) outside torchrun."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

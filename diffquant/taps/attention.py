@@ -32,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 
 NAME = "diffquant"
 BLOCK = int(os.environ.get("DIFFQUANT_ATTN_BLOCK", "1024"))

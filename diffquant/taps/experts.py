@@ -23,7 +23,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, transpo
 
 def tapped_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
     from diffquant.taps.attention import run_taps
-    from diffquant.taps.tap import token_valid
+    from diffquant.taps.context import token_valid
 
     taps = self.__dict__.get("_diffquant_taps")
     if not taps:

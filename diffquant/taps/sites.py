@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 
 ATTENTION_MODULES = ("self_attn", "attn", "attention", "self_attention")
 MOE_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")

@@ -11,49 +11,18 @@ attention masks its logits in place), so an observer copies whatever it keeps.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.taps import attention, experts
+from diffquant.taps.context import Batch, TapContext, token_valid  # noqa: F401 - re-exported
 from diffquant.taps.sites import Site, SiteTable, is_experts
-
-
-@dataclass
-class Batch:
-    """What the current forward pass is fed: set by the profiler so taps can name token ids."""
-
-    input_ids: torch.Tensor | None = None
-    attention_mask: torch.Tensor | None = None  # [batch, pos], 1 = real token
-    row_offset: int = 0  # global index of this batch's first row
-    tokens: tuple[int, int] | None = None  # (batch, pos) of the current forward, for sites that see tokens flat
-
-
-@dataclass(frozen=True)
-class TapContext:
-    site: Site
-    batch: Batch = field(default_factory=Batch)
-    valid: torch.Tensor | None = None  # bool, broadcastable to the activation; None = all valid
-    block: tuple[int, int, int] | None = None  # (first query, end, all queries) of a blocked attention call
-
-    def with_valid(self, valid: torch.Tensor | None, block: tuple[int, int, int] | None = None) -> "TapContext":
-        if valid is None and self.valid is None and block is None and self.block is None:
-            return self
-        return replace(self, valid=valid, block=block)
 
 
 Tap = Callable[[torch.Tensor, TapContext], "torch.Tensor | None"]
 Selector = "str | Iterable[str] | Callable[[Site], bool]"
-
-
-def token_valid(ctx: TapContext, x: torch.Tensor) -> torch.Tensor | None:
-    """[batch, pos, 1, ...] validity from the batch's padding mask, when shapes agree."""
-    mask = ctx.batch.attention_mask
-    if mask is None or x.dim() < 3 or mask.shape != x.shape[:2]:
-        return None
-    return mask.to(device=x.device, dtype=torch.bool).reshape(*mask.shape, *[1] * (x.dim() - 2))
 
 
 def canonical_weight(w: torch.Tensor, layout: str) -> torch.Tensor:

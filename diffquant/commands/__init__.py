@@ -16,7 +16,7 @@ def _lazy(module: str, name: str):
 
 def validate(args) -> None:
     """Checks of the arguments every command shares that need no heavy module."""
-    from diffquant import DiffquantError
+    from diffquant.errors import DiffquantError
 
     for key in ("tokens", "seq_len", "batch_size", "k", "calib_batches", "track_points"):
         value = getattr(args, key, None)
@@ -75,7 +75,7 @@ def _profile(sub) -> None:
                    help="fuse the statistics with torch.compile (one-off compile, then several times faster)")
     p.add_argument("--no-sinks", action="store_true",
                    help="skip the attention-sink and massive-activation metrics (on by default)")
-    p.set_defaults(func=_lazy("diffquant.profile", "run_cli"))
+    p.set_defaults(func=_lazy("diffquant.commands.profile", "run_cli"))
 
 
 def _data(sub) -> None:
@@ -141,7 +141,7 @@ def _train(sub) -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--force", action="store_true")
     p.add_argument("--cache-dir", default=None)
-    p.set_defaults(func=_lazy("diffquant.train", "run_cli"))
+    p.set_defaults(func=_lazy("diffquant.commands.train", "run_cli"))
 
 
 def _sweep(sub) -> None:
@@ -168,7 +168,7 @@ def _sweep(sub) -> None:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--compile", action="store_true",
                    help="fuse each fake quantizer with torch.compile (a few seconds per bit-width, then faster)")
-    p.set_defaults(func=_lazy("diffquant.sweep", "run_cli"))
+    p.set_defaults(func=_lazy("diffquant.commands.sweep", "run_cli"))
 
 
 def _plot(sub) -> None:

@@ -1,0 +1,51 @@
+"""`diffquant profile`: load each model, profile the validation split of a corpus, write the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from diffquant.commands.common import parse_model_args, prepare_out
+from diffquant.errors import DiffquantError
+from diffquant.profile import input_device, profile_model
+from diffquant.stats.distributed import finish_distributed, init_distributed, rank_world
+
+
+def run_cli(args) -> None:
+    from diffquant.data.corpora import load_text, split
+    from diffquant.data.tokens import encode, sequences
+    from diffquant.models.load import load_model
+    from diffquant.report.profile_report import write_report
+
+    if args.tokens <= 0:
+        raise DiffquantError(f"--tokens must be positive, got {args.tokens}")
+    init_distributed()
+    out = Path(args.out)
+    if rank_world()[0] == 0:
+        prepare_out(out, args.force, "stats.json")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    text, _ = load_text(args.data, args.cache_dir)
+    _, val = split(text)
+    profiles = []
+    for label, source in parse_model_args(args.model):
+        model, tokenizer = load_model(source, dtype=args.dtype, device=None if args.device_map else device,
+                                      device_map=args.device_map, hub=args.hub, cache=args.cache_dir)
+        if tokenizer is None:
+            raise DiffquantError(f"{source} has no tokenizer files; pass a folder that holds them (diffquant train "
+                                 "saves them with every checkpoint)")
+        seqs = sequences(encode(tokenizer, val), args.seq_len, args.tokens)
+        if seqs.numel() < args.tokens:
+            print(f"{label}: the validation split of {args.data} holds {seqs.numel():,} tokens in whole sequences of "
+                  f"{args.seq_len}, fewer tokens than asked ({args.tokens:,}); profiling {seqs.numel():,}")
+        prof = profile_model(model, seqs, args.sites, batch_size=args.batch_size, k=args.k, label=label,
+                             compile=args.compile, sinks=not args.no_sinks)
+        prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,
+                                "device": str(input_device(model))})
+        profiles.append(prof)
+        del model
+    if rank_world()[0] == 0:
+        paths = write_report(profiles, out, plots=not args.no_plots)
+        print((out / "table5.md").read_text())
+        print(f"wrote {', '.join(str(p) for p in paths)}")
+    finish_distributed()

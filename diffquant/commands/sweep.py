@@ -1,0 +1,60 @@
+"""`diffquant sweep`: load the models, build the cells, run them resumably, print and plot the table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffquant.commands.common import parse_model_args
+from diffquant.errors import DiffquantError
+from diffquant.paths import atomic_write_json
+from diffquant.sweep import Evaluator, build_cells, check_evals, parse_bits, run_cells, summary_table
+
+
+def run_cli(args) -> None:
+    from diffquant.data.corpora import load_text, split
+    from diffquant.data.tasks import load_task
+    from diffquant.data.tokens import encode, sequences
+    from diffquant.models.load import load_model
+
+    evals = [e.strip() for e in args.eval.split(",") if e.strip()]
+    check_evals(evals)
+    bits = parse_bits(args.bits)
+    wa = parse_bits(args.wa_grid) if args.wa_grid else None
+    grans = [g.strip() for g in args.granularity.split(",") if g.strip()]
+    sites = [s.strip() for s in args.sites.split(",") if s.strip()]
+    if args.tokens <= 0:
+        raise DiffquantError(f"--tokens must be positive, got {args.tokens}")
+    out = Path(args.out)
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("func", "resume", "force", "no_plots", "debug", "compile")}
+    if (out / "cells.jsonl").exists():
+        if args.force:
+            for name in ("cells.jsonl", "results.json", "results.csv"):
+                (out / name).unlink(missing_ok=True)
+        elif not args.resume:
+            raise DiffquantError(f"{out} already holds a sweep; pass --resume to continue it or --force to restart")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "sweep_config.json", config)
+    text, _ = load_text(args.data, args.cache_dir)
+    _, val = split(text)
+    mc = {e[3:]: load_task(e[3:], args.mc_limit, cache=args.cache_dir) for e in evals if e.startswith("mc:")}
+    train_text = split(text)[0][:200_000]
+    models, evaluators, calibration = {}, {}, {}
+    for label, source in parse_model_args(args.model):
+        model, tokenizer = load_model(source, cache=args.cache_dir)
+        if tokenizer is None:
+            raise DiffquantError(f"{source} has no tokenizer")
+        models[label] = (model, tokenizer)
+        evaluators[label] = Evaluator(evals, sequences(encode(tokenizer, val), args.seq_len, args.tokens), tokenizer,
+                                      val, mc)
+        calibration[label] = sequences(encode(tokenizer, train_text), args.seq_len, 16 * args.seq_len)
+    layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
+    mitigations = [m.strip() for m in args.mitigate.split(",") if m.strip()]
+    cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers, mitigations)
+    rows = run_cells(models, cells, evaluators, out, compile=args.compile, calibration=calibration)
+    if not args.no_plots:
+        from diffquant.report.sweep_plots import plot_sweep
+
+        plot_sweep(rows, out)
+    print(summary_table(rows))
+    print(f"results in {out / 'results.csv'}")

@@ -1,0 +1,42 @@
+"""`diffquant train`: matched models on identical data, with their summary printed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from diffquant.errors import DiffquantError
+from diffquant.stats.distributed import finish_distributed, init_distributed, rank_world
+from diffquant.train import TrainConfig, train_pair
+
+
+def run_cli(args) -> None:
+    try:
+        archs = tuple(a.strip() for part in args.arch for a in part.split(",") if a.strip())
+        cfg = TrainConfig(preset=args.preset, corpus=args.corpus, tokens=args.tokens, batch_size=args.batch_size,
+                          seq_len=args.seq_len, lr=args.lr, schedule=args.schedule, seed=args.seed,
+                          eval_every=args.eval_every, save_every=args.save_every, archs=archs,
+                          needle_fraction=args.needle_fraction, weight_decay=args.weight_decay,
+                          warmup_frac=args.warmup_frac, min_lr_ratio=args.min_lr_ratio, bos=args.bos,
+                          track=args.track, track_points=args.track_points)
+    except ValueError as e:
+        raise DiffquantError(str(e)) from None
+    init_distributed()
+    device = args.device
+    if device is None and torch.cuda.is_available():
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    results = train_pair(cfg, args.out, device, resume=args.resume, force=args.force, cache=args.cache_dir)
+    if rank_world()[0] == 0:
+        print(f"unigram entropy of the training tokens: {results['data']['unigram_entropy']:.3f} nats")
+        from diffquant.report.style import display
+
+        for arch, m in results["models"].items():
+            v = m["final_val"]
+            print(f"{display(arch):<12} params {m['parameters']:,}  val loss {v['loss']:.3f}  ppl {v['ppl']:.2f}  "
+                  f"acc {v['accuracy']:.3f}  {m['tokens_per_s']:,.0f} tok/s  ({v['tokens']:,} held-out tokens)")
+        print(f"checkpoints in {', '.join(str(Path(args.out) / a) for a in cfg.archs)}")
+        if cfg.track:
+            print(f"emergence: {Path(args.out) / 'emergence.json'} and emergence*.png")
+    finish_distributed()

@@ -1,0 +1,15 @@
+"""Parameter bookkeeping shared by the registry and the designs that add parameters (no transformers import)."""
+
+from __future__ import annotations
+
+
+def mlp_narrowing(added: int, hidden: int) -> int:
+    """SwiGLU units to remove so a layer that adds `added` parameters stays matched: 3·hidden parameters
+    per unit, rounded (the count then differs by at most 1.5·hidden per layer)."""
+    return round(added / (3 * hidden))
+
+
+def gate_parameters(hidden: int, heads: int, gate: str = "elementwise") -> int:
+    """The gate projection of `gated`: hidden → H·d (= hidden) or → H, with a bias."""
+    width = hidden if gate == "elementwise" else heads
+    return hidden * width + width

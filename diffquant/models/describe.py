@@ -1,0 +1,18 @@
+"""What a loaded model is, for reports: kept apart from loading so the profiler need not import the loaders."""
+
+from __future__ import annotations
+
+
+def describe(model) -> dict:
+    """Provenance of a model for reports."""
+    p = next(model.parameters())
+    return {
+        "name": getattr(model, "name_or_path", "") or type(model).__name__,
+        "architecture": type(model).__name__,
+        "model_type": model.config.model_type,
+        "parameters": sum(x.numel() for x in model.parameters()),
+        "layers": model.config.num_hidden_layers,
+        "hidden_size": model.config.hidden_size,
+        "dtype": str(p.dtype).replace("torch.", ""),
+        "device": str(p.device),
+    }
