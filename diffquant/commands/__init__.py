@@ -22,6 +22,7 @@ def validate(args) -> None:
         value = getattr(args, key, None)
         if value is not None and value <= 0:
             raise DiffquantError(f"--{key.replace('_', '-')} must be positive, got {value}")
+    _check_context(args)
     if getattr(args, "preset", None) is not None:
         from diffquant.models.presets import get_preset
 
@@ -52,6 +53,26 @@ def validate(args) -> None:
         for g in args.granularity.split(","):
             parse_granularity(g)
 
+def _check_context(args) -> None:
+    """Refuse a window longer than a model is built for, read from its files without loading it."""
+    models, seq_len = getattr(args, "model", None), getattr(args, "seq_len", None)
+    if not models or not seq_len or getattr(args, "allow_long_context", False):
+        return
+    from diffquant.commands.common import parse_model_args
+    from diffquant.errors import DiffquantError
+    from diffquant.models.context import context_length
+
+    for _, source in parse_model_args([models] if isinstance(models, str) else models):
+        positions, where = context_length(source, getattr(args, "cache_dir", None))
+        if positions is not None and seq_len > positions:
+            raise DiffquantError(f"--seq-len {seq_len:,} is longer than {source}'s context of {positions:,} positions "
+                                 f"({where}); RoPE models may extrapolate past it: pass --allow-long-context to run "
+                                 "anyway")
+
+
+LONG_CONTEXT_HELP = "run windows longer than the model's context (RoPE models may extrapolate)"
+
+
 def _profile(sub) -> None:
     p = sub.add_parser("profile", help="activation statistics and the paper's Table 5 for one or more models")
     p.add_argument("--model", action="append", required=True,
@@ -60,6 +81,7 @@ def _profile(sub) -> None:
     p.add_argument("--data", default="kjv", help="corpus name, local text file/folder, or hf:NAME (default kjv)")
     p.add_argument("--tokens", type=int, default=65536, help="tokens to profile per model (default 65536)")
     p.add_argument("--seq-len", type=int, default=256, help="sequence length (default 256)")
+    p.add_argument("--allow-long-context", action="store_true", help=LONG_CONTEXT_HELP)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--sites", nargs="+", default=["*.attn_logits", "*.hidden"], help="site globs (default: logits, hidden)")
     p.add_argument("--k", type=int, default=100, help="top-k kept per site (default 100)")
@@ -96,6 +118,7 @@ def _quantize(sub) -> None:
     p.add_argument("--data", default="kjv", help="corpus for calibration and the metric gap (default kjv)")
     p.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (default 8192)")
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--allow-long-context", action="store_true", help=LONG_CONTEXT_HELP)
     p.add_argument("--calib-batches", type=int, default=16, help="calibration batches for static scales")
     p.add_argument("--mitigate", default="none",
                    help="a function-preserving fix applied first: none, smoothquant[:ALPHA], rotate[:SEED], clip:mse, "
@@ -160,6 +183,7 @@ def _sweep(sub) -> None:
     p.add_argument("--data", default="kjv")
     p.add_argument("--tokens", type=int, default=16384, help="held-out tokens for ppl (default 16384)")
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--allow-long-context", action="store_true", help=LONG_CONTEXT_HELP)
     p.add_argument("--mc-limit", type=int, default=200, help="examples per multiple-choice task")
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true", help="continue a sweep in --out")

@@ -8,6 +8,7 @@ import torch
 
 from diffquant.commands.common import parse_model_args, prepare_out
 from diffquant.errors import DiffquantError
+from diffquant.memory import check_fits
 from diffquant.profile import input_device, profile_model
 from diffquant.stats.distributed import finish_distributed, init_distributed, rank_world
 
@@ -38,6 +39,7 @@ def run_cli(args) -> None:
         if seqs.numel() < args.tokens:
             print(f"{label}: the validation split of {args.data} holds {seqs.numel():,} tokens in whole sequences of "
                   f"{args.seq_len}, fewer tokens than asked ({args.tokens:,}); profiling {seqs.numel():,}")
+        check_fits(model, min(args.batch_size, len(seqs)), args.seq_len, f"profiling {label}")
         prof = profile_model(model, seqs, args.sites, batch_size=args.batch_size, k=args.k, label=label,
                              compile=args.compile, sinks=not args.no_sinks)
         prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,

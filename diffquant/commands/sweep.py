@@ -6,6 +6,7 @@ from pathlib import Path
 
 from diffquant.commands.common import parse_model_args
 from diffquant.errors import DiffquantError
+from diffquant.memory import check_fits
 from diffquant.paths import atomic_write_json
 from diffquant.sweep import Evaluator, build_cells, check_evals, parse_bits, run_cells, summary_table
 
@@ -45,6 +46,7 @@ def run_cli(args) -> None:
         if tokenizer is None:
             raise DiffquantError(f"{source} has no tokenizer")
         models[label] = (model, tokenizer)
+        check_fits(model, 8, args.seq_len, f"evaluating {label}")
         evaluators[label] = Evaluator(evals, sequences(encode(tokenizer, val), args.seq_len, args.tokens), tokenizer,
                                       val, mc)
         calibration[label] = sequences(encode(tokenizer, train_text), args.seq_len, 16 * args.seq_len)

@@ -58,7 +58,7 @@ FAMILIES: dict[str, Family] = {
         Family("opt", "OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, word_embed_proj_dim=64), "fc1/fc2, no MLP module"),
         Family("olmo2", "Olmo2Config", "Olmo2ForCausalLM", {}, "norms after attention and MLP"),
         Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM", {}, "parallel residual, fused qkv, `attention`"),
-        Family("falcon", "FalconConfig", "FalconForCausalLM", {}, "own attention (no AttentionInterface)"),
+        Family("falcon", "FalconConfig", "FalconForCausalLM", {}, "own attention before transformers 5.25"),
         Family("stablelm", "StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=4), "partial RoPE"),
         Family("granite", "GraniteConfig", "GraniteForCausalLM", dict(num_key_value_heads=2), "scaled residuals"),
         Family("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", dict(num_key_value_heads=2), "NoPE layers"),

@@ -41,7 +41,7 @@ class ModelSpec:
             num_hidden_layers=self.layers,
             num_attention_heads=self.heads,
             num_key_value_heads=self.heads,
-            max_position_embeddings=max(self.seq_len, 2048),
+            max_position_embeddings=self.context,
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             tie_word_embeddings=self.tie_embeddings,
             bos_token_id=None,
@@ -56,6 +56,11 @@ class ModelSpec:
         from diffquant.designs import get
 
         return get(arch).config(self._common(vocab), seq_len or self.seq_len)
+
+    @property
+    def context(self) -> int:
+        """The positions the models are built for (max_position_embeddings): the training window, at least 2048."""
+        return max(self.seq_len, 2048)
 
     def to_dict(self) -> dict:
         return asdict(self)

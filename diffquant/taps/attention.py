@@ -13,8 +13,9 @@ here): every logit, probability and differential map passes the taps once. A Dif
 own two-call form is handled too: the second call (same Q and K) reuses the first call's probabilities;
 the check compares Q and K as the layer passed them, before grouped-query heads are repeated.
 
-Long contexts: queries are processed in blocks of `BLOCK` (1024; $DIFFQUANT_ATTN_BLOCK), so the logits
-never exist as one [batch, head, T, T] tensor: the extra memory is O(batch · head · BLOCK · T). Taps see
+Long contexts: queries are processed in blocks (`query_block`: as many query rows as fit a memory budget,
+$DIFFQUANT_ATTN_MEMORY MiB, default 2048; $DIFFQUANT_ATTN_BLOCK fixes the rows instead), so the logits never
+exist as one [batch, head, T, T] tensor: the extra memory is O(batch · head · block · T). Taps see
 each block with its query offset (`ctx.block`), statistics are exactly those of the whole tensor, and a
 quantizer whose scale spans queries (per tensor or per head) first reads every block's range
 (`needs_range` / `observe_range`), then quantizes each block with the full range.
@@ -35,7 +36,21 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from diffquant.errors import DiffquantError
 
 NAME = "diffquant"
-BLOCK = int(os.environ.get("DIFFQUANT_ATTN_BLOCK", "1024"))
+BLOCK: int | None = int(os.environ["DIFFQUANT_ATTN_BLOCK"]) if os.environ.get("DIFFQUANT_ATTN_BLOCK") else None
+MEMORY_MIB = int(os.environ.get("DIFFQUANT_ATTN_MEMORY", "2048"))
+# Peak bytes per element of one query block's [batch, head, rows, T] logits while tapped: the logits, mask,
+# probabilities and the statistics' temporaries. Measured on SmolLM2-135M-Instruct (default profile sites with
+# sinks, one sequence of 2,048-8,192 tokens): peak RSS grows by about 158 bytes per block element.
+BYTES_PER_LOGIT = 160
+
+
+def query_block(batch: int, heads: int, k_len: int) -> int:
+    """Query rows per block: $DIFFQUANT_ATTN_BLOCK if set, else the rows whose logits and temporaries fit
+    MEMORY_MIB (a multiple of 64, at least 64)."""
+    if BLOCK is not None:
+        return BLOCK
+    rows = (MEMORY_MIB << 20) // max(1, batch * heads * k_len * BYTES_PER_LOGIT)
+    return max(64, rows // 64 * 64)
 
 
 def diffquant_mask(*args, **kwargs):
@@ -107,12 +122,13 @@ def _attend(module, taps, query, key, value, attention_mask, scaling, dropout, k
         scaling = query.shape[-1] ** -0.5
     n_rep = query.shape[1] // key.shape[1]
     value = repeat_kv(value, query.shape[1] // value.shape[1])
-    if query.shape[2] > BLOCK:
+    block = query_block(query.shape[0], query.shape[1], key.shape[2])
+    if query.shape[2] > block:
         if getattr(module, "_diffquant_paired", False) and not getattr(module, "_diffquant_fused", False):
             raise DiffquantError("a long context in DiffLlama's two-call form: give the model the fused forward "
                                  "(diffquant.models.fused.fuse), which diffquant's loaders and taps do")
         out = _blocked(module, taps, query, repeat_kv(key, n_rep), attention_mask, scaling, kwargs,
-                       lambda p, rows: torch.matmul(p.to(value.dtype), value))
+                       lambda p, rows: torch.matmul(p.to(value.dtype), value), block)
         return out.transpose(1, 2).contiguous(), None
     pending = module.__dict__.pop("_diffquant_pending", None)
     if pending is not None and pending[0] is query and pending[1] is key:
@@ -142,8 +158,9 @@ def diff_attention(module, query, key, vpair, attention_mask, scaling, lam, tapp
         a = _differential_map(module, taps, probs, lam, q_len, k_len, attention_mask, rows)
         return torch.matmul(a.to(vpair.dtype), vpair)
 
-    if q_len > BLOCK:
-        return _blocked(module, taps, query, key, attention_mask, scaling, {}, combine).transpose(1, 2), None
+    block = query_block(query.shape[0], query.shape[1], k_len)
+    if q_len > block:
+        return _blocked(module, taps, query, key, attention_mask, scaling, {}, combine, block).transpose(1, 2), None
     probs = _probabilities(module, taps, query, key, attention_mask, scaling, {})
     return combine(probs, None).transpose(1, 2), probs
 
@@ -161,11 +178,11 @@ def _block_of(rows, q_len):
     return None if rows is None else (rows[0], rows[1], q_len)
 
 
-def _blocked(module, taps, query, key, attention_mask, scaling, kwargs, consume):
-    """Attention in query blocks: `consume(probs_block, rows)` turns each block's probabilities into its
-    output rows; nothing of size T × T is kept."""
+def _blocked(module, taps, query, key, attention_mask, scaling, kwargs, consume, block):
+    """Attention in query blocks of `block` rows: `consume(probs_block, rows)` turns each block's probabilities
+    into its output rows; nothing of size T × T is kept."""
     q_len = query.shape[2]
-    blocks = [(i, min(i + BLOCK, q_len)) for i in range(0, q_len, BLOCK)]
+    blocks = [(i, min(i + block, q_len)) for i in range(0, q_len, block)]
     ranged = [(tap, ctx) for tap, ctx in taps.get("attn_logits", ()) if getattr(tap, "needs_range", None)
               and tap.needs_range(ctx)]
     for tap, ctx in ranged:  # pass 1: the full range of quantizers whose scale spans query blocks

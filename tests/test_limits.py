@@ -1,0 +1,88 @@
+"""Inputs beyond what the model or the machine can do are refused at once, in one line: windows longer than
+the model's context (read from its files, before torch loads), and runs whose estimated peak memory exceeds
+what the machine has. Query blocks are sized from a memory budget."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from diffquant import DiffquantError
+from diffquant.models.context import context_length
+
+
+def test_over_long_window_refused_in_one_line_before_torch_loads():
+    code = ("import sys, time; t = time.time()\n"
+            "from diffquant.cli import main\n"
+            "rc = main(['profile', '--model', 'tiny:diff', '--data', 'kjv', '--tokens', '64', '--seq-len', '100000',"
+            " '--out', 'unused'])\n"
+            "print(rc, 'torch' in sys.modules, round(time.time() - t, 3))")
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    rc, torch_loaded, seconds = out.stdout.split()
+    assert rc == "2" and torch_loaded == "False"
+    assert float(seconds) < 1.0, seconds  # measured inside the process: no model, no torch
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "context of 2,048 positions" in lines[0] and "--allow-long-context" in lines[0]
+    assert time.time() - start < 30
+
+
+def test_context_read_from_each_kind_of_source(tmp_path):
+    assert context_length("micro:baseline") == (2048, "the micro preset's max_position_embeddings")
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 1024}))
+    assert context_length(str(folder)) == (1024, "config.json's n_positions")
+    scheme = tmp_path / "q"
+    scheme.mkdir()
+    (scheme / "diffquant_scheme.json").write_text(json.dumps({"source": str(folder)}))
+    assert context_length(str(scheme))[0] == 1024
+    assert context_length("some/hub-id") == (None, "")
+
+
+def test_allow_long_context_skips_the_refusal():
+    import argparse
+
+    from diffquant.commands import _check_context
+
+    args = argparse.Namespace(model=["tiny:baseline"], seq_len=4096, allow_long_context=False)
+    with pytest.raises(DiffquantError, match="4,096 is longer than tiny:baseline's context of 2,048"):
+        _check_context(args)
+    args.allow_long_context = True
+    _check_context(args)
+    _check_context(argparse.Namespace(model=["x=tiny:baseline"], seq_len=2048, allow_long_context=False))
+
+
+def test_query_block_from_the_memory_budget(monkeypatch):
+    from diffquant.taps import attention as A
+
+    monkeypatch.setattr(A, "BLOCK", None)
+    monkeypatch.setattr(A, "MEMORY_MIB", 2048)
+    # 2 GiB / (1 × 9 heads × 8192 keys × 160 B) = 182.04 rows -> 128 (a multiple of 64)
+    assert A.query_block(1, 9, 8192) == 128
+    assert A.query_block(8, 8, 256) == 768  # 2 GiB / (8 × 8 × 256 × 160 B) = 819.2 rows
+    assert A.query_block(1, 64, 10**6) == 64  # never fewer than 64 rows
+    monkeypatch.setattr(A, "BLOCK", 7)
+    assert A.query_block(1, 9, 8192) == 7  # $DIFFQUANT_ATTN_BLOCK overrides
+
+
+def test_memory_estimate_and_refusal(micro_pair, monkeypatch):
+    from diffquant import memory
+    from diffquant.taps import attention as A
+
+    monkeypatch.setattr(A, "BLOCK", None)
+    monkeypatch.setattr(A, "MEMORY_MIB", 2048)
+    model = micro_pair[0]  # width 64, SwiGLU 176, 4 heads, fp32
+    est = memory.estimate(model, 2, 512)
+    params = sum(p.numel() for p in model.parameters())
+    assert est.weights == 4 * params
+    assert est.activations == 12 * 2 * 512 * 176 * 4
+    assert est.attention == 512 * 2 * 4 * 512 * 160  # 512 rows fit the budget: the whole window is one block
+    monkeypatch.setattr(memory, "available_bytes", lambda: 10 * 2**20)
+    with pytest.raises(DiffquantError, match=r"profiling m on \[2 × 512\] tokens needs about .* GiB .* 0.0 GiB are "
+                                             "available: lower --batch-size or --seq-len"):
+        memory.check_fits(model, 2, 512, "profiling m")
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2**40)
+    assert memory.check_fits(model, 2, 512, "profiling m") == est
