@@ -50,8 +50,7 @@ def run_cli(args) -> None:
         return
     if not args.model or not args.out:
         raise DiffquantError("quantize needs --model and --out (or --list)")
-    from diffquant.data.corpora import load_text, split
-    from diffquant.data.tokens import encode, sequences
+    from diffquant.data.windows import corpus_windows
     from diffquant.models.load import load_model
     from diffquant.paths import fix_modes
     from diffquant.profile import prepare_out
@@ -72,10 +71,9 @@ def run_cli(args) -> None:
     model, tokenizer = load_model(args.model, hub=args.hub, cache=args.cache_dir)
     if tokenizer is None:
         raise DiffquantError(f"{args.model} has no tokenizer, needed for calibration and evaluation data")
-    text, _ = load_text(args.data, args.cache_dir)
-    train, val = split(text)
-    calib = sequences(encode(tokenizer, train[: 200_000]), args.seq_len, args.calib_batches * args.seq_len)
-    evalset = sequences(encode(tokenizer, val), args.seq_len, args.tokens)
+    calib = corpus_windows(args.data, tokenizer, "train", args.seq_len, args.calib_batches * args.seq_len,
+                           args.cache_dir, chars=200_000)
+    evalset = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.tokens, args.cache_dir)
     result = {"model": args.model, "scheme": scheme.to_dict(), "backend": args.backend, "data": args.data,
               "mitigation": args.mitigate}
     quantize_(model, scheme).remove()  # a scheme that cannot apply is refused here, before any evaluation
