@@ -190,7 +190,13 @@ def wa_rows(rows: list[dict]) -> list[list]:
     return [[r["model"], r["wbits"], r["bits"], cell_text(r, "ppl")] for r in rows if r["kind"] == "wa"]
 
 
-def render_report(s: dict) -> str:
+ONE_SEED = ("One training seed: an ordering of the two models' costs here is one draw of the training noise, not a "
+            "property of the designs; experiments/rivals.py repeats this setting over three seeds.")
+
+
+def render_report(s: dict, seed_note: str = ONE_SEED) -> str:
+    """report.md from summary.json; `seed_note` says what one seed can and cannot show (docs/readme_results.py
+    passes one that reconciles the demo with the three-seed comparison of the same setting)."""
     from diffquant.report.profile_report import KIND_TITLE, PAPER_TABLE5, SINK_HEADER, TABLE5_HEADER
     from diffquant.report.tables import markdown
     from diffquant.sweep import summary_table
@@ -203,8 +209,9 @@ def render_report(s: dict) -> str:
         f"tokens of {cfg['corpus']} each; the paper's models have {PAPER_SCALE}. The paper's effect belongs to models "
         "trained at scale: read these numbers as a measurement of small models, not as a test of the paper.", "",
         f"Every perplexity and accuracy below is measured on one held-out slice, {ev['slice']} "
-        f"({ev['tokens']:,} predicted tokens); ± and brackets are 95% intervals over its {ev['sequences']} sequences, "
-        "and changes from 16-bit are paired over the same sequences. One seed.", "",
+        f"({ev['tokens']:,} predicted tokens); loss and accuracy ± their 95% t-interval over its {ev['sequences']} "
+        "sequences, perplexity with the exponential of the loss interval in brackets, and changes from 16-bit paired "
+        "over the same sequences (95% t-interval). One seed.", "",
         "## Training", "",
         markdown(TRAINING_HEADER, training_rows(s)),
         f"Unigram entropy of the training tokens: {s['unigram_entropy']:.3f} nats (a model that learned nothing "
@@ -229,10 +236,11 @@ def render_report(s: dict) -> str:
         "perplexity on the evaluation slice (lower is better). The paper reports zero-shot HellaSwag on 3B models: "
         "DIFF 66.2 → 58.8 and Transformer 63.4 → 33.9 from 16 to 4 bits.", "",
         summary_table(s["sweep"]),
+        seed_note, "",
         "![metric vs bits](sweep/metric_vs_bits.png)", "",
         "## Weights × activations", "",
-        "Per-channel weights and per-token Linear inputs at W/A bits; perplexity ± 95% interval, and in brackets "
-        "the paired change from the float model.", "",
+        "Per-channel weights and per-token Linear inputs at W/A bits; perplexity [exp of the loss's 95% t-interval], "
+        "and in parentheses the paired change from the float model.", "",
         markdown(["model", "W bits", "A bits", "perplexity"], wa_rows(s["sweep"])),
         "![W x A grid](sweep/wa_grid.png)", "",
         f"## A pretrained model: {display('smollm2-135m')} ({s['smollm2_tokens']:,} tokens)", "",

@@ -31,10 +31,11 @@ def _load(path: str):
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def one_seed_note(s: dict, rivals: dict | None) -> str:
+def one_seed_note(s: dict, rivals: dict | None, link: str = "docs/rivals/demo/results.md") -> str:
     """One sentence that says the demo's 4-bit logit costs come from one seed and reconciles them with the
-    three-seed comparison of the same setting (docs/rivals/demo), when that file exists."""
-    from diffquant.stats.intervals import holm, welch
+    three-seed comparison of the same setting (docs/rivals/demo), when that file exists; `link` is that file
+    relative to where the sentence is written."""
+    from diffquant.stats.intervals import welch
 
     cost = {r["model"]: r["ppl_change_pct"] for r in s["sweep"]
             if r["kind"] == "act" and r["bits"] == 4 and r["granularity"] == "tensor" and r.get("ppl_change_pct") is not None}
@@ -47,18 +48,19 @@ def one_seed_note(s: dict, rivals: dict | None) -> str:
     t, d = agg["Transformer"]["logits_int4_cost"], agg["DIFF"]["logits_int4_cost"]
     flips = [seed for seed, a, b in zip(rivals["seeds"], t["values"], d["values"])
              if (a > b) != (cost["Transformer"] > cost["DIFF"])]
-    p = against_pvalues(rivals).get(("Transformer", "logits_int4_cost"))
-    w = welch(t["values"], d["values"])
-    tested = (f"no difference detected (n = {w['n']}, Holm-adjusted p {p:.2g})" if p is not None and p >= 0.05
-              else f"Holm-adjusted p {p:.2g}") if p is not None else ""
+    adjusted = against_pvalues(rivals)
+    p, w = adjusted[("Transformer", "logits_int4_cost")], welch(t["values"], d["values"])
+    test = (f"n = {w['n']}; Welch p {w['p']:.2g}, Holm-adjusted over the table's {len(adjusted)} tests {p:.2g}")
     return (f"The 4-bit per-tensor logit costs ({one}) come from one training seed: over seeds "
-            f"{', '.join(map(str, rivals['seeds']))} of the same setting ([rivals, demo setting](docs/rivals/demo/results.md)) "
+            f"{', '.join(map(str, rivals['seeds']))} of the same setting ([rivals, demo setting]({link})) "
             f"the means are Transformer {t['mean']:.2f}% vs DIFF {d['mean']:.2f}% (per seed "
             f"{', '.join(f'{v:.2f}' for v in t['values'])} vs {', '.join(f'{v:.2f}' for v in d['values'])}), "
             + (f"the one-seed ordering reverses in seed{'s' if len(flips) > 1 else ''} "
                f"{' and '.join(map(str, flips))}, " if flips else "the ordering holds in every seed, ")
-            + f"and the three-seed comparison finds {tested}: which design's logits lose more at 4 bits is not "
-            "established.")
+            + (f"and the three-seed comparison detects no difference ({test}): which design's logits lose more at "
+               "4 bits is not established." if p >= 0.05 else
+               f"and the three-seed comparison finds DIFF's cost {'higher' if d['mean'] > t['mean'] else 'lower'} "
+               f"({test})."))
 
 
 def demo_part() -> list[str]:
@@ -98,8 +100,8 @@ def demo_part() -> list[str]:
         "Weights × activations (per-channel weights, per-token Linear inputs):",
         "",
         markdown(["model", "W bits", "A bits", "perplexity"], wa_rows(s["sweep"])),
-        f"{display('smollm2-135m')}: SmolLM2-135M-Instruct (Llama architecture) as shipped in a Q4_1 GGUF and "
-        f"dequantized to fp32, on {s['smollm2_tokens']:,} tokens:",
+        f"{display('smollm2-135m')} on {s['smollm2_tokens']:,} tokens: the Llama-architecture SmolLM2-135M-Instruct as "
+        "shipped in a Q4_1 GGUF, dequantized to fp32 (its weights sit on a 4-bit grid, groups of 32):",
         "",
         markdown(TABLE5_HEADER, named_rows(s["smollm2_table5"])),
         markdown(SINK_HEADER, named_rows(s["smollm2_sinks"])),
@@ -134,10 +136,12 @@ def emergence_part() -> list[str]:
             + (f" (its worst layer's hidden top-1/median extrapolates to {crit['hidden_ratio']:g} at about "
                f"{budget / 1e6:,.0f}M tokens, {budget / chosen['train_tokens']:.0f}× what was trained)" if budget else "")
             + ". ")
+        base = results.get("aggregate", {}).get("Transformer", {}).get("hidden_ratio", {})
+        outside = (f", outside the outlier regime (the baseline's hidden top-1/median: {base['mean']:.1f} ± "
+                   f"{base['half']:.1f} over {base['n']} seeds; the regime starts at {crit['hidden_ratio']:g})"
+                   if not hits and base.get("half") is not None else "")
         lines += [f"{len(hits)} of {len(found)} settings reached the regime within the budget. {why}"
-                  "Baseline and DIFF trained identically"
-                  + (", outside the outlier regime (the baseline's hidden top-1/median stays far below 100):" if not hits
-                     else ":"), ""]
+                  f"Baseline and DIFF trained identically{outside}:", ""]
     if (ROOT / "docs/emergence/results.md").is_file():
         lines += [*_md("docs/emergence/results.md"), *against_diff(results),
                   "![emergence](docs/emergence/emergence.png)", ""]

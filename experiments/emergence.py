@@ -201,7 +201,7 @@ def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_ev
         for arch, m in train_and_measure(name, overrides, seed, archs, runs, n_eval, schemes).items():
             per[arch].append(m)
     agg = {arch: aggregate(ms) for arch, ms in per.items()}
-    doc = {"setting": name, "overrides": overrides, "seeds": list(seeds), "eval_sequences": n_eval,
+    doc = {"setting": name, "overrides": overrides, "seeds": list(seeds), "eval_sequences": n_eval, "intervals": "t",
            "scale": {display(a): {"parameters": per[a][0]["parameters"], "train_tokens": per[a][0]["train_tokens"]}
                      for a in archs},
            "per_seed": {display(a): [{k: v for k, v in m.items() if k != "emergence"} for m in ms]
