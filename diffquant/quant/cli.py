@@ -120,15 +120,23 @@ def _evaluate(model, evalset, what: str) -> dict:
 
 
 def summary_text(r: dict) -> str:
+    """The command's printout: loss ± its 95% t-interval over sequences, perplexity with the exponential of that
+    interval, and the paired loss change (t-interval)."""
+    from diffquant.stats.intervals import fmt_interval, fmt_pm, half95
+
     d = r["simulated"]["paired_loss_change"]
-    change = f"  (loss change {d['mean']:+.4f}, 95% paired interval [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}])" \
+    change = f"  (loss change {d['mean']:+.4f}, 95% paired t-interval [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}])" \
         if d.get("ci95") else ""
     n = f"{r['fp']['tokens']:,} tokens, {r['fp']['sequences']} sequences"
-    lines = [f"{r['model']}: scheme {r['scheme']['name']}, backend {r['backend']}; held-out {n}; ± = 1.96 SE over sequences",
-             f"  fp          loss {r['fp']['loss']:.4f} ± {1.96 * (r['fp']['loss_se'] or 0):.4f}  ppl {r['fp']['ppl']:.3f}"
-             f"  size {r['fp_bytes']:,} B",
-             f"  simulated   loss {r['simulated']['loss']:.4f} ± {1.96 * (r['simulated']['loss_se'] or 0):.4f}"
-             f"  ppl {r['simulated']['ppl']:.3f}{change}"]
+
+    def loss_ppl(m: dict) -> str:
+        return (f"loss {fmt_pm(m['loss'], half95(m['loss_se'], m['sequences']), 4)}  "
+                f"ppl {fmt_interval(m['ppl'], m.get('ppl_ci95'), 4)}")
+
+    lines = [f"{r['model']}: scheme {r['scheme']['name']}, backend {r['backend']}; held-out {n}; 95% t-intervals over "
+             "sequences (perplexity: the exponential of the loss interval)",
+             f"  fp          {loss_ppl(r['fp'])}  size {r['fp_bytes']:,} B",
+             f"  simulated   {loss_ppl(r['simulated'])}{change}"]
     if "real" in r:
         lines.append(f"  real        loss {r['real']['loss']:.4f}  ppl {r['real']['ppl']:.3f}  size {r['real_bytes']:,} B"
                      f"  (real - simulated loss: {r['gap_loss_real_minus_simulated']:+.4f})")
