@@ -145,13 +145,17 @@ def render(doc: dict) -> str:
     body = [[display(r["model"]), "float" if r["kind"] == "act" else r["site"],
              "-" if r["kind"] == "act" else r["mitigate"], cell_text(r, "ppl"), caveat(r, sources[r["model"]])]
             for r in table]
+    caveated = sorted({display(r["model"]) for r, line in zip(table, body) if line[-1]})
+    clean = (f" On {', '.join(caveated)} the clean measurements are the schemes that leave the weights alone "
+             f"(logits-int4); its weight-quantization rows start from weights that were already quantized."
+             if caveated else "")
     held = "; ".join(f"{display(label)}: {d['corpus']}, {d['predicted_tokens']:,} tokens ({d['sequences']} × "
                      f"{d['seq_len']})" for label, d in doc["data"].items())
     return ("Perplexity of each model on the held-out split of its own corpus (" + held + "); brackets: the "
             "exponential of the loss's 95% t-interval over sequences; parentheses: change from the model's float "
             "perplexity with its 95% paired t-interval. Fixes calibrated on 16 training windows of the same corpus; "
             "seed 0. The caveat column marks weight quantization of a model whose weights were already quantized."
-            "\n\n" + markdown(["model", "scheme", "fix", "perplexity", "caveat"], body))
+            + clean + "\n\n" + markdown(["model", "scheme", "fix", "perplexity", "caveat"], body))
 
 
 def _plot(rows: list[dict], out: Path) -> None:
