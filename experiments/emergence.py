@@ -193,7 +193,7 @@ def render_regime(doc: dict) -> str:
 def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_eval: int,
            schemes=("logits-int4",)) -> dict:
     """Every design of `archs` trained identically for each seed; mean ± 95% t-interval over seeds."""
-    from measure import METRICS, aggregate
+    from measure import aggregate
 
     out.mkdir(parents=True, exist_ok=True)
     per = {arch: [] for arch in archs}
