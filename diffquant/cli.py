@@ -41,7 +41,7 @@ def _cmd_models(args) -> None:
         print(f"  {a:<12} {DESIGNS[a].display:<12} {DESIGNS[a].doc}")
     print("zoo (offline, from package registries):")
     for entry in ZOO.values():
-        print(f"  {entry.name:<14} {entry.note}")
+        print(f"  {entry.name:<14} {entry.display}: {entry.note} (also: {', '.join(entry.aliases)})")
 
 
 def _cmd_sites(args) -> None:

@@ -1,7 +1,7 @@
 """`diffquant demo`: the whole story on one machine, offline.
 
 Fetch KJV, train (or reuse) the tiny matched pair, profile both (Table 5 analog), sweep attention-logit
-bits 16/8/6/4 and a W × A grid, profile SmolLM2-135M, and write a report folder.
+bits 16/8/6/4 and a W × A grid, profile SmolLM2-135M-Instruct (dequantized from Q4_1), and write a report folder.
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool =
     plot_sweep(rows, out / "sweep")
     timings["sweep"] = time.perf_counter() - t
 
-    print(f"[4/5] profiling SmolLM2-135M (a real pretrained Llama) on {cfg.smollm_tokens:,} tokens")
+    print(f"[4/5] profiling {display('smollm2-135m')} on {cfg.smollm_tokens:,} tokens")
     t = time.perf_counter()
     smol, smol_tok = load_model("smollm2-135m", cache=cache, device=device)
-    smol_prof = profile_model(smol, sequences(encode(smol_tok, val), SEQ, cfg.smollm_tokens), label="SmolLM2-135M",
+    smol_prof = profile_model(smol, sequences(encode(smol_tok, val), SEQ, cfg.smollm_tokens), label=display("smollm2-135m"),
                               sinks=True)
     smol_prof.provenance.update({"data": cfg.corpus, "split": "validation", "dtype": "fp32", "device": device})
     write_report([smol_prof], out / "smollm2")
@@ -165,16 +165,24 @@ def _verdict(rows: list[list]) -> list[str]:
 
 
 def training_rows(s: dict) -> list[list]:
-    from diffquant.stats.intervals import Z95, fmt_pm
+    """One row per model: loss and accuracy ± their 95% t-interval over the evaluation sequences, perplexity with
+    the exponential of the loss interval."""
+    from diffquant.stats.intervals import fmt_interval, fmt_pm, half95
 
-    return [[label, m["parameters"], m["tokens"], fmt_pm(m["loss"], Z95 * m["loss_se"], 4),
-             f"{m['ppl']:.2f} [{m['ppl_ci95'][0]:.2f}, {m['ppl_ci95'][1]:.2f}]",
-             fmt_pm(m["accuracy"], Z95 * m["accuracy_se"], 3), f"{m['tokens_per_s']:,.0f}"]
-            for label, m in s["train"].items()]
+    n = s["eval"]["sequences"]
+    return [[label, m["parameters"], m["tokens"], fmt_pm(m["loss"], half95(m["loss_se"], n), 4),
+             fmt_interval(m["ppl"], m["ppl_ci95"], 4), fmt_pm(m["accuracy"], half95(m["accuracy_se"], n), 3),
+             f"{m['tokens_per_s']:,.0f}"] for label, m in s["train"].items()]
 
 
 TRAINING_HEADER = ["model", "parameters", "training tokens", "held-out loss (nats)", "perplexity [95%]",
                    "next-token accuracy", "training tokens/s"]
+
+
+def named_rows(rows: list[list]) -> list[list]:
+    """Table rows whose first cell is a model label, with the label as reports name it (older summaries wrote
+    the zoo model as "SmolLM2-135M")."""
+    return [[display(r[0]), *r[1:]] for r in rows]
 
 
 def wa_rows(rows: list[dict]) -> list[list]:
@@ -183,7 +191,13 @@ def wa_rows(rows: list[dict]) -> list[list]:
     return [[r["model"], r["wbits"], r["bits"], cell_text(r, "ppl")] for r in rows if r["kind"] == "wa"]
 
 
-def render_report(s: dict) -> str:
+ONE_SEED = ("One training seed: an ordering of the two models' costs here is one draw of the training noise, not a "
+            "property of the designs; experiments/rivals.py repeats this setting over three seeds.")
+
+
+def render_report(s: dict, seed_note: str = ONE_SEED) -> str:
+    """report.md from summary.json; `seed_note` says what one seed can and cannot show (docs/readme_results.py
+    passes one that reconciles the demo with the three-seed comparison of the same setting)."""
     from diffquant.report.profile_report import KIND_TITLE, PAPER_TABLE5, SINK_HEADER, TABLE5_HEADER
     from diffquant.report.tables import markdown
     from diffquant.sweep import summary_table
@@ -196,8 +210,9 @@ def render_report(s: dict) -> str:
         f"tokens of {cfg['corpus']} each; the paper's models have {PAPER_SCALE}. The paper's effect belongs to models "
         "trained at scale: read these numbers as a measurement of small models, not as a test of the paper.", "",
         f"Every perplexity and accuracy below is measured on one held-out slice, {ev['slice']} "
-        f"({ev['tokens']:,} predicted tokens); ± and brackets are 95% intervals over its {ev['sequences']} sequences, "
-        "and changes from 16-bit are paired over the same sequences. One seed.", "",
+        f"({ev['tokens']:,} predicted tokens); loss and accuracy ± their 95% t-interval over its {ev['sequences']} "
+        "sequences, perplexity with the exponential of the loss interval in brackets, and changes from 16-bit paired "
+        "over the same sequences (95% t-interval). One seed.", "",
         "## Training", "",
         markdown(TRAINING_HEADER, training_rows(s)),
         f"Unigram entropy of the training tokens: {s['unigram_entropy']:.3f} nats (a model that learned nothing "
@@ -222,17 +237,19 @@ def render_report(s: dict) -> str:
         "perplexity on the evaluation slice (lower is better). The paper reports zero-shot HellaSwag on 3B models: "
         "DIFF 66.2 → 58.8 and Transformer 63.4 → 33.9 from 16 to 4 bits.", "",
         summary_table(s["sweep"]),
+        seed_note, "",
         "![metric vs bits](sweep/metric_vs_bits.png)", "",
         "## Weights × activations", "",
-        "Per-channel weights and per-token Linear inputs at W/A bits; perplexity ± 95% interval, and in brackets "
-        "the paired change from the float model.", "",
+        "Per-channel weights and per-token Linear inputs at W/A bits; perplexity [exp of the loss's 95% t-interval], "
+        "and in parentheses the paired change from the float model.", "",
         markdown(["model", "W bits", "A bits", "perplexity"], wa_rows(s["sweep"])),
         "![W x A grid](sweep/wa_grid.png)", "",
-        f"## A real pretrained model: SmolLM2-135M ({s['smollm2_tokens']:,} tokens)", "",
-        markdown(TABLE5_HEADER, s["smollm2_table5"]),
-        markdown(SINK_HEADER, s["smollm2_sinks"]),
-        "SmolLM2's weights were Q4_1 in its GGUF before dequantization: its activations are real, weight-quantization "
-        "results on it are not clean.", "",
+        f"## A pretrained model: {display('smollm2-135m')} ({s['smollm2_tokens']:,} tokens)", "",
+        markdown(TABLE5_HEADER, named_rows(s["smollm2_table5"])),
+        markdown(SINK_HEADER, named_rows(s["smollm2_sinks"])),
+        "SmolLM2-135M-Instruct ships as a Q4_1 GGUF, dequantized to fp32 on load: its activations are those of the "
+        "model as shipped, and its weights already sit on a 4-bit grid (groups of 32), so weight-quantization results "
+        "on it are not those of the original bf16 weights.", "",
         "![SmolLM2 top-1 and median by layer](smollm2/absmax_vs_layer.png)", "",
         "![SmolLM2 sinks by layer](smollm2/sinks_vs_layer.png)", "",
         "## Next", "",

@@ -17,11 +17,11 @@ def input_device(model) -> torch.device:
 def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progress: bool = False) -> dict:
     """Mean next-token cross-entropy (nats), perplexity and top-1 accuracy over all predicted positions,
     with their standard errors over sequences (all sequences have the same length, so the mean over
-    sequences is the mean over tokens), perplexity's 95% interval exp(loss ± 1.96 SE), the counts, and the
+    sequences is the mean over tokens), perplexity's 95% interval exp(loss ± t(0.975, n−1) SE), the counts, and the
     per-sequence losses (for paired comparisons of two settings on the same sequences)."""
     from tqdm.auto import tqdm
 
-    from diffquant.stats.intervals import Z95, standard_error
+    from diffquant.stats.intervals import ppl_interval, standard_error
 
     if sequences.numel() == 0 or sequences.shape[1] < 2:
         raise DiffquantError("evaluation needs sequences of at least 2 tokens")
@@ -39,7 +39,7 @@ def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progr
     loss = math.fsum(losses) / len(losses)
     se = standard_error(losses)
     out = {"loss": loss, "loss_se": se, "ppl": math.exp(min(loss, 700)),
-           "ppl_ci95": None if se is None else [math.exp(min(loss - Z95 * se, 700)), math.exp(min(loss + Z95 * se, 700))],
+           "ppl_ci95": ppl_interval(loss, se, len(losses)),
            "accuracy": math.fsum(accs) / len(accs), "accuracy_se": standard_error(accs),
            "tokens": len(losses) * (sequences.shape[1] - 1), "sequences": len(losses), "per_sequence_loss": losses}
     return out

@@ -114,7 +114,8 @@ class Evaluator:
                 r = language_modeling(model, self.sequences)
                 out.update({"loss": r["loss"], "loss_se": r["loss_se"], "ppl": r["ppl"], "ppl_ci95": r["ppl_ci95"],
                             "next_token_acc": r["accuracy"], "next_token_acc_se": r["accuracy_se"],
-                            "tokens": r["tokens"], "per_sequence_loss": r["per_sequence_loss"]})
+                            "tokens": r["tokens"], "sequences": r["sequences"],
+                            "per_sequence_loss": r["per_sequence_loss"]})
             elif e == "needle":
                 r = needle_accuracy(model, self.tokenizer, self.haystack)
                 out.update({"needle_choice": r["choice"], "needle_exact": r["exact"]})
@@ -216,7 +217,7 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
 
 def versus_float(fp: dict, q: dict) -> dict:
     """The cell's change from its model's float evaluation on the same sequences: paired Δloss with its 95%
-    interval, and the same as a perplexity change in % (exp(Δ) − 1)."""
+    t-interval (n − 1 degrees of freedom), and the same as a perplexity change in % (exp(Δ) − 1)."""
     import math
 
     from diffquant.stats.intervals import paired
@@ -235,20 +236,27 @@ def _flat(row: dict) -> dict:
             **{k: v for k, v in row["metrics"].items() if k != "per_sequence_loss"}}
 
 
+def sample_size(r: dict, metric: str) -> int | None:
+    """How many values a row's metric averages: sequences for perplexity and next-token accuracy, examples for a
+    multiple-choice task (`{task}_acc` and `{task}_acc_norm` over `{task}_examples`)."""
+    if metric in ("ppl", "loss", "next_token_acc"):
+        return r.get("sequences")
+    task = metric.removesuffix("_norm").removesuffix("_acc")
+    return r.get(f"{task}_examples")
+
+
 def cell_text(r: dict, metric: str) -> str:
-    """"74.11 ± 1.20" (95% interval over sequences), with the paired change from float for quantized cells:
-    "76.04 ± 1.25 (+2.6% [+2.1, +3.1])"."""
-    from diffquant.stats.intervals import Z95, fmt_pm
+    """Perplexity as "74.11 [71.8, 76.5]" (exp of the loss's 95% t-interval over sequences), other metrics as
+    "0.242 ± 0.010", with the paired change from float for quantized cells: "76.04 [73.7, 78.5] (+2.6% [+2.1, +3.1])"."""
+    from diffquant.stats.intervals import fmt_interval, fmt_pm, half95
 
     v = r.get(metric)
     if v is None:
         return "-"
     if metric == "ppl":
-        half = Z95 * r["loss_se"] * v if r.get("loss_se") else None  # delta method: d ppl = ppl · d loss
+        text = fmt_interval(v, r.get("ppl_ci95"), 4)
     else:
-        se = r.get(f"{metric}_se")
-        half = Z95 * se if se is not None else None
-    text = fmt_pm(v, half, 4)
+        text = fmt_pm(v, half95(r.get(f"{metric}_se"), sample_size(r, metric)), 4)
     if metric == "ppl" and r.get("ppl_change_pct_ci95"):
         lo, hi = r["ppl_change_pct_ci95"]
         text += f" ({r['ppl_change_pct']:+.1f}% [{lo:+.1f}, {hi:+.1f}])"
@@ -280,6 +288,8 @@ def summary_table(rows: list[dict]) -> str:
 
     body = [[m, s, g, *([fix] if fixes else []), *[cell(m, v, b) for b in bits]] for (m, s, g, fix), v in groups.items()]
     n = next((r.get("tokens") or r.get(metric.replace("_acc", "_examples")) for r in act), None)
-    return (f"{metric} by bit-width ({n:,} held-out {'tokens' if metric == 'ppl' else 'examples'} per cell; ± = 95% "
-            "interval over sequences; in brackets the change from 16-bit with its 95% paired interval):\n\n"
+    what = ("perplexity [95% interval: exp of the loss's t-interval over sequences]" if metric == "ppl"
+            else f"{metric} ± 95% t-interval")
+    return (f"{metric} by bit-width ({n:,} held-out {'tokens' if metric == 'ppl' else 'examples'} per cell; {what}; "
+            "in parentheses the change from 16-bit with its 95% paired t-interval):\n\n"
             + markdown(["model", "site", "granularity", *(["fix"] if fixes else []), *[f"{b}-bit" for b in bits]], body))

@@ -134,8 +134,10 @@ def prepare_data(cfg: TrainConfig, out: Path, cache: str | None = None) -> Data:
     from diffquant.data.corpora import load_text, sha256, split
     from diffquant.data.synthetic import is_synthetic
     from diffquant.data.tokens import encode, sequences, train_tokenizer
+    from diffquant.data.windows import check_source
     from diffquant.models.presets import get_preset
 
+    check_source(cfg.corpus)  # the corpus names every command accepts
     spec = get_preset(cfg.preset)
     seq_len = cfg.seq_len or spec.seq_len
     if is_synthetic(cfg.corpus):

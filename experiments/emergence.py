@@ -159,26 +159,41 @@ def _write_search(settings: dict, found: dict, out: Path, n_eval: int) -> None:
                       "wall-clock on 2 CPU cores shared with other runs.\n\n" + markdown(SEARCH_HEADER, rows))
 
 
+OLD_SINK_LABEL = "sink rate (pooled A1/A2, old definition)"
+
+
+def metric_label(doc: dict, key: str) -> str:
+    """A metric's column label. Results without a `sink_definition` were measured before DIFF's sink rate was
+    taken per differential head: their DIFF rate pools the A1 and A2 maps, and the label says so."""
+    from measure import METRICS
+
+    if key == "sink_rate" and not doc.get("sink_definition"):
+        return OLD_SINK_LABEL
+    return METRICS[key][0]
+
+
 def render_regime(doc: dict) -> str:
-    """results.md from results.json: one row per design, mean ± 95% t-interval over seeds per metric."""
+    """results.md from results.json: one row per design, mean ± 95% t-interval over seeds per metric, the
+    scale-free metrics first and the absolute magnitudes after them."""
     from measure import METRICS
 
     designs = list(doc["aggregate"])
     keys = [k for k in METRICS if k in doc["aggregate"][designs[0]]]
-    body = [[d, doc["scale"][d]["parameters"], doc["scale"][d]["train_tokens"],
-             *[fmt_pm(doc["aggregate"][d][k]["mean"], doc["aggregate"][d][k]["half"], METRICS[k][1]) if k in
-               doc["aggregate"][d] else "-" for k in keys]] for d in designs]
+    body = [[d, *[fmt_pm(doc["aggregate"][d][k]["mean"], doc["aggregate"][d][k]["half"], METRICS[k][1]) if k in
+                  doc["aggregate"][d] else "-" for k in keys],
+             doc["scale"][d]["parameters"], doc["scale"][d]["train_tokens"]] for d in designs]
     seeds, tokens = doc["seeds"], doc["per_seed"][designs[0]][0]["tokens"]
     return (f"Setting `{doc['setting']}` ({json.dumps(doc['overrides'])}); {len(seeds)} seeds "
             f"({', '.join(map(str, seeds))}), mean ± 95% t-interval over seeds; every model measured on the same "
-            f"{doc['eval_sequences']} held-out sequences ({tokens:,} predicted tokens).\n\n"
-            + markdown(["model", "parameters", "train tokens", *[METRICS[k][0] for k in keys]], body))
+            f"{doc['eval_sequences']} held-out sequences ({tokens:,} predicted tokens). Scale-free metrics first "
+            "(ratios, kurtosis, sink rate), then the quantization costs, the loss and the absolute magnitudes.\n\n"
+            + markdown(["model", *[metric_label(doc, k) for k in keys], "parameters", "train tokens"], body))
 
 
 def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_eval: int,
            schemes=("logits-int4",)) -> dict:
     """Every design of `archs` trained identically for each seed; mean ± 95% t-interval over seeds."""
-    from measure import METRICS, aggregate
+    from measure import aggregate
 
     out.mkdir(parents=True, exist_ok=True)
     per = {arch: [] for arch in archs}
@@ -186,7 +201,7 @@ def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_ev
         for arch, m in train_and_measure(name, overrides, seed, archs, runs, n_eval, schemes).items():
             per[arch].append(m)
     agg = {arch: aggregate(ms) for arch, ms in per.items()}
-    doc = {"setting": name, "overrides": overrides, "seeds": list(seeds), "eval_sequences": n_eval,
+    doc = {"setting": name, "overrides": overrides, "seeds": list(seeds), "eval_sequences": n_eval, "intervals": "t",
            "scale": {display(a): {"parameters": per[a][0]["parameters"], "train_tokens": per[a][0]["train_tokens"]}
                      for a in archs},
            "per_seed": {display(a): [{k: v for k, v in m.items() if k != "emergence"} for m in ms]

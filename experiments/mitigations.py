@@ -1,11 +1,11 @@
 """How much post-training fixing does each model need? SmoothQuant, rotation and clipping against no fix, at
-each bit-width, on SmolLM2-135M and on the matched pairs (the demo pair, and the pair of the emergence
+each bit-width, on SmolLM2-135M-Instruct (Q4_1 → fp32) and on the matched pairs (the demo pair, and the pair of the emergence
 regime), seed 0 of each.
 
     python experiments/mitigations.py [--quick] [--models smollm2 demo regime] [--out docs/mitigations]
 
-Per model × scheme × fix: held-out perplexity with its 95% interval over sequences and the paired change
-from the float model, and (optional, --mc, models trained on text) BIG-bench multiple-choice accuracy. Each
+Per model × scheme × fix: held-out perplexity with its 95% interval (exp of the loss's t-interval over
+sequences) and the paired change from the float model (95% paired t-interval), and (optional, --mc, models trained on text) BIG-bench multiple-choice accuracy. Each
 model is evaluated on the held-out split of its own corpus (KJV for SmolLM2 and the demo pair, the synthetic
 corpus for the regime pair) and every fix is calibrated on that corpus's training split (16 windows), never
 on the evaluation text. Settings fixed before any run: the paper's
@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
+from diffquant.report.style import display  # noqa: E402
 
 SCHEMES = ("w8a8-static", "w6a6", "w4a8", "w4a4", "logits-int4")
 FIXES = ("none", "smoothquant:0.5", "rotate", "clip:mse")
@@ -37,7 +38,7 @@ def models_to_run(which, runs: Path, quick: bool) -> dict[str, tuple[str, object
 
     out = {}
     if "smollm2" in which:
-        out["SmolLM2-135M"] = ("smollm2-135m", None)
+        out[display("smollm2-135m")] = ("smollm2-135m", None)
     settings = {"demo": ("demo", DEMO)}
     if "regime" in which:
         settings["regime"] = regime_setting(Path("docs/emergence/search.json"))
@@ -89,9 +90,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     from diffquant.data.tasks import load_task
     from diffquant.models.load import load_model
-    from diffquant.report.tables import markdown
     from diffquant.runs import start_run
-    from diffquant.sweep import Cell, Evaluator, cell_text, run_cells
+    from diffquant.sweep import Cell, Evaluator, run_cells
 
     out = start_run(a.out, vars(a), "cpu")
     which = ["demo", "regime"] if a.quick else a.models
@@ -114,18 +114,48 @@ def main(argv=None) -> None:
         rows += run_cells({label: (model, tok)}, cells, {label: evaluator}, folder, progress=False,
                           calibration={label: calib})
         del model
-    atomic_write_json(out / "results.json", {"rows": rows, "eval_tokens": tokens, "schemes": schemes, "fixes": fixes,
-                                             "sources": {k: v[0] for k, v in sources.items()}, "data": data_used})
-    table = [[r["model"], r["site"], r["mitigate"], cell_text(r, "ppl")] for r in rows if r["kind"] == "scheme"]
-    fp = [[r["model"], "float", "-", cell_text(r, "ppl")] for r in rows if r["kind"] == "act"]
-    held = "; ".join(f"{label}: {d['corpus']}, {d['predicted_tokens']:,} tokens ({d['sequences']} × {d['seq_len']})"
-                     for label, d in data_used.items())
-    atomic_write_text(out / "results.md", "Perplexity of each model on the held-out split of its own corpus (" + held
-                      + "); ± = 95% interval over sequences; brackets: change from the model's float perplexity with "
-                      "its 95% paired interval. Fixes calibrated on 16 training windows of the same corpus; seed 0."
-                      "\n\n" + markdown(["model", "scheme", "fix", "perplexity"], fp + table))
+    doc = {"rows": rows, "eval_tokens": tokens, "schemes": schemes, "fixes": fixes,
+           "sources": {k: v[0] for k, v in sources.items()}, "data": data_used}
+    atomic_write_json(out / "results.json", doc)
+    atomic_write_text(out / "results.md", render(doc))
     _plot(rows, out)
     print((out / "results.md").read_text())
+
+
+def caveat(row: dict, source: str) -> str:
+    """What a result on a zoo model needs said beside it: weight quantization of SmolLM2-135M-Instruct starts
+    from weights already on a 4-bit grid."""
+    from diffquant.models.zoo import zoo_entry
+    from diffquant.quant.scheme import get_scheme
+
+    entry = zoo_entry(source)
+    if entry is None or not entry.weight_caveat or row["kind"] != "scheme" or not get_scheme(row["site"]).weights:
+        return ""
+    return entry.weight_caveat
+
+
+def render(doc: dict) -> str:
+    """results.md from results.json: perplexity [exp of the loss's 95% t-interval] per model × scheme × fix, the
+    paired change from float, and the caveat of weight-quantization rows on a model whose weights were quantized."""
+    from diffquant.report.tables import markdown
+    from diffquant.sweep import cell_text
+
+    rows, sources = doc["rows"], doc["sources"]
+    table = [r for r in rows if r["kind"] == "act"] + [r for r in rows if r["kind"] == "scheme"]
+    body = [[display(r["model"]), "float" if r["kind"] == "act" else r["site"],
+             "-" if r["kind"] == "act" else r["mitigate"], cell_text(r, "ppl"), caveat(r, sources[r["model"]])]
+            for r in table]
+    caveated = sorted({display(r["model"]) for r, line in zip(table, body) if line[-1]})
+    clean = (f" On {', '.join(caveated)} the clean measurements are the schemes that leave the weights alone "
+             f"(logits-int4); its weight-quantization rows start from weights that were already quantized."
+             if caveated else "")
+    held = "; ".join(f"{display(label)}: {d['corpus']}, {d['predicted_tokens']:,} tokens ({d['sequences']} × "
+                     f"{d['seq_len']})" for label, d in doc["data"].items())
+    return ("Perplexity of each model on the held-out split of its own corpus (" + held + "); brackets: the "
+            "exponential of the loss's 95% t-interval over sequences; parentheses: change from the model's float "
+            "perplexity with its 95% paired t-interval. Fixes calibrated on 16 training windows of the same corpus; "
+            "seed 0. The caveat column marks weight quantization of a model whose weights were already quantized."
+            + clean + "\n\n" + markdown(["model", "scheme", "fix", "perplexity", "caveat"], body))
 
 
 def _plot(rows: list[dict], out: Path) -> None:
@@ -154,9 +184,9 @@ def _plot(rows: list[dict], out: Path) -> None:
                    color=[f"C{k}"] * len(schemes), edgecolor=color(model),
                    yerr=[[max(v, 0) for v in lo], [max(v, 0) for v in hi]], capsize=2, ecolor="0.3")
         ax.set_xticks([i + width * (len(fixes) - 1) / 2 for i in range(len(schemes))], schemes, rotation=30, fontsize=8)
-        ax.set(yscale="log", title=model, ylabel="perplexity change from float (%)")
+        ax.set(yscale="log", title=display(model), ylabel="perplexity change from float (%)")
         ax.legend(fontsize=7)
-    fig.suptitle("Perplexity change from each model's float perplexity, with its 95% paired interval "
+    fig.suptitle("Perplexity change from each model's float perplexity, with its 95% paired t-interval "
                  "(changes ≤ 0 drawn at 0.01%)", fontsize=9)
     _save(fig, out, "mitigations")
 

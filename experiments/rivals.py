@@ -1,10 +1,12 @@
 """Rival outlier fixes side by side: DIFF, gated attention, clipped softmax and learned sinks against the
-baseline, trained identically (same data order, seed, tokens, schedule and hyper-parameters, chosen for the
-baseline before any run) for three seeds, in two settings:
+baseline, trained identically (same data order, seed, tokens, schedule and hyper-parameters, written down
+before any run and tuned for no design) for three seeds, in two settings:
 
-- demo: the demo's setting (tiny preset, 600K KJV tokens, lr 3e-3, weight decay 0.1);
-- regime: the setting of experiments/emergence.py in which the baseline grows outliers (or, when the search
-  found none, the one that came closest; see docs/emergence/search.md).
+- demo: the demo's setting (tiny preset, 600K KJV tokens, lr 3e-3 and weight decay 0.1: TrainConfig's
+  defaults, not the result of a sweep);
+- regime: the setting experiments/emergence.py chose: the first in which the baseline reaches the outlier
+  regime or, when none does (as in docs/emergence/search.md: none did), the one whose curves extrapolate to
+  it soonest.
 
     python experiments/rivals.py [--quick] [--only demo|regime] [--seeds 0 1 2] [--out docs/rivals]
 

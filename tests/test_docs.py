@@ -86,19 +86,41 @@ def test_update_between_markers(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "README.md has no <!-- c --> ... <!-- e --> markers"
 
 
-def test_designs_against_diff_say_which_way(tmp_path):
+def test_designs_against_diff_say_which_way_after_holm(tmp_path):
+    from scipy.stats import ttest_ind
+
     rr = _module("docs/readme_results.py", "readme_results_under_test")
 
     def agg(values):
         return {"values": values}
 
-    results = {"seeds": [0, 1, 2], "aggregate": {
+    results = {"seeds": [0, 1, 2], "sink_definition": "differential-head share", "aggregate": {
         "Transformer": {"hidden_ratio": agg([30.0, 31.0, 32.0]), "sink_rate": agg([0.1, 0.2, 0.15])},
         "DIFF": {"hidden_ratio": agg([20.0, 21.0, 19.0]), "sink_rate": agg([0.1, 0.2, 0.1])},
         "Gated": {"hidden_ratio": agg([10.0, 11.0, 12.0]), "sink_rate": agg([0.1, 0.2, 0.1])}}}
+
+    def rows_of(text):
+        return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()
+                if line.startswith("| ") and "design" not in line}
+
     text = "\n".join(rr.against_diff(results))
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()
-            if line.startswith("| ") and "design" not in line}
-    assert rows["Transformer"][0].startswith("higher") and rows["Gated"][0].startswith("lower")
-    assert rows["Gated"][1] == "≈ (p 1)" and "DIFF" not in rows
+    rows = rows_of(text)
+    # Holm over the table's four tests, by hand: p-values sorted ascending times 4, 3, 2, 1, running maximum, cap 1
+    p = {(d, k): ttest_ind(results["aggregate"][d][k]["values"], results["aggregate"]["DIFF"][k]["values"],
+                           equal_var=False).pvalue if d != "Gated" or k != "sink_rate" else 1.0
+         for d in ("Transformer", "Gated") for k in ("hidden_ratio", "sink_rate")}
+    order = sorted(p, key=p.get)
+    adjusted, running = {}, 0.0
+    for i, key in enumerate(order):
+        running = max(running, min(1.0, (4 - i) * p[key]))
+        adjusted[key] = running
+    assert rows["Transformer"][0] == f"higher (p {adjusted[('Transformer', 'hidden_ratio')]:.2g})"
+    assert rows["Gated"][0] == f"lower (p {adjusted[('Gated', 'hidden_ratio')]:.2g})"
+    assert rows["Transformer"][1] == f"no difference detected (n = 3, p {adjusted[('Transformer', 'sink_rate')]:.2g})"
+    assert rows["Gated"][1] == "no difference detected (n = 3, p 1)" and "DIFF" not in rows
+    assert "adjusted over the table's 4 tests" in text and "≈" not in text
+    # results measured before DIFF's sink rate was per differential head: the pooled number is no verdict
+    del results["sink_definition"]
+    text = "\n".join(rr.against_diff(results))
+    assert all(len(r) == 1 for r in rows_of(text).values()) and "old definition that pools A1 and A2" in text
     assert rr.against_diff(None) == [] and rr.against_diff({"aggregate": {}}) == []

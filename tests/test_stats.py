@@ -266,7 +266,7 @@ def test_compiled_statistics_equal_eager():
 
 
 def test_intervals_match_scipy_and_numpy():
-    from diffquant.stats.intervals import Z95, fmt_pm, paired, standard_error, t_interval
+    from diffquant.stats.intervals import fmt_pm, paired, standard_error, t_interval
 
     vals = [1.0, 2.0, 4.0, 7.5]
     lo, hi = sps.t.interval(0.95, len(vals) - 1, loc=np.mean(vals), scale=sps.sem(vals))
@@ -278,8 +278,8 @@ def test_intervals_match_scipy_and_numpy():
     d = np.subtract(b, a)
     p = paired(a, b)
     assert p["mean"] == pytest.approx(d.mean()) and p["se"] == pytest.approx(sps.sem(d))
-    assert p["ci95"] == pytest.approx([d.mean() - Z95 * sps.sem(d), d.mean() + Z95 * sps.sem(d)])
-    assert Z95 == pytest.approx(sps.norm.ppf(0.975), rel=1e-12)
+    t95 = sps.t.ppf(0.975, len(d) - 1)  # paired intervals are t-intervals over the n sequences
+    assert p["ci95"] == pytest.approx([d.mean() - t95 * sps.sem(d), d.mean() + t95 * sps.sem(d)])
     assert fmt_pm(74.1234, 1.234) == "74.1 ± 1.2" and fmt_pm(0.012345, 0.0021) == "0.0123 ± 0.0021"
     assert fmt_pm(-0.000253, 0.016525) == "-0.0003 ± 0.0165" and fmt_pm(0.0, 0.0) == "0.000 ± 0.000"
 
@@ -288,8 +288,6 @@ def test_language_modeling_interval_over_sequences(micro_pair):
     import torch
 
     from diffquant.evaluate import language_modeling
-    from diffquant.stats.intervals import Z95
-
     model = micro_pair[0]
     ids = torch.randint(0, 512, (5, 12), generator=torch.Generator().manual_seed(3))
     r = language_modeling(model, ids, batch_size=2)
@@ -298,8 +296,9 @@ def test_language_modeling_interval_over_sequences(micro_pair):
     per = [float(torch.nn.functional.cross_entropy(logits[i], ids[i, 1:])) for i in range(5)]
     assert r["per_sequence_loss"] == pytest.approx(per, rel=1e-5)
     assert r["loss_se"] == pytest.approx(sps.sem(per), rel=1e-4)
-    assert r["ppl_ci95"] == pytest.approx([np.exp(np.mean(per) - Z95 * sps.sem(per)),
-                                           np.exp(np.mean(per) + Z95 * sps.sem(per))], rel=1e-4)
+    t95 = sps.t.ppf(0.975, len(per) - 1)  # perplexity's interval: exp of the loss's t-interval
+    assert r["ppl_ci95"] == pytest.approx([np.exp(np.mean(per) - t95 * sps.sem(per)),
+                                           np.exp(np.mean(per) + t95 * sps.sem(per))], rel=1e-4)
     assert r["tokens"] == 5 * 11 and r["sequences"] == 5
 
 

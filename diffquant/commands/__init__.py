@@ -23,6 +23,11 @@ def validate(args) -> None:
         if value is not None and value <= 0:
             raise DiffquantError(f"--{key.replace('_', '-')} must be positive, got {value}")
     _check_context(args)
+    for key in ("data", "corpus"):
+        if getattr(args, key, None):
+            from diffquant.data.windows import check_source
+
+            check_source(getattr(args, key))
     if getattr(args, "preset", None) is not None:
         from diffquant.models.presets import get_preset
 
@@ -71,6 +76,8 @@ def _check_context(args) -> None:
 
 
 LONG_CONTEXT_HELP = "run windows longer than the model's context (RoPE models may extrapolate)"
+CORPUS_HELP = ("corpus name (kjv, gcide, wordnet, pydoc, linuxdoc, debian-mix), local text file/folder, hf:NAME[:CONFIG], "
+               "or a synthetic token corpus synth:bb / synth:markov[:key=value,...] (default kjv)")
 
 
 def _profile(sub) -> None:
@@ -78,7 +85,7 @@ def _profile(sub) -> None:
     p.add_argument("--model", action="append", required=True,
                    help="directory, .gguf, zoo name (smollm2-135m) or preset (tiny:diff); repeat for several; "
                         "LABEL=SOURCE names it")
-    p.add_argument("--data", default="kjv", help="corpus name, local text file/folder, or hf:NAME (default kjv)")
+    p.add_argument("--data", default="kjv", help=CORPUS_HELP)
     p.add_argument("--tokens", type=int, default=65536, help="tokens to profile per model (default 65536)")
     p.add_argument("--seq-len", type=int, default=256, help="sequence length (default 256)")
     p.add_argument("--allow-long-context", action="store_true", help=LONG_CONTEXT_HELP)
@@ -115,7 +122,7 @@ def _quantize(sub) -> None:
     p.add_argument("--model", help="directory, zoo name, .gguf or preset")
     p.add_argument("--scheme", default=None, help="preset name or .json/.yaml file (default: the backend's own)")
     p.add_argument("--backend", default="fake", help="fake (simulation) or a real backend (see --list)")
-    p.add_argument("--data", default="kjv", help="corpus for calibration and the metric gap (default kjv)")
+    p.add_argument("--data", default="kjv", help="corpus for calibration and the metric gap: " + CORPUS_HELP)
     p.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (default 8192)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--allow-long-context", action="store_true", help=LONG_CONTEXT_HELP)
@@ -136,8 +143,7 @@ def _quantize(sub) -> None:
 def _train(sub) -> None:
     p = sub.add_parser("train", help="train matched models (baseline, DIFF, rival designs) on identical data")
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--corpus", default="kjv", help="corpus name, local text, hf:NAME, or synth:bb / synth:markov "
-                                                   "[:key=value,...] (synthetic token corpora)")
+    p.add_argument("--corpus", default="kjv", help=CORPUS_HELP)
     p.add_argument("--tokens", type=int, default=1_000_000, help="training tokens per model")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=None, help="training window (default: the preset's)")
@@ -180,7 +186,7 @@ def _sweep(sub) -> None:
                    help="comma-separated fixes applied before each scheme, one more sweep axis: none, "
                         "smoothquant[:ALPHA], rotate[:SEED], clip:mse, clip:percentile:P (calibrated on the training "
                         "split)")
-    p.add_argument("--data", default="kjv")
+    p.add_argument("--data", default="kjv", help=CORPUS_HELP)
     p.add_argument("--tokens", type=int, default=16384, help="held-out tokens for ppl (default 16384)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--allow-long-context", action="store_true", help=LONG_CONTEXT_HELP)

@@ -14,8 +14,7 @@ from diffquant.stats.distributed import finish_distributed, init_distributed, ra
 
 
 def run_cli(args) -> None:
-    from diffquant.data.corpora import load_text, split
-    from diffquant.data.tokens import encode, sequences
+    from diffquant.data.windows import corpus_windows
     from diffquant.models.load import load_model
     from diffquant.report.profile_report import write_report
 
@@ -26,8 +25,6 @@ def run_cli(args) -> None:
     if rank_world()[0] == 0:
         prepare_out(out, args.force, "stats.json")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    text, _ = load_text(args.data, args.cache_dir)
-    _, val = split(text)
     profiles = []
     for label, source in parse_model_args(args.model):
         model, tokenizer = load_model(source, dtype=args.dtype, device=None if args.device_map else device,
@@ -35,7 +32,7 @@ def run_cli(args) -> None:
         if tokenizer is None:
             raise DiffquantError(f"{source} has no tokenizer files; pass a folder that holds them (diffquant train "
                                  "saves them with every checkpoint)")
-        seqs = sequences(encode(tokenizer, val), args.seq_len, args.tokens)
+        seqs = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.tokens, args.cache_dir)
         if seqs.numel() < args.tokens:
             print(f"{label}: the validation split of {args.data} holds {seqs.numel():,} tokens in whole sequences of "
                   f"{args.seq_len}, fewer tokens than asked ({args.tokens:,}); profiling {seqs.numel():,}")

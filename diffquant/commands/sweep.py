@@ -12,9 +12,8 @@ from diffquant.sweep import Evaluator, build_cells, check_evals, parse_bits, run
 
 
 def run_cli(args) -> None:
-    from diffquant.data.corpora import load_text, split
     from diffquant.data.tasks import load_task
-    from diffquant.data.tokens import encode, sequences
+    from diffquant.data.windows import corpus_text, corpus_windows
     from diffquant.models.load import load_model
 
     evals = [e.strip() for e in args.eval.split(",") if e.strip()]
@@ -36,10 +35,8 @@ def run_cli(args) -> None:
             raise DiffquantError(f"{out} already holds a sweep; pass --resume to continue it or --force to restart")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "sweep_config.json", config)
-    text, _ = load_text(args.data, args.cache_dir)
-    _, val = split(text)
+    val = corpus_text(args.data, "validation", args.cache_dir) if "needle" in evals else ""  # the needle haystack
     mc = {e[3:]: load_task(e[3:], args.mc_limit, cache=args.cache_dir) for e in evals if e.startswith("mc:")}
-    train_text = split(text)[0][:200_000]
     models, evaluators, calibration = {}, {}, {}
     for label, source in parse_model_args(args.model):
         model, tokenizer = load_model(source, cache=args.cache_dir)
@@ -47,9 +44,10 @@ def run_cli(args) -> None:
             raise DiffquantError(f"{source} has no tokenizer")
         models[label] = (model, tokenizer)
         check_fits(model, 8, args.seq_len, f"evaluating {label}")
-        evaluators[label] = Evaluator(evals, sequences(encode(tokenizer, val), args.seq_len, args.tokens), tokenizer,
-                                      val, mc)
-        calibration[label] = sequences(encode(tokenizer, train_text), args.seq_len, 16 * args.seq_len)
+        evaluators[label] = Evaluator(evals, corpus_windows(args.data, tokenizer, "validation", args.seq_len,
+                                                            args.tokens, args.cache_dir), tokenizer, val, mc)
+        calibration[label] = corpus_windows(args.data, tokenizer, "train", args.seq_len, 16 * args.seq_len,
+                                            args.cache_dir, chars=200_000)
     layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
     mitigations = [m.strip() for m in args.mitigate.split(",") if m.strip()]
     cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers, mitigations)

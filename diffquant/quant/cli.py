@@ -50,8 +50,7 @@ def run_cli(args) -> None:
         return
     if not args.model or not args.out:
         raise DiffquantError("quantize needs --model and --out (or --list)")
-    from diffquant.data.corpora import load_text, split
-    from diffquant.data.tokens import encode, sequences
+    from diffquant.data.windows import corpus_windows
     from diffquant.models.load import load_model
     from diffquant.paths import fix_modes
     from diffquant.commands.common import prepare_out
@@ -72,10 +71,9 @@ def run_cli(args) -> None:
     model, tokenizer = load_model(args.model, hub=args.hub, cache=args.cache_dir)
     if tokenizer is None:
         raise DiffquantError(f"{args.model} has no tokenizer, needed for calibration and evaluation data")
-    text, _ = load_text(args.data, args.cache_dir)
-    train, val = split(text)
-    calib = sequences(encode(tokenizer, train[: 200_000]), args.seq_len, args.calib_batches * args.seq_len)
-    evalset = sequences(encode(tokenizer, val), args.seq_len, args.tokens)
+    calib = corpus_windows(args.data, tokenizer, "train", args.seq_len, args.calib_batches * args.seq_len,
+                           args.cache_dir, chars=200_000)
+    evalset = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.tokens, args.cache_dir)
     result = {"model": args.model, "scheme": scheme.to_dict(), "backend": args.backend, "data": args.data,
               "mitigation": args.mitigate}
     quantize_(model, scheme).remove()  # a scheme that cannot apply is refused here, before any evaluation
@@ -122,15 +120,23 @@ def _evaluate(model, evalset, what: str) -> dict:
 
 
 def summary_text(r: dict) -> str:
+    """The command's printout: loss ± its 95% t-interval over sequences, perplexity with the exponential of that
+    interval, and the paired loss change (t-interval)."""
+    from diffquant.stats.intervals import fmt_interval, fmt_pm, half95
+
     d = r["simulated"]["paired_loss_change"]
-    change = f"  (loss change {d['mean']:+.4f}, 95% paired interval [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}])" \
+    change = f"  (loss change {d['mean']:+.4f}, 95% paired t-interval [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}])" \
         if d.get("ci95") else ""
     n = f"{r['fp']['tokens']:,} tokens, {r['fp']['sequences']} sequences"
-    lines = [f"{r['model']}: scheme {r['scheme']['name']}, backend {r['backend']}; held-out {n}; ± = 1.96 SE over sequences",
-             f"  fp          loss {r['fp']['loss']:.4f} ± {1.96 * (r['fp']['loss_se'] or 0):.4f}  ppl {r['fp']['ppl']:.3f}"
-             f"  size {r['fp_bytes']:,} B",
-             f"  simulated   loss {r['simulated']['loss']:.4f} ± {1.96 * (r['simulated']['loss_se'] or 0):.4f}"
-             f"  ppl {r['simulated']['ppl']:.3f}{change}"]
+
+    def loss_ppl(m: dict) -> str:
+        return (f"loss {fmt_pm(m['loss'], half95(m['loss_se'], m['sequences']), 4)}  "
+                f"ppl {fmt_interval(m['ppl'], m.get('ppl_ci95'), 4)}")
+
+    lines = [f"{r['model']}: scheme {r['scheme']['name']}, backend {r['backend']}; held-out {n}; 95% t-intervals over "
+             "sequences (perplexity: the exponential of the loss interval)",
+             f"  fp          {loss_ppl(r['fp'])}  size {r['fp_bytes']:,} B",
+             f"  simulated   {loss_ppl(r['simulated'])}{change}"]
     if "real" in r:
         lines.append(f"  real        loss {r['real']['loss']:.4f}  ppl {r['real']['ppl']:.3f}  size {r['real_bytes']:,} B"
                      f"  (real - simulated loss: {r['gap_loss_real_minus_simulated']:+.4f})")

@@ -7,7 +7,6 @@ from pathlib import Path
 from diffquant.report.plots import _plt, _save
 from diffquant.report.style import color, integer_ticks
 
-Z95 = 1.959963984540054
 MIN_SPAN = {"next_token_acc": 0.05, "needle_choice": 0.2, "needle_exact": 0.2}  # accuracy axes: never zoom into noise
 
 METRIC_LABEL = {"ppl": "perplexity", "loss": "loss (nats)", "next_token_acc": "next-token accuracy",
@@ -61,7 +60,10 @@ def plot_bits(rows: list[dict], out: Path) -> list[Path]:
 
 
 def _errors(rows: list[dict], metric: str):
-    """[[below], [above]] of each point's 95% interval over sequences (perplexity: exp(loss ± 1.96 SE))."""
+    """[[below], [above]] of each point's 95% t-interval over sequences (perplexity: exp(loss ± t SE))."""
+    from diffquant.stats.intervals import half95
+    from diffquant.sweep import sample_size
+
     lo, hi = [], []
     for r in rows:
         v = r[metric]
@@ -69,9 +71,9 @@ def _errors(rows: list[dict], metric: str):
             lo.append(v - r["ppl_ci95"][0])
             hi.append(r["ppl_ci95"][1] - v)
         else:
-            se = r.get(f"{metric}_se")
-            lo.append(Z95 * se if se else 0.0)
-            hi.append(Z95 * se if se else 0.0)
+            half = half95(r.get(f"{metric}_se"), sample_size(r, metric)) or 0.0
+            lo.append(half)
+            hi.append(half)
     return [lo, hi]
 
 

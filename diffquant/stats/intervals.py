@@ -3,10 +3,15 @@ over seeds.
 
 - A metric averaged over held-out sequences (loss, accuracy) carries its standard error over sequences,
   s / √n, treating sequences as independent draws (lm-eval reports the same kind of standard error).
-  Perplexity's interval is exp(mean loss ± 1.96 SE).
+- Every 95% interval is Student's t with n − 1 degrees of freedom: mean ± t(0.975, n−1) · SE, for n
+  sequences as for n seeds (t, not the normal 1.96, because n can be small: 32 sequences give 2.04).
+- Perplexity has one interval, everywhere: the exponential of the loss interval, exp(loss ± t · SE). It is
+  not symmetric around exp(loss), so it is written "84.08 [78.0, 90.6]", never "84.08 ± x".
 - The difference between two settings of the same model on the same sequences (a quantized cell against
   the float model) is paired: the SE of the per-sequence differences, much tighter than the two SEs.
-- A claim over training seeds uses Student's t: mean ± t(0.975, n−1) · s / √n.
+- A table of several tests (one design against another, metric by metric) controls the family-wise error
+  with Holm's step-down correction; a verdict is drawn where the adjusted p < 0.05, and otherwise it says
+  "no difference detected (n = …)", which is not "equal".
 """
 
 from __future__ import annotations
@@ -14,7 +19,40 @@ from __future__ import annotations
 import math
 from statistics import fmean, stdev
 
-Z95 = 1.959963984540054
+ALPHA = 0.05
+
+
+def t95(n: int) -> float:
+    """t(0.975, n − 1): the 95% multiplier of a standard error over n independent values."""
+    if n < 2:
+        raise ValueError(f"a t-interval needs at least two values, got {n}")
+    return t_quantile(0.975, n - 1)
+
+
+def half95(se: float | None, n: int | None) -> float | None:
+    """Half-width of the 95% t-interval of a mean with standard error `se` over n values (None without both)."""
+    return None if se is None or not n or n < 2 else t95(n) * se
+
+
+def loss_interval(loss: float, se: float | None, n: int | None) -> list[float] | None:
+    """[loss − t·SE, loss + t·SE] over n sequences."""
+    half = half95(se, n)
+    return None if half is None else [loss - half, loss + half]
+
+
+def ppl_interval(loss: float, se: float | None, n: int | None) -> list[float] | None:
+    """Perplexity's 95% interval: exp of the loss interval (capped at exp(700) against overflow)."""
+    ci = loss_interval(loss, se, n)
+    return None if ci is None else [math.exp(min(x, 700)) for x in ci]
+
+
+def fmt_interval(value: float | None, ci: list[float] | None, digits: int = 4) -> str:
+    """"84.08 [78.06, 90.57]": `digits` significant digits of the value, the bounds to the same decimals."""
+    if value is None:
+        return "-"
+    decimals = max(0, digits - 1 - int(math.floor(math.log10(abs(value))))) if value else digits
+    text = f"{value:.{decimals}f}"
+    return text if ci is None else f"{text} [{ci[0]:.{decimals}f}, {ci[1]:.{decimals}f}]"
 
 
 def standard_error(values: list[float]) -> float | None:
@@ -25,13 +63,13 @@ def standard_error(values: list[float]) -> float | None:
 
 
 def paired(a: list[float], b: list[float]) -> dict:
-    """Mean of b − a over the same sequences, its SE and 95% interval (normal)."""
+    """Mean of b − a over the same sequences, its SE and 95% t-interval (n − 1 degrees of freedom)."""
     if len(a) != len(b):
         raise ValueError(f"paired values need the same sequences ({len(a)} vs {len(b)})")
     d = [y - x for x, y in zip(a, b)]
     se = standard_error(d)
     mean = fmean(d)
-    return {"mean": mean, "se": se, "ci95": None if se is None else [mean - Z95 * se, mean + Z95 * se], "n": len(d)}
+    return {"mean": mean, "se": se, "ci95": loss_interval(mean, se, len(d)), "n": len(d)}
 
 
 def t_quantile(p: float, df: int) -> float:
@@ -66,8 +104,9 @@ def fmt_pm(mean: float | None, half: float | None, digits: int = 3) -> str:
 
 
 def welch(a: list[float], b: list[float]) -> dict | None:
-    """Welch's t-test of mean(a) against mean(b) over independent runs (seeds): {"diff", "p", "sign"} with sign
-    -1, 0 or +1 (0 when p >= 0.05); None with fewer than two values on either side."""
+    """Welch's t-test of mean(a) against mean(b) over independent runs (seeds): {"diff", "p", "sign", "n"} with
+    sign -1, 0 or +1 (0 when p >= 0.05, uncorrected: a table of several tests corrects with `holm`); None with
+    fewer than two values on either side."""
     from scipy.stats import ttest_ind
 
     a = [v for v in a if v is not None and not math.isnan(v)]
@@ -76,7 +115,28 @@ def welch(a: list[float], b: list[float]) -> dict | None:
         return None
     if stdev(a) == 0 and stdev(b) == 0:  # identical constants: no test, the difference is exact
         d = fmean(a) - fmean(b)
-        return {"diff": d, "p": 0.0 if d else 1.0, "sign": (d > 0) - (d < 0)}
+        return {"diff": d, "p": 0.0 if d else 1.0, "sign": (d > 0) - (d < 0), "n": min(len(a), len(b))}
     p = float(ttest_ind(a, b, equal_var=False).pvalue)
     d = fmean(a) - fmean(b)
-    return {"diff": d, "p": p, "sign": ((d > 0) - (d < 0)) if p < 0.05 else 0}
+    return {"diff": d, "p": p, "sign": ((d > 0) - (d < 0)) if p < ALPHA else 0, "n": min(len(a), len(b))}
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm–Bonferroni adjusted p-values, in the input order: sort ascending, multiply the i-th smallest
+    (i from 0) by m − i, carry the running maximum so the adjusted values keep the order, cap at 1. Rejecting
+    where the adjusted p < α controls the family-wise error rate at α over the m tests (Holm 1979)."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def verdict(diff: float, p_adjusted: float, n: int, words=("higher", "lower")) -> str:
+    """"higher (p 0.004)" / "lower (p 0.004)" where the adjusted p < α; otherwise "no difference detected (n = 3)",
+    which says what the test saw, not that the two are equal."""
+    if p_adjusted < ALPHA and diff:
+        return f"{words[0] if diff > 0 else words[1]} (p {p_adjusted:.2g})"
+    return f"no difference detected (n = {n}, p {p_adjusted:.2g})"
