@@ -32,14 +32,15 @@ def main(argv=None) -> None:
     p.add_argument("--granularity", nargs="+", default=["tensor", "head", "token"])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--out", default="runs/fig8")
+    p.add_argument("--pairs", default=None, help="folder of trained pairs, reused when their settings match (default: OUT/pairs)")
     a = p.parse_args(argv)
     s = Settings(preset=a.preset, seeds=a.seeds, granularity=a.granularity)
     if a.quick:
         s.train_tokens, s.eval_tokens, s.granularity = 20_000, 1024, s.granularity[:1]
-    run(s, Path(a.out))
+    run(s, Path(a.out), Path(a.pairs) if a.pairs else None)
 
 
-def run(s: Settings, out: Path) -> list[dict]:
+def run(s: Settings, out: Path, pairs: Path | None = None) -> list[dict]:
     from pairs import device, sweep_pair, trained_pairs, validation_text
 
     from diffquant.paths import atomic_write_text
@@ -50,7 +51,7 @@ def run(s: Settings, out: Path) -> list[dict]:
     out = start_run(out, s, dev)
     val = validation_text(s.corpus)
     all_rows = []
-    for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, out / "pairs")):
+    for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, pairs or out / "pairs")):
         rows = sweep_pair(folder, dev, val, ["ppl"], s.eval_tokens, out / f"seed{seed}", ["attn_logits"], s.bits,
                           s.granularity)
         all_rows += [{**r, "seed": seed} for r in rows]

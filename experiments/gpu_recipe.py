@@ -40,12 +40,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="runs/gpu")
+    p.add_argument("--pairs", default=None, help="folder of trained pairs, reused when their settings match (default: OUT/pairs)")
     a = p.parse_args(argv)
     s = Settings(**QUICK) if a.quick else Settings()
-    run(s, Path(a.out))
+    run(s, Path(a.out), Path(a.pairs) if a.pairs else None)
 
 
-def run(s: Settings, out: Path) -> None:
+def run(s: Settings, out: Path, pairs: Path | None = None) -> None:
     from pairs import device, trained_pairs, validation_text
 
     from diffquant.data.tokens import encode, sequences
@@ -60,7 +61,7 @@ def run(s: Settings, out: Path) -> None:
     dev = device()
     out = start_run(out, s, dev)
     t0 = time.perf_counter()
-    folder = trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds[:1], out / "pairs", batch_size=s.batch_size,
+    folder = trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds[:1], pairs or out / "pairs", batch_size=s.batch_size,
                            lr=s.lr, track=True)[0]
     t_train = time.perf_counter() - t0
     import json

@@ -29,16 +29,17 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--out", default="runs/table5")
+    p.add_argument("--pairs", default=None, help="folder of trained pairs, reused when their settings match (default: OUT/pairs)")
     a = p.parse_args(argv)
     s = Settings(preset=a.preset, seeds=a.seeds)
     if a.tokens:
         s.train_tokens = a.tokens
     if a.quick:
         s.train_tokens, s.profile_tokens = 20_000, 1024
-    run(s, Path(a.out))
+    run(s, Path(a.out), Path(a.pairs) if a.pairs else None)
 
 
-def run(s: Settings, out: Path) -> None:
+def run(s: Settings, out: Path, pairs: Path | None = None) -> None:
     from pairs import device, trained_pairs, validation_text
 
     from diffquant.data.tokens import encode, sequences
@@ -53,7 +54,7 @@ def run(s: Settings, out: Path) -> None:
     out = start_run(out, s, dev)
     val = validation_text(s.corpus)
     per_seed: dict[tuple[str, str], dict[str, list[float]]] = {}
-    for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, out / "pairs")):
+    for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, pairs or out / "pairs")):
         profiles = [profile_model(model, sequences(encode(tok, val), 256, s.profile_tokens), label=label, progress=False)
                     for label, (model, tok) in load_pair(folder, dev).items()]
         write_report(profiles, out / f"seed{seed}")

@@ -29,14 +29,15 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", default="runs/wa_grid")
+    p.add_argument("--pairs", default=None, help="folder of trained pairs, reused when their settings match (default: OUT/pairs)")
     a = p.parse_args(argv)
     s = Settings(seeds=a.seeds)
     if a.quick:
         s.train_tokens, s.eval_tokens, s.bits = 20_000, 1024, [8, 4]
-    run(s, Path(a.out))
+    run(s, Path(a.out), Path(a.pairs) if a.pairs else None)
 
 
-def run(s: Settings, out: Path) -> None:
+def run(s: Settings, out: Path, pairs: Path | None = None) -> None:
     from pairs import device, sweep_pair, trained_pairs, validation_text
 
     from diffquant.paths import atomic_write_text
@@ -47,7 +48,7 @@ def run(s: Settings, out: Path) -> None:
     out = start_run(out, s, dev)
     val = validation_text(s.corpus)
     groups: dict[tuple, list[float]] = {}
-    for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, out / "pairs")):
+    for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, pairs or out / "pairs")):
         for r in sweep_pair(folder, dev, val, ["ppl"], s.eval_tokens, out / f"seed{seed}", wa=s.bits):
             if r["kind"] == "wa":
                 groups.setdefault((r["model"], r["wbits"]), {}).setdefault(r["bits"], []).append(r["ppl"])
