@@ -248,7 +248,7 @@ def run_cli(args) -> None:
             print(f"{label}: the validation split of {args.data} holds {seqs.numel():,} tokens in whole sequences of "
                   f"{args.seq_len}, fewer tokens than asked ({args.tokens:,}); profiling {seqs.numel():,}")
         prof = profile_model(model, seqs, args.sites, batch_size=args.batch_size, k=args.k, label=label,
-                             compile=args.compile, sinks=not args.no_sinks)
+                             compile=args.compile, sinks=not args.no_sinks, metrics=args.metrics.split(","))
         prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,
                                 "device": str(input_device(model))})
         profiles.append(prof)
