@@ -192,3 +192,34 @@ def test_profile_cli_writes_metric_sets(tmp_path):
     assert "the paper used windows of 64 tokens; here 32" in table
     assert main(["profile", "--model", "micro:diff", "--data", str(tmp_path / "t.txt"), "--out",
                  str(tmp_path / "q"), "--metrics", "sun2025"]) != 0
+
+
+def test_accumulators_merge_exactly(micro_pair):
+    """Two halves merged (as torchrun ranks are) equal the whole."""
+    model = micro_pair[1]
+    ids = torch.randint(0, 512, (4, 12), generator=torch.Generator().manual_seed(11))
+    names = ["gu2024", "bondarenko2023"]
+    whole = profile_model(model, ids, [], progress=False, metrics=names)
+    a, b = (profile_model(model, part, [], progress=False, metrics=names) for part in (ids[:1], ids[1:]))
+    for name in names:
+        for key, acc in whole.metric_state[name].items():
+            merged = a.metric_state[name][key].merge(b.metric_state[name][key]).summary()
+            for field, value in acc.summary().items():
+                assert merged[field] == pytest.approx(value, rel=1e-9), (name, key, field)
+
+
+def test_tracking_snapshots_carry_lambda_shares_and_metric_sets(micro_pair):
+    from diffquant.track import snapshot
+    from diffquant.train import TrainConfig
+
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(12))
+    point = snapshot(micro_pair[1], ids, 0, 0, ("gu2024", "sun2024"))
+    assert set(point["metric_sets"]) == {"gu2024", "sun2024"}
+    layer = point["layers"]["1"]
+    assert layer["lambda"] == pytest.approx(paper_lambda(micro_pair[1].model.layers[1].self_attn, 1), rel=1e-6)
+    assert {"first_share", "first_mass_A1", "first_mass_A2", "sink_fraction"} <= set(layer)
+    assert point["model"]["sink_unit"].startswith("differential head")
+    with pytest.raises(ValueError, match="needs track"):
+        TrainConfig(track_metrics="gu2024")
+    with pytest.raises(ValueError, match="unknown metric set"):
+        TrainConfig(track=True, track_metrics="gu2025")
