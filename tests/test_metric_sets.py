@@ -72,19 +72,22 @@ def test_sun2024_counts_planted_massive_activations():
     small[0, 3, 5], small[1, 0, 9], small[1, 7, 2], small[0, 9, 9] = 500.0, -250.0, 150.0, 90.0
     large = torch.randn(2, 50, 64, generator=g)  # median |x| ≈ 0.67: only |x| > 670 is massive
     large[0, 0, 0], large[1, 1, 1] = 800.0, 500.0
+    edge = small.clone()
+    edge[1, 2, 3] = 100.2  # in the histogram bin of the threshold 100 ([100, 100.78))
     sites = {}
-    for name, x, k in (("layers.0.hidden", small, 100), ("layers.1.hidden", large, 100), ("layers.2.hidden", small, 2)):
+    for name, x, k in (("layers.0.hidden", small, 100), ("layers.1.hidden", large, 100), ("layers.2.hidden", small, 2),
+                       ("layers.3.hidden", edge, 2), ("layers.4.hidden", edge, 10)):
         sites[name] = SiteStats(TOKENS, k=k)
         sites[name].update(x)
     prof = ModelProfile("m", {}, sites, {n: int(n.split(".")[1]) for n in sites}, {n: "hidden" for n in sites})
     r = metric_sets.REGISTRY["sun2024"].compute(prof)
-    for layer, x in (("0", small), ("1", large)):
+    for layer, x in (("0", small), ("1", large), ("2", small), ("4", edge)):
         a = x.abs().numpy().ravel()
         want = int(((a > 100) & (a > 1000 * np.median(a))).sum())
-        assert r["layers"][layer]["massive"] == want and not r["layers"][layer]["massive_at_least"]
-    assert (r["layers"]["0"]["massive"], r["layers"]["1"]["massive"]) == (3, 1)
-    assert r["layers"]["2"]["massive"] == 2 and r["layers"]["2"]["massive_at_least"]  # k = 2 kept: a lower bound
-    assert r["layers_with_massive"] == [0, 1, 2]
+        assert (r["layers"][layer]["massive"], r["layers"][layer]["massive_undecided"]) == (want, 0), layer
+    assert [r["layers"][i]["massive"] for i in "0124"] == [3, 1, 3, 4]  # layer 2 keeps 2 values: the histogram counts
+    assert (r["layers"]["3"]["massive"], r["layers"]["3"]["massive_undecided"]) == (3, 1)  # 100.2: its bin holds 100
+    assert r["layers_with_massive"] == [0, 1, 2, 3, 4]
 
 
 def _sharpen(model):

@@ -186,7 +186,8 @@ METRIC_SET_TABLES = {  # name: (header, rows(label, figures))
                                       for k in ("attn_logits", "hidden")]),
     "sun2024": (["model", "layer", "top-1 / median", "top-1", "top-2", "top-3", "median", "massive (> 100, > 1000× median)"],
                 lambda label, r: [[label, int(i), v["top1_over_median"], v["top1"], v["top2"], v["top3"], v["median"],
-                                   f"≥ {v['massive']}" if v["massive_at_least"] else v["massive"]]
+                                   f"{v['massive']} (+{v['massive_undecided']} within 0.8% of the threshold)"
+                                   if v["massive_undecided"] else v["massive"]]
                                   for i, v in r["layers"].items()]),
     "gu2024": (["model", "Sink₁ (ε = 0.3)", "counted over", "layers with share undefined"],
                lambda label, r: [[label, r["sink1"], r["unit"], ", ".join(map(str, r["layers_undefined"])) or None]]),

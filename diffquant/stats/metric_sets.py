@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from diffquant import DiffquantError
+from diffquant.stats.histogram import magnitude_bins
 from diffquant.stats.sinks import EPSILON, LAMBDA_GUARD
 
 MASSIVE_ABS, MASSIVE_RATIO = 100.0, 1000.0  # Sun et al.: |x| > 100 and > 1000× the layer's median |x|
@@ -180,19 +181,32 @@ def _diff_table5(prof) -> dict:
     return out
 
 
+def massive_count(stats, median: float | None) -> tuple[int, int]:
+    """(Values of a site above Sun et al.'s threshold max(100, 1000 × median), values that may be): exact
+    from the kept top-k when every value above the threshold is among them; otherwise from the |x|
+    histogram, whose bins above the threshold's bin count for certain and whose own bin (0.8% wide) is
+    reported apart, as undecided."""
+    threshold = max(MASSIVE_ABS, MASSIVE_RATIO * (median or 0.0))
+    kept = stats.topk.abs.cpu()
+    if kept.numel() < stats.topk.k or float(kept[-1]) <= threshold:
+        return int((kept > threshold).sum()), 0
+    at = int(magnitude_bins(torch.tensor([threshold], dtype=torch.float32)))
+    counts = stats.hist.counts.cpu()
+    return int(counts[at + 1:].sum()), int(counts[at])
+
+
 def _sun2024(prof) -> dict:
     layers = {}
     for name, stats in prof.sites.items():
         if prof.kind_of[name] != "hidden" or prof.layer_of[name] is None:
             continue
         median = stats.hist.quantiles([0.5])[0]
-        kept = stats.topk.abs.cpu()
-        massive = int(((kept > MASSIVE_ABS) & (kept > MASSIVE_RATIO * (median or 0.0))).sum())
+        massive, undecided = massive_count(stats, median)
         top = [stats.topk.rank(r) for r in (1, 2, 3)]
         layers[prof.layer_of[name]] = {
             "top1": top[0], "top2": top[1], "top3": top[2], "median": median,
             "top1_over_median": top[0] / median if median else None,
-            "massive": massive, "massive_at_least": massive == kept.numel() and massive > 0}
+            "massive": massive, "massive_undecided": undecided}
     rows = list(layers.values())
     return {"layers": {str(i): v for i, v in sorted(layers.items())},
             "massive_total": sum(v["massive"] for v in rows),
