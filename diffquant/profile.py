@@ -16,6 +16,7 @@ import torch
 
 from diffquant import DiffquantError
 from diffquant.frozen import frozen_weights
+from diffquant.stats import metric_sets as paper_sets
 from diffquant.stats.distributed import gather_merge, merge_across_ranks
 from diffquant.stats.sinks import LayerSinks, model_sink_rates
 from diffquant.stats.site_stats import SiteStats
@@ -80,9 +81,7 @@ class ModelProfile:
 
     def metric_results(self) -> dict:
         """{set: figures} of the selected metric sets, each with its citation and conventions."""
-        from diffquant.stats import metric_sets
-
-        return metric_sets.compute(self.metric_sets, self)
+        return paper_sets.compute(self.metric_sets, self)
 
     def sink_summary(self) -> dict:
         """{"layers": {layer: per-layer figures}, "model": sink rates and extremes} (see stats/sinks.py)."""
@@ -123,10 +122,8 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     if int(sequences.max()) >= vocab:
         raise DiffquantError(f"token id {int(sequences.max())} is outside {label}'s vocabulary of {vocab}: "
                              "the data was tokenized with another tokenizer")
-    from diffquant.stats import metric_sets
-
-    metrics = metric_sets.parse(",".join(metrics))
-    extra_sites, need_k = metric_sets.required_sites(metrics)
+    metrics = paper_sets.parse(",".join(metrics))
+    extra_sites, need_k = paper_sets.required_sites(metrics)
     k = max(k, need_k)
     table = site_table(model)
     selected = table.match(list(dict.fromkeys([*sites, *extra_sites])))
@@ -139,7 +136,7 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
             if site.layer is not None and site.kind in SINK_POINTS:
                 sink = layer_sinks.setdefault(site.layer, LayerSinks())
                 taps.setdefault(site.name, []).append(SinkObserver(sink, site.kind))
-    metric_state = metric_sets.attach_accumulators(metrics, table, taps)
+    metric_state = paper_sets.attach_accumulators(metrics, table, taps)
     rank, world = _rank()
     lo, hi = rank * len(sequences) // world, (rank + 1) * len(sequences) // world
     mine = sequences[lo:hi]  # contiguous shards keep global row numbers simple

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from diffquant import DiffquantError
+
 EPSILON = 0.3
 LAMBDA_GUARD = 0.05  # |1 − λ| at or below which a differential head's share is undefined
 
@@ -99,8 +101,6 @@ class LayerSinks:
 
     def add_lambda(self, lam: torch.Tensor) -> None:
         if lam.numel() != 1:
-            from diffquant import DiffquantError
-
             raise DiffquantError(f"a DIFF layer's λ has {lam.numel()} values; diffquant's sink metrics take one per layer")
         self.lam = float(lam)
 
