@@ -110,8 +110,8 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     """Run `sequences` ([n, seq_len] token ids) through `model` with observers on `sites`.
 
     `sinks=True` adds the attention-sink and massive-activation metrics of every layer (stats/sinks.py).
-    `metrics` names the papers' metric sets to compute as well (stats/metric_sets.py): the sites they read
-    are profiled too, and nothing is added when none is named.
+    `metrics` names the papers' metric sets to compute as well (stats/metric_sets.py; names or one
+    comma-separated string): the sites they read are profiled too, and nothing is added when none is named.
     `compile=True` fuses the statistics of token sites with torch.compile: several times faster once
     compiled (a one-off 3–20 s per activation shape on CPU), worth it for long runs."""
     from tqdm.auto import tqdm
@@ -122,7 +122,7 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     if int(sequences.max()) >= vocab:
         raise DiffquantError(f"token id {int(sequences.max())} is outside {label}'s vocabulary of {vocab}: "
                              "the data was tokenized with another tokenizer")
-    metrics = paper_sets.parse(",".join(metrics))
+    metrics = paper_sets.parse(metrics if isinstance(metrics, str) else ",".join(metrics))
     extra_sites, need_k = paper_sets.required_sites(metrics)
     k = max(k, need_k)
     table = site_table(model)
