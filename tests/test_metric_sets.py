@@ -106,13 +106,12 @@ def _alpha(p: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("block", [None, 4])
-@pytest.mark.parametrize("steered", [False, True])
-def test_gu2024_sink1_matches_hand_computation(model, steered, block, monkeypatch):
+@pytest.mark.parametrize("arch,steered", [("baseline", False), ("diff", False), ("diff", True)])
+def test_gu2024_sink1_matches_hand_computation(micro_pair, arch, steered, block, monkeypatch):
     from diffquant.taps import attention
 
-    diff = model.config.model_type == "diffllama"
-    if steered and not diff:
-        pytest.skip("λ exists in DIFF only")
+    model = micro_pair[arch == "diff"]
+    diff = arch == "diff"
     if block:
         monkeypatch.setattr(attention, "BLOCK", block)  # query blocks of 4: α summed across blocks first
     model = _sharpen(_steer(model) if steered else model)
