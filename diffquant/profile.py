@@ -15,6 +15,7 @@ import torch
 from diffquant.errors import DiffquantError
 from diffquant.frozen import frozen_weights
 from diffquant.models.describe import describe
+from diffquant.stats import metric_sets as paper_sets
 from diffquant.stats.distributed import gather_merge, merge_across_ranks, rank_world
 from diffquant.stats.sinks import LayerSinks, model_sink_rates
 from diffquant.stats.site_stats import SiteStats
@@ -39,8 +40,8 @@ class StatsObserver:
 
 
 class SinkObserver:
-    """Feeds one layer's LayerSinks: first-key mass (attn_probs, attn_map), value norms (v), residual
-    norms (hidden)."""
+    """Feeds one layer's LayerSinks: first-key mass (attn_probs, attn_map), DIFF's λ (lambda), value
+    norms (v), residual norms (hidden)."""
 
     transforms = False
 
@@ -52,13 +53,15 @@ class SinkObserver:
             self.sinks.add_mass("probs", x, ctx.valid, ctx.block)
         elif self.point == "attn_map":
             self.sinks.add_mass("map", x, ctx.valid, ctx.block)
+        elif self.point == "lambda":
+            self.sinks.add_lambda(x)
         elif self.point == "v":
             self.sinks.add_values(x, ctx.valid)
         else:
             self.sinks.add_hidden(x, ctx.valid, ctx.batch.row_offset)
 
 
-SINK_POINTS = ("attn_probs", "attn_map", "v", "hidden")
+SINK_POINTS = ("attn_probs", "attn_map", "lambda", "v", "hidden")
 
 
 @dataclass
@@ -72,6 +75,12 @@ class ModelProfile:
     kind_of: dict[str, str]
     provenance: dict = field(default_factory=dict)
     sinks: dict[int, LayerSinks] = field(default_factory=dict)
+    metric_sets: tuple[str, ...] = ()  # the papers' metric sets selected (stats/metric_sets.py)
+    metric_state: dict = field(default_factory=dict)  # their accumulators: {set: {layer or site: ...}}
+
+    def metric_results(self) -> dict:
+        """{set: figures} of the selected metric sets, each with its citation and conventions."""
+        return paper_sets.compute(self.metric_sets, self)
 
     def sink_summary(self) -> dict:
         """{"layers": {layer: per-layer figures}, "model": sink rates and extremes} (see stats/sinks.py)."""
@@ -96,10 +105,12 @@ def input_device(model) -> torch.device:
 
 def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT_SITES, *, batch_size: int = 8,
                   k: int = 100, progress: bool = True, label: str = "model", compile: bool = False,
-                  sinks: bool = False) -> ModelProfile:
+                  sinks: bool = False, metrics: Iterable[str] = ()) -> ModelProfile:
     """Run `sequences` ([n, seq_len] token ids) through `model` with observers on `sites`.
 
     `sinks=True` adds the attention-sink and massive-activation metrics of every layer (stats/sinks.py).
+    `metrics` names the papers' metric sets to compute as well (stats/metric_sets.py; names or one
+    comma-separated string): the sites they read are profiled too, and nothing is added when none is named.
     `compile=True` fuses the statistics of token sites with torch.compile: several times faster once
     compiled (a one-off 3–20 s per activation shape on CPU), worth it for long runs."""
     from tqdm.auto import tqdm
@@ -110,8 +121,11 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     if int(sequences.max()) >= vocab:
         raise DiffquantError(f"token id {int(sequences.max())} is outside {label}'s vocabulary of {vocab}: "
                              "the data was tokenized with another tokenizer")
+    metrics = paper_sets.parse(metrics if isinstance(metrics, str) else ",".join(metrics))
+    extra_sites, need_k = paper_sets.required_sites(metrics)
+    k = max(k, need_k)
     table = site_table(model)
-    selected = table.match(list(sites))
+    selected = table.match(list(dict.fromkeys([*sites, *extra_sites])))
     observers = {s.name: StatsObserver(k, compile) for s in selected if not s.is_weight}
     weight_observers = {s.name: StatsObserver(k) for s in selected if s.is_weight}
     layer_sinks: dict[int, LayerSinks] = {}
@@ -121,6 +135,7 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
             if site.layer is not None and site.kind in SINK_POINTS:
                 sink = layer_sinks.setdefault(site.layer, LayerSinks())
                 taps.setdefault(site.name, []).append(SinkObserver(sink, site.kind))
+    metric_state = paper_sets.attach_accumulators(metrics, table, taps)
     rank, world = rank_world()
     lo, hi = rank * len(sequences) // world, (rank + 1) * len(sequences) // world
     mine = sequences[lo:hi]  # contiguous shards keep global row numbers simple
@@ -137,7 +152,12 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     stats = {name: o.stats for name, o in {**observers, **weight_observers}.items() if o.stats is not None}
     stats = merge_across_ranks(stats)
     layer_sinks = gather_merge(layer_sinks)
+    metric_state = {name: gather_merge(accs) for name, accs in metric_state.items()}
+    bos = getattr(model.config, "bos_token_id", None)
+    bos = bos if isinstance(bos, int) else None  # absent, or several ids
     return ModelProfile(label, describe(model), stats, {s.name: s.layer for s in selected},
                         {s.name: s.kind for s in selected},
                         {"tokens": int(sequences.numel()), "sequences": int(sequences.shape[0]),
-                         "seq_len": int(sequences.shape[1]), "world_size": world, "k": k}, layer_sinks)
+                         "seq_len": int(sequences.shape[1]), "world_size": world, "k": k,
+                         "bos_first_sequences": None if bos is None else int((sequences[:, 0] == bos).sum())},
+                        layer_sinks, metrics, metric_state)

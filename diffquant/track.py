@@ -2,7 +2,9 @@
 
 Each snapshot reuses `profile_model` (no second profiler) on the same batch: per layer the top-1, median,
 top-1/median and kurtosis of the hidden states and attention logits, the sink metrics of stats/sinks.py,
-and the held-out loss of the batch. `train --track` takes snapshots at step 0 (the initialisation),
+and the held-out loss of the batch (DIFF: sinks counted over differential heads by their share on token 0,
+with λ per layer), and any of the papers' metric sets named (stats/metric_sets.py, `train --track-metrics`).
+`train --track` takes snapshots at step 0 (the initialisation),
 log-spaced steps, and the last step; they are saved with every checkpoint, so a resumed run keeps them.
 """
 
@@ -25,7 +27,7 @@ def track_steps(total: int, points: int) -> list[int]:
     return sorted(steps)
 
 
-def snapshot(model, batch: torch.Tensor, step: int, tokens: int) -> dict:
+def snapshot(model, batch: torch.Tensor, step: int, tokens: int, metrics: tuple[str, ...] = ()) -> dict:
     """One emergence point: the model's statistics on `batch` ([n, seq_len]) after `step` updates."""
     from diffquant.evaluate import language_modeling
     from diffquant.profile import profile_model
@@ -34,7 +36,8 @@ def snapshot(model, batch: torch.Tensor, step: int, tokens: int) -> dict:
     was_training = model.training
     model.eval()
     sites = [s for s in TRACK_SITES if any(x.kind == s[2:] for x in site_table(model))]
-    prof = profile_model(model, batch, sites, batch_size=len(batch), k=1, progress=False, sinks=True)
+    prof = profile_model(model, batch, sites, batch_size=len(batch), k=1, progress=False, sinks=True,
+                         metrics=metrics)
     loss = language_modeling(model, batch, batch_size=len(batch))["loss"]
     model.train(was_training)
     layers: dict[int, dict] = {}
@@ -44,14 +47,23 @@ def snapshot(model, batch: torch.Tensor, step: int, tokens: int) -> dict:
         layers.setdefault(prof.layer_of[name], {})[prof.kind_of[name]] = {
             "top1": top, "median": median, "ratio": top / median if median else None, "kurtosis": s["kurtosis"]}
     sinks = prof.sink_summary()
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     for layer, v in sinks.get("layers", {}).items():
         entry = layers.setdefault(layer, {})
         if "sink" in v:
-            entry["sink_fraction"] = v["sink"]["sinks"] / v["sink"]["heads"]
-            entry["first_mass"] = sum(v["first_mass"]) / len(v["first_mass"])
+            counted = v["sink"]["heads"] - v["sink"].get("undefined", 0)
+            entry["sink_fraction"] = v["sink"]["sinks"] / counted if counted else None
+            entry["first_mass"] = mean(v["first_mass"])
+            entry["first_share"] = mean([x for x in v["share"] if x is not None])
+        if "lambda" in v:
+            entry["lambda"] = v["lambda"]
+            entry["first_mass_A1"], entry["first_mass_A2"] = mean(v["first_mass_A1"]), mean(v["first_mass_A2"])
         entry["massive_ratio"] = v.get("massive_ratio")
-    return {"step": step, "tokens": tokens, "loss": loss, "layers": {str(k): v for k, v in sorted(layers.items())},
-            "model": {**sinks.get("model", {}), **_extremes(layers)}}
+    point = {"step": step, "tokens": tokens, "loss": loss, "layers": {str(k): v for k, v in sorted(layers.items())},
+             "model": {**sinks.get("model", {}), **_extremes(layers)}}
+    if metrics:
+        point["metric_sets"] = prof.metric_results()
+    return point
 
 
 def _extremes(layers: dict[int, dict]) -> dict:

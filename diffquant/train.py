@@ -49,6 +49,7 @@ class TrainConfig:
     track: bool = False  # emergence snapshots (diffquant/track.py)
     track_points: int = 16
     track_sequences: int = 8
+    track_metrics: str = ""  # the papers' metric sets in each snapshot, comma-separated (stats/metric_sets.py)
 
     def __post_init__(self) -> None:
         from diffquant.designs import DESIGNS
@@ -68,6 +69,15 @@ class TrainConfig:
             raise ValueError("needle_fraction must be in [0, 1)")
         if self.track and (self.track_points < 2 or self.track_sequences < 1):
             raise ValueError("track needs track_points >= 2 and track_sequences >= 1")
+        if self.track_metrics and not self.track:
+            raise ValueError("track_metrics needs track (metric sets are computed in the tracking snapshots)")
+        if self.track_metrics:
+            from diffquant.stats.metric_sets import parse
+
+            try:
+                parse(self.track_metrics)
+            except DiffquantError as e:
+                raise ValueError(str(e)) from None
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -290,6 +300,7 @@ class _Tracker:
         self.batch = data.val[:cfg.track_sequences].to(device)
         self.per_step = cfg.batch_size * data.train.shape[1]
         self.points = metrics.setdefault("emergence", [])
+        self.metrics = cfg.track_metrics
         self.seconds = 0.0
 
     def __call__(self, model, step: int) -> None:
@@ -298,7 +309,8 @@ class _Tracker:
         if step not in self.plan or any(p["step"] == step for p in self.points):
             return
         t = time.perf_counter()
-        self.points.append(snapshot(model, self.batch, step, step * self.per_step))
+        self.points.append(snapshot(model, self.batch, step, step * self.per_step,
+                                   tuple(n for n in self.metrics.split(",") if n)))
         self.seconds += time.perf_counter() - t
 
 
@@ -354,6 +366,7 @@ def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, res
     if resume and cfg_path.exists():
         saved = json.loads(cfg_path.read_text())
         saved_archs = tuple(saved.pop("archs"))
+        saved.setdefault("track_metrics", "")  # runs saved before metric sets existed
         if saved != {k: v for k, v in asdict(cfg).items() if k != "archs"}:
             raise DiffquantError(f"{out} was trained with other settings ({cfg_path}); resume with the same settings "
                                  "(designs may be added: every design trains on the same data independently)")

@@ -21,6 +21,7 @@ METRICS = {
     "massive_ratio": ("max‖h‖ / median‖h‖", 3),
     "hidden_kurtosis": ("hidden kurtosis", 3),
     "sink_rate": ("sink rate", 2),
+    "first_share_mean": ("first-token share", 3),
     "logits_int4_cost": ("logits int4: Δppl %", 3),
     "w8a8_cost": ("W8A8: Δppl %", 3),
     "loss": ("held-out loss (nats)", 4),
@@ -46,8 +47,9 @@ def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme:
 
 
 def measure(model, seqs: torch.Tensor, schemes=("logits-int4",)) -> dict:
-    """Loss, Table 5 analog (pooled logits and hidden states), sink rate, massive-activation ratio and the
-    perplexity cost of each scheme, all on the same held-out sequences."""
+    """Loss, Table 5 analog (pooled logits and hidden states), sink rate (DIFF: over differential heads by
+    their share of A1 − λ·A2 on token 0, stats/sinks.py), the mean first-token share, λ per layer (DIFF),
+    massive-activation ratio and the perplexity cost of each scheme, all on the same held-out sequences."""
     fp = language_modeling(model, seqs)
     prof = profile_model(model, seqs, ["*.attn_logits", "*.hidden"], progress=False, sinks=True, k=10)
     logits, hidden = prof.pooled("attn_logits").summary(full=False), prof.pooled("hidden").summary(full=False)
@@ -56,7 +58,8 @@ def measure(model, seqs: torch.Tensor, schemes=("logits-int4",)) -> dict:
            "logit_top1": logits["absmax"], "logit_median": logits["quantiles"]["median"],
            "hidden_top1": hidden["absmax"], "hidden_median": hidden["quantiles"]["median"],
            "hidden_kurtosis": hidden["kurtosis"], "sink_rate": sinks.get("sink_rate"),
-           "massive_ratio": sinks.get("massive_ratio_max"), "sinks": sinks}
+           "sink_unit": sinks.get("sink_unit"), "first_share_mean": sinks.get("first_share_mean"),
+           "lambda": sinks.get("lambda"), "massive_ratio": sinks.get("massive_ratio_max"), "sinks": sinks}
     out["hidden_ratio"] = out["hidden_top1"] / out["hidden_median"]
     out["logit_ratio"] = out["logit_top1"] / out["logit_median"]
     for scheme in schemes:

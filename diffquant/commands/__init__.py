@@ -47,6 +47,11 @@ def validate(args) -> None:
             from diffquant.quant.mitigate import parse
 
             parse(text)
+    for key in ("metrics", "track_metrics"):
+        if getattr(args, key, None):
+            from diffquant.stats.metric_sets import parse
+
+            parse(getattr(args, key))
     for key in ("bits", "wa_grid"):
         if getattr(args, key, None):
             from diffquant.sweep import parse_bits
@@ -78,6 +83,8 @@ def _check_context(args) -> None:
 LONG_CONTEXT_HELP = "run windows longer than the model's context (RoPE models may extrapolate)"
 CORPUS_HELP = ("corpus name (kjv, gcide, wordnet, pydoc, linuxdoc, debian-mix), local text file/folder, hf:NAME[:CONFIG], "
                "or a synthetic token corpus synth:bb / synth:markov[:key=value,...] (default kjv)")
+METRICS_HELP = ("the papers' metric sets to compute too, comma-separated: diff-table5, sun2024, gu2024, "
+                "bondarenko2023 (docs/metrics.md; default none)")
 
 
 def _profile(sub) -> None:
@@ -104,6 +111,7 @@ def _profile(sub) -> None:
                    help="fuse the statistics with torch.compile (one-off compile, then several times faster)")
     p.add_argument("--no-sinks", action="store_true",
                    help="skip the attention-sink and massive-activation metrics (on by default)")
+    p.add_argument("--metrics", default="", help=METRICS_HELP)
     p.set_defaults(func=_lazy("diffquant.commands.profile", "run_cli"))
 
 
@@ -164,6 +172,7 @@ def _train(sub) -> None:
     p.add_argument("--track", action="store_true",
                    help="profile every model on a fixed held-out batch at log-spaced steps (emergence.json, plots)")
     p.add_argument("--track-points", type=int, default=16, help="log-spaced tracking points (default 16)")
+    p.add_argument("--track-metrics", default="", help="with --track: " + METRICS_HELP)
     p.add_argument("--needle-fraction", type=float, default=0.0, help="fraction of training text made of needles")
     p.add_argument("--device", default=None)
     p.add_argument("--out", required=True)

@@ -38,7 +38,7 @@ def run_cli(args) -> None:
                   f"{args.seq_len}, fewer tokens than asked ({args.tokens:,}); profiling {seqs.numel():,}")
         check_fits(model, min(args.batch_size, len(seqs)), args.seq_len, f"profiling {label}")
         prof = profile_model(model, seqs, args.sites, batch_size=args.batch_size, k=args.k, label=label,
-                             compile=args.compile, sinks=not args.no_sinks)
+                             compile=args.compile, sinks=not args.no_sinks, metrics=args.metrics.split(","))
         prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,
                                 "device": str(input_device(model))})
         profiles.append(prof)

@@ -20,7 +20,7 @@ def run_cli(args) -> None:
                           eval_every=args.eval_every, save_every=args.save_every, archs=archs,
                           needle_fraction=args.needle_fraction, weight_decay=args.weight_decay,
                           warmup_frac=args.warmup_frac, min_lr_ratio=args.min_lr_ratio, bos=args.bos,
-                          track=args.track, track_points=args.track_points)
+                          track=args.track, track_points=args.track_points, track_metrics=args.track_metrics)
     except ValueError as e:
         raise DiffquantError(str(e)) from None
     init_distributed()

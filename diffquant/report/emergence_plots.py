@@ -12,11 +12,11 @@ PANELS = (  # (key in a snapshot's "model" figures, or "loss"; title; log y)
     ("hidden_ratio_max", "hidden states: top-1 / median (worst layer)", True),
     ("attn_logits_top1_max", "attention logits: top-1 (worst layer)", True),
     ("hidden_kurtosis_max", "hidden states: kurtosis (worst layer)", True),
-    ("sink_rate", "sink rate (first-token mass > 0.3)", False),
+    ("sink_rate", "sink rate (first-token share > 0.3; DIFF: differential heads)", False),
     ("massive_ratio_max", "max‖h‖ / median‖h‖ (worst layer)", True),
     ("loss", "held-out loss of the tracked batch", False),
 )
-HEATMAPS = (("hidden", "ratio", "hidden top-1 / median"), (None, "first_mass", "first-token attention mass"))
+HEATMAPS = (("hidden", "ratio", "hidden top-1 / median"), (None, "first_share", "first-token share (DIFF: of A1 − λ·A2)"))
 
 
 def _value(point: dict, key: str):

@@ -96,34 +96,35 @@ def _bin_edges(h: dict, idx: list[int]) -> tuple[list[float], list[float]]:
 
 
 def plot_sinks(models: list[dict], out: Path, epsilon: float = 0.3) -> list[Path]:
-    """Per layer: the fraction of sink heads, the mean first-token attention mass, and the massive-activation
-    ratio max‖h_t‖ / median‖h_t‖; one colour per model (DIFF: its A1 and A2 maps dashed and dotted)."""
+    """Per layer: the fraction of sink heads, the mean first-token share, and the massive-activation ratio
+    max‖h_t‖ / median‖h_t‖; one colour per model. DIFF counts differential heads by their share of
+    A1 − λ·A2 on token 0; its A1 and A2 maps' first-key masses are drawn dashed and dotted."""
     with_sinks = [m for m in models if m.get("sinks", {}).get("layers")]
     if not with_sinks:
         return []
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6), layout="constrained")
+    nan = float("nan")
+    mean = lambda xs: sum(xs) / len(xs) if xs else nan  # noqa: E731
     for m in with_sinks:
         layers = sorted(m["sinks"]["layers"].items(), key=lambda kv: int(kv[0]))
         xs = [int(k) for k, _ in layers]
         c = color(m["label"])
         if all("sink" in v for _, v in layers):
-            axes[0].plot(xs, [v["sink"]["sinks"] / v["sink"]["heads"] for _, v in layers], marker="o", color=c,
-                         label=m["label"])
-            axes[1].plot(xs, [sum(v["first_mass"]) / len(v["first_mass"]) for _, v in layers], marker="o", color=c,
-                         label=m["label"])
-            for key, ls in (("A1", "--"), ("A2", ":")):
-                if all(f"sink_{key}" in v for _, v in layers):
-                    half = len(layers[0][1]["first_mass"]) // 2
-                    part = (lambda f: f[:half]) if key == "A1" else (lambda f: f[half:])
-                    axes[1].plot(xs, [sum(part(v["first_mass"])) / half for _, v in layers], ls=ls, color=c,
-                                 label=f"{m['label']} {key}")
+            counted = [v["sink"]["heads"] - v["sink"].get("undefined", 0) for _, v in layers]
+            axes[0].plot(xs, [v["sink"]["sinks"] / n if n else nan for (_, v), n in zip(layers, counted)],
+                         marker="o", color=c, label=m["label"])
+            axes[1].plot(xs, [mean([x for x in v["share"] if x is not None]) for _, v in layers], marker="o",
+                         color=c, label=m["label"])
+        for key, ls in (("A1", "--"), ("A2", ":")):
+            if all(f"first_mass_{key}" in v for _, v in layers):
+                axes[1].plot(xs, [mean(v[f"first_mass_{key}"]) for _, v in layers], ls=ls, color=c,
+                             label=f"{m['label']} {key} map mass")
         ratios = [v.get("massive_ratio") for _, v in layers]
         axes[2].plot(xs, ratios, marker="o", color=c, label=m["label"])
-    axes[0].set(title=f"sink heads (first-token mass > {epsilon})", xlabel="layer", ylabel="fraction of heads",
+    axes[0].set(title=f"sink heads (first-token share > {epsilon})", xlabel="layer", ylabel="fraction of heads",
                 ylim=(-0.05, 1.05))
-    axes[1].set(title="mean attention on the first token", xlabel="layer", ylabel="mass (queries ≥ 1)",
-                ylim=(-0.05, 1.05))
+    axes[1].set(title="first-token share (DIFF: of A1 − λ·A2)", xlabel="layer", ylabel="mean share (queries ≥ 1)")
     axes[2].set(title="massive activations: max‖h‖ / median‖h‖", xlabel="layer", ylabel="ratio (log)", yscale="log")
     for ax in axes:
         integer_ticks(ax)

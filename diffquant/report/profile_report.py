@@ -102,16 +102,25 @@ def profile_json(prof) -> dict:
         "massive_activations": massive_activations(prof),
         "histograms": pooled_histograms(prof),
         "sinks": prof.sink_summary(),
+        **({"metric_sets": prof.metric_results()} if prof.metric_sets else {}),
     }
 
 
-SINK_HEADER = ["model", "sink rate (all maps)", "DIFF A1", "DIFF A2", "DIFF A1−λA2", "max ‖h‖ ratio",
-               "where (layer, row, pos, channel)", "min ‖v₀‖ ratio", "tokens"]
+SINK_HEADER = ["model", "sink rate", "counted over", "heads counted", "mean first-token share", "λ (min … max)",
+               "A1 map sink rate", "A2 map sink rate", "max ‖h‖ ratio", "where (layer, row, pos, channel)",
+               "min ‖v₀‖ ratio", "tokens"]
+
+
+def _span(values) -> str | None:
+    values = [v for v in values or () if v is not None]
+    return f"{min(values):.3g} … {max(values):.3g}" if values else None
 
 
 def sink_rows(models: list[dict]) -> list[list]:
-    """One row per model from stats.json entries: Gu et al.'s sink rate (ε = 0.3), DIFF's per map, the
-    largest massive-activation ratio with its place, and the smallest value-state norm ratio."""
+    """One row per model from stats.json entries: Gu et al.'s sink rate (ε = 0.3; DIFF: over differential
+    heads by their share on token 0), what it counts, the mean first-token share, DIFF's λ range and its
+    maps' own rates (detail), the largest massive-activation ratio with its place, and the smallest
+    value-state norm ratio."""
     rows = []
     for m in models:
         sinks = m.get("sinks") or {}
@@ -121,10 +130,72 @@ def sink_rows(models: list[dict]) -> list[list]:
         best = max(((int(i), v["massive_max"]) for i, v in sinks["layers"].items() if v.get("massive_max")),
                    key=lambda kv: kv[1]["ratio"], default=None)
         where = (f"{best[0]}, {best[1]['row']}, {best[1]['position']}, {best[1]['channel']}" if best else None)
-        rows.append([m["label"], rates.get("sink_rate"), rates.get("sink_rate_A1"), rates.get("sink_rate_A2"),
-                     rates.get("sink_rate_map"), rates.get("massive_ratio_max"), where, rates.get("value_ratio_min"),
+        undefined = rates.get("sink_heads_undefined")
+        counted = rates.get("sink_unit")
+        if undefined:
+            counted = f"{counted}; {undefined} heads with |1 − λ| ≤ 0.05 not counted"
+        rows.append([m["label"], rates.get("sink_rate"), counted, rates.get("sink_heads"),
+                     rates.get("first_share_mean"), _span(rates.get("lambda")), rates.get("sink_rate_A1"),
+                     rates.get("sink_rate_A2"), rates.get("massive_ratio_max"), where, rates.get("value_ratio_min"),
                      m["provenance"].get("tokens")])
     return rows
+
+
+DIFF_LAYER_HEADER = ["model", "layer", "λ", "share on token 0 (mean)", "sinks / heads", "A1 first-key mass (mean)",
+                     "A2 first-key mass (mean)"]
+
+
+def diff_layer_rows(models: list[dict]) -> list[list]:
+    """DIFF models, one row per layer: λ, the differential heads' mean share and sinks, the mean first-key
+    mass of their A1 and A2 maps (per-head values are in stats.json)."""
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    rows = []
+    for m in models:
+        for i, v in sorted(((m.get("sinks") or {}).get("layers") or {}).items(), key=lambda kv: int(kv[0])):
+            if "lambda" not in v:
+                continue
+            shares = [x for x in v.get("share", ()) if x is not None]
+            sink = v.get("sink", {})
+            rows.append([m["label"], int(i), v["lambda"], mean(shares) if shares else v.get("share_undefined"),
+                         f"{sink.get('sinks')} / {sink.get('heads')}", mean(v["first_mass_A1"]),
+                         mean(v["first_mass_A2"])])
+    return rows
+
+
+def metric_set_sections(models: list[dict]) -> str:
+    """The selected papers' metric sets, one table each, with their citations and conventions."""
+    from diffquant.stats.metric_sets import REGISTRY
+
+    names = list(dict.fromkeys(n for m in models for n in m.get("metric_sets", {})))
+    md = ""
+    for name in names:
+        ms = REGISTRY[name]
+        done = [(m["label"], m["metric_sets"][name]) for m in models if name in m.get("metric_sets", {})]
+        header, rows = METRIC_SET_TABLES[name]
+        md += f"\n**{name}** ({ms.citation}): {ms.definition}. Differs from the default: {ms.differs}.\n\n"
+        md += markdown(header, [row for label, r in done for row in rows(label, r)])
+        for label, r in done:
+            if r["conventions"]:
+                md += f"\n{label}, data vs the paper: " + "; ".join(r["conventions"]) + ".\n"
+    return md
+
+
+METRIC_SET_TABLES = {  # name: (header, rows(label, figures))
+    "diff-table5": (["model", "activation", "top-1 / median", "top-1", "median"],
+                    lambda label, r: [[label, KIND_TITLE[k], r[k]["top1_over_median"], r[k]["top1"], r[k]["median"]]
+                                      for k in ("attn_logits", "hidden")]),
+    "sun2024": (["model", "layer", "top-1 / median", "top-1", "top-2", "top-3", "median", "massive (> 100, > 1000× median)"],
+                lambda label, r: [[label, int(i), v["top1_over_median"], v["top1"], v["top2"], v["top3"], v["median"],
+                                   f"{v['massive']} (+{v['massive_undecided']} within 0.8% of the threshold)"
+                                   if v["massive_undecided"] else v["massive"]]
+                                  for i, v in r["layers"].items()]),
+    "gu2024": (["model", "Sink₁ (ε = 0.3)", "counted over", "layers with share undefined"],
+               lambda label, r: [[label, r["sink1"], r["unit"], ", ".join(map(str, r["layers_undefined"])) or None]]),
+    "bondarenko2023": (["model", "avg kurtosis", "max inf norm", "at site", "max layer-output inf norm",
+                        "max kurtosis"],
+                       lambda label, r: [[label, r["avg_kurtosis"], r["max_inf_norm"], r["max_inf_norm_site"],
+                                          r["max_layer_inf_norm"], r["max_kurtosis"]]]),
+}
 
 
 def write_report(profiles, out: Path, plots: bool = True) -> list[Path]:
@@ -142,10 +213,17 @@ def write_report(profiles, out: Path, plots: bool = True) -> list[Path]:
     sinks = sink_rows(models)
     if sinks:
         md += ("\nAttention sinks (Gu et al.: a head is a sink when its mean attention on the first token, over "
-               "queries after the first, exceeds 0.3; sink rate = fraction of heads over all layers) and massive "
-               "activations (Sun et al.: max over positions of the residual norm ‖h_t‖ / its median, per sequence, "
-               "averaged; the largest single one located). ‖v₀‖ ratio: value-state norm of the first token / median "
-               "of the others (Guo et al.'s value drains are ≪ 1).\n\n" + markdown(SINK_HEADER, sinks))
+               "queries after the first, exceeds 0.3; sink rate = fraction of heads over all layers). DIFF counts "
+               "differential heads: a head's share of its output weight on token 0 is the mean over queries of "
+               "(A1 − λ·A2)[q, 0] / (1 − λ) (undefined where |1 − λ| ≤ 0.05); its A1 and A2 maps' own rates are "
+               "detail, never pooled into the rate. Massive activations (Sun et al.: max over positions of the "
+               "residual norm ‖h_t‖ / its median, per sequence, averaged; the largest single one located). ‖v₀‖ "
+               "ratio: value-state norm of the first token / median of the others (Guo et al.'s value drains are "
+               "≪ 1).\n\n" + markdown(SINK_HEADER, sinks))
+    per_layer = diff_layer_rows(models)
+    if per_layer:
+        md += "\nDIFF per layer (means over differential heads):\n\n" + markdown(DIFF_LAYER_HEADER, per_layer)
+    md += metric_set_sections(models)
     atomic_write_json(out / "stats.json", {"models": models})
     atomic_write_text(out / "table5.md", md)
     atomic_write_text(out / "table5.csv", to_csv(TABLE5_HEADER, rows))

@@ -3,9 +3,16 @@
 - **First-token mass** (Gu et al. 2024, arXiv 2410.10781): per head, the attention a query puts on the
   first position of its sequence (the first key it may attend), averaged over queries. Query 0 is left
   out: it can attend only to itself, so its mass is 1 whatever the head does. A head is a **sink** when
-  its mean mass exceeds ε (0.3, as Gu et al.); the **sink rate** is the fraction of sink heads. DIFF:
-  reported per softmax map (A1 = heads 0..H/2−1, A2 = the rest, as transformers pairs them) and for the
-  differential map A1 − λ·A2.
+  its mean mass exceeds ε (0.3, as Gu et al.); the **sink rate** is the fraction of sink heads.
+- **DIFF: per differential head** j (softmax maps A1 = map j, A2 = map j + H/2, as transformers pairs them):
+  the first-key masses of A1 and A2 and the layer's λ, and the head's **share** on the first token,
+  mean over queries of (A1 − λ·A2)[q, 0] / (1 − λ): the rows of the differential map sum to 1 − λ, so the
+  share is the fraction of the head's output weight on token 0, as a softmax head's mass is. A2 mass on
+  token 0 *cancels* A1's (a head with A1 mass 0.1, A2 mass 0.6 and λ = 0.5 has share −0.4), and a layer
+  with λ < 0 adds its maps. A differential head is a sink when its share exceeds ε, and DIFF's sink rate
+  counts differential heads, never A1 and A2 maps pooled (their own rates stay as detail). Where
+  |1 − λ| ≤ 0.05 the share is undefined (a near-zero row sum): the layer says so and its heads are not
+  counted.
 - **Value-state drain** (Guo et al. 2024, arXiv 2410.13835): per sequence, ‖v₀‖ / median over t ≥ 1 of
   ‖v_t‖ (the output of v_proj, all heads), averaged over sequences.
 - **Massive activations** (Sun et al. 2024, arXiv 2402.17762): per sequence, the residual-state norm
@@ -19,7 +26,21 @@ from __future__ import annotations
 
 import torch
 
+from diffquant.errors import DiffquantError
+
 EPSILON = 0.3
+LAMBDA_GUARD = 0.05  # |1 − λ| at or below which a differential head's share is undefined
+
+
+def differential_share(map_mass: list[float], lam: float | None) -> tuple[list[float] | None, str | None]:
+    """(Each differential head's share on the first token, None) from the mean first-key entries of its
+    map A1 − λ·A2; (None, why) where the share is undefined."""
+    if lam is None:
+        return None, "λ was not observed"
+    if abs(1.0 - lam) <= LAMBDA_GUARD:
+        return None, (f"|1 − λ| = {abs(1.0 - lam):.3g} ≤ {LAMBDA_GUARD}: the differential map's rows sum to "
+                      "about 0, so a share of them is undefined")
+    return [m / (1.0 - lam) for m in map_mass], None
 
 
 def first_key_mass(probs: torch.Tensor, valid: torch.Tensor | None, block: tuple[int, int, int] | None = None
@@ -68,6 +89,7 @@ class LayerSinks:
     def __init__(self):
         self.mass: dict[str, torch.Tensor] = {}  # "probs" / "map": per-head sums of first-key mass
         self.queries: dict[str, torch.Tensor] = {}
+        self.lam: float | None = None  # DIFF: the layer's λ (a parameter: constant while profiling)
         self.value = [0.0, 0]  # sum of ratios, sequences
         self.massive = [0.0, 0]
         self.massive_max: dict | None = None
@@ -76,6 +98,11 @@ class LayerSinks:
         s, n = first_key_mass(probs.detach(), valid, block)
         self.mass[which] = s.cpu() + self.mass.get(which, 0)
         self.queries[which] = n.cpu() + self.queries.get(which, 0)
+
+    def add_lambda(self, lam: torch.Tensor) -> None:
+        if lam.numel() != 1:
+            raise DiffquantError(f"a DIFF layer's λ has {lam.numel()} values; diffquant's sink metrics take one per layer")
+        self.lam = float(lam)
 
     def add_values(self, v: torch.Tensor, valid_tokens: torch.Tensor | None) -> None:
         r, _ = norm_ratio(v.detach(), valid_tokens, first_only=True)
@@ -100,6 +127,7 @@ class LayerSinks:
         for which in set(self.mass) | set(other.mass):
             out.mass[which] = self.mass.get(which, 0) + other.mass.get(which, 0)
             out.queries[which] = self.queries.get(which, 0) + other.queries.get(which, 0)
+        out.lam = self.lam if self.lam is not None else other.lam
         out.value = [self.value[0] + other.value[0], self.value[1] + other.value[1]]
         out.massive = [self.massive[0] + other.massive[0], self.massive[1] + other.massive[1]]
         candidates = [m for m in (self.massive_max, other.massive_max) if m is not None]
@@ -107,18 +135,34 @@ class LayerSinks:
         return out
 
     def summary(self, diff: bool, epsilon: float = EPSILON) -> dict:
+        """Per layer: `first_mass` (every softmax map), `share` (each counted head's share on the first
+        token: a softmax head's first-key mass, a differential head's share), `sink` (heads counted and
+        sinks among them); DIFF adds λ, the A1 and A2 masses per differential head, their own sink counts,
+        `first_mass_map` (the differential map's mean first-key entry, before dividing by 1 − λ) and
+        `share_undefined` where the share is."""
+        mean = {w: (total / max(1.0, float(self.queries[w]))).tolist() for w, total in self.mass.items()}
         out: dict = {}
-        for which, total in self.mass.items():
-            mass = (total / max(1.0, float(self.queries[which]))).tolist()
-            groups = {"all": mass}
-            if which == "probs" and diff:
+        if "probs" in mean:
+            mass = mean["probs"]
+            out["first_mass"] = mass
+            if not diff:
+                out["share"] = mass
+                out["sink"] = {"heads": len(mass), "sinks": sum(v > epsilon for v in mass)}
+            else:
                 half = len(mass) // 2
-                groups = {"all": mass, "A1": mass[:half], "A2": mass[half:]}
-            key = "first_mass" if which == "probs" else "first_mass_map"
-            out[key] = mass
-            for g, values in groups.items():
-                name = ("sink" if which == "probs" else "sink_map") + ("" if g == "all" else f"_{g}")
-                out[name] = {"heads": len(values), "sinks": sum(v > epsilon for v in values)}
+                out["lambda"] = self.lam
+                out["first_mass_A1"], out["first_mass_A2"] = mass[:half], mass[half:]
+                out["sink_A1"] = {"heads": half, "sinks": sum(v > epsilon for v in mass[:half])}
+                out["sink_A2"] = {"heads": half, "sinks": sum(v > epsilon for v in mass[half:])}
+        if diff and "map" in mean:
+            share, why = differential_share(mean["map"], self.lam)
+            heads = len(mean["map"])
+            out["first_mass_map"] = mean["map"]
+            out["share"] = share if share is not None else [None] * heads
+            out["sink"] = {"heads": heads, "sinks": sum(v > epsilon for v in share or ()),
+                           "undefined": heads if share is None else 0}
+            if why:
+                out["share_undefined"] = why
         out["value_ratio"] = self.value[0] / self.value[1] if self.value[1] else None
         out["massive_ratio"] = self.massive[0] / self.massive[1] if self.massive[1] else None
         out["massive_max"] = self.massive_max
@@ -126,13 +170,27 @@ class LayerSinks:
 
 
 def model_sink_rates(layers: dict[int, dict]) -> dict:
-    """Sink rates over all layers and heads (Gu et al.'s metric), per map kind present."""
-    rates = {}
-    for key in ("sink", "sink_A1", "sink_A2", "sink_map"):
-        counts = [s[key] for s in layers.values() if key in s]
-        if counts:
-            heads = sum(c["heads"] for c in counts)
-            rates[key.replace("sink", "sink_rate")] = sum(c["sinks"] for c in counts) / heads if heads else None
+    """Over all layers: `sink_rate` (Gu et al.'s metric; DIFF: over differential heads by their share),
+    the unit it counts, the heads counted and left undefined, the mean first-token share; DIFF: each map's
+    own sink rate (detail, never the headline) and λ per layer; the extreme massive-activation and
+    value-drain ratios."""
+    diff = any("lambda" in s for s in layers.values())
+    rates: dict = {}
+    counts = [s["sink"] for s in layers.values() if "sink" in s]
+    if counts:
+        heads = sum(c["heads"] - c.get("undefined", 0) for c in counts)
+        rates["sink_rate"] = sum(c["sinks"] for c in counts) / heads if heads else None
+        rates["sink_unit"] = "differential head (share of A1 − λ·A2 on token 0)" if diff else "attention head"
+        rates["sink_heads"] = heads
+        shares = [v for s in layers.values() for v in s.get("share", ()) if v is not None]
+        rates["first_share_mean"] = sum(shares) / len(shares) if shares else None
+    if diff:
+        rates["sink_heads_undefined"] = sum(c.get("undefined", 0) for c in counts)
+        for key in ("sink_A1", "sink_A2"):
+            parts = [s[key] for s in layers.values() if key in s]
+            heads = sum(c["heads"] for c in parts)
+            rates[key.replace("sink", "sink_rate")] = sum(c["sinks"] for c in parts) / heads if heads else None
+        rates["lambda"] = [s.get("lambda") for _, s in sorted(layers.items())]
     ratios = [s["massive_ratio"] for s in layers.values() if s.get("massive_ratio") is not None]
     rates["massive_ratio_max"] = max(ratios) if ratios else None
     values = [s["value_ratio"] for s in layers.values() if s.get("value_ratio") is not None]
