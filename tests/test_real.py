@@ -1,5 +1,6 @@
 """End to end with the offline sources (Debian packages, PyPI wheels): corpora, SmolLM2, demo, notebook."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -86,11 +87,12 @@ def test_demo_quick(tmp_path, capsys):
     assert [r["ppl"] for r in again] == pytest.approx([r["ppl"] for r in summary["sweep"]], rel=1e-6)
 
 
-def test_notebook_runs(tmp_path):
+def test_notebook_runs(tmp_path, quick_pairs):
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(ROOT / "notebooks" / "walkthrough.ipynb", as_version=4)
+    (tmp_path / "pair").symlink_to(quick_pairs / QUICK_PAIR)  # the notebook's pair, trained once for the session
     os.environ["DIFFQUANT_QUICK"] = "1"
     os.environ["DIFFQUANT_NOTEBOOK_OUT"] = str(tmp_path)
     try:
@@ -102,12 +104,44 @@ def test_notebook_runs(tmp_path):
     assert "logits int4" in outputs and "hidden-state top-1" in outputs
 
 
+def _experiment(script: str):
+    """An experiment script as a module (its folder on sys.path, as when it runs as a script), run in this process:
+    no second interpreter start, and the session's trained pairs are shared."""
+    folder = str(ROOT / "experiments")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(f"experiment_{Path(script).stem}", ROOT / "experiments" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def quick_pairs(tmp_path_factory):
+    """The tiny pair the quick experiments and the notebook train (20,000 KJV tokens, seed 0), trained once."""
+    root = tmp_path_factory.mktemp("pairs")
+    _experiment("pairs.py").trained_pairs("tiny", "kjv", 20_000, [0], root)
+    return root
+
+
+QUICK_PAIR = "tiny-kjv-20000-s0"
+TRAINS_PAIRS = {"table5_outliers.py", "fig8_logit_quant.py", "weight_act_grid.py", "needle_under_quant.py",
+                "gpu_recipe.py"}
+
+
 @pytest.mark.parametrize("script", ["table5_outliers.py", "fig8_logit_quant.py", "weight_act_grid.py",
                                     "needle_under_quant.py", "gpu_recipe.py", "real_model_profile.py", "emergence.py",
                                     "rivals.py", "mitigations.py"])
-def test_experiments_quick(script, tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / script), "--quick", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_experiments_quick(script, tmp_path, quick_pairs, capsys):
+    argv = ["--quick", "--out", str(tmp_path)] + (["--pairs", str(quick_pairs)] if script in TRAINS_PAIRS else [])
+    _experiment(script).main(argv)
     assert (tmp_path / "settings.json").exists() and (tmp_path / "environment.json").exists()
-    assert "|" in result.stdout  # printed its headline table
+    assert "|" in capsys.readouterr().out  # printed its headline table
+
+
+def test_experiment_scripts_still_run_as_scripts(tmp_path):
+    """The in-process runs above import the scripts; this runs one the way a user does."""
+    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "real_model_profile.py"), "--quick", "--out",
+                             str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "|" in result.stdout
