@@ -143,8 +143,13 @@ def emergence_part() -> list[str]:
         lines += [f"{len(hits)} of {len(found)} settings reached the regime within the budget. {why}"
                   f"Baseline and DIFF trained identically{outside}:", ""]
     if (ROOT / "docs/emergence/results.md").is_file():
+        from diffquant.stats.sinks import SINK_DEFINITION
+
+        old = (results or {}).get("sink_definition") != SINK_DEFINITION
         lines += [*_md("docs/emergence/results.md"), *against_diff(results),
                   "![emergence](docs/emergence/emergence.png)", ""]
+        lines += (["Seed 0's training curves; the sink-rate panel is DIFF's rate by the old definition, pooling its A1 "
+                   "and A2 maps.", ""] if old else [])
     return lines
 
 

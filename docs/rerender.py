@@ -17,7 +17,9 @@ What it recomputes, and why each step is exact:
   differential map's mean is A1's mean minus λ times A2's (one λ per layer, the same queries counted), so each
   head gives λ = (A1 − map) / A2; the heads of a layer must agree (the sums were float32: they do to < 1e-7 in
   the committed files, and more than LAMBDA_SPREAD refuses), and the layer's λ is their least-squares fit. The
-  shares, sink counts and rates then follow from stats/sinks.py as a profile computes them today.
+  shares, sink counts and rates then follow from stats/sinks.py as a profile computes them today. The demo's
+  emergence figure is redrawn from its emergence.json so that its sink panel says which definition it holds
+  (those snapshots keep per-layer pooled masses only: their DIFF rate cannot be recomputed, only labelled).
 - results.md of each experiment and docs/demo/report.md, by the same renderers the experiments use.
 """
 
@@ -151,6 +153,7 @@ def refresh_seeds(doc: dict) -> dict:
 def main() -> None:
     from diffquant.demo import render_report
     from diffquant.paths import atomic_write_json, atomic_write_text
+    from diffquant.report.emergence_plots import plot_emergence
     from diffquant.report.sweep_plots import plot_sweep
     from diffquant.stats.intervals import ppl_interval
 
@@ -163,6 +166,7 @@ def main() -> None:
     for m in s["train"].values():
         m["ppl_ci95"] = ppl_interval(m["loss"], m["loss_se"], s["eval"]["sequences"])
     refresh_demo_sinks(s)
+    plot_emergence(json.loads((ROOT / "docs/demo/emergence/emergence.json").read_text()), ROOT / "docs/demo/emergence")
     atomic_write_json(summary_path, s)
     import readme_results
 

@@ -137,3 +137,15 @@ def test_regime_results_name_their_sink_definition(tmp_path, monkeypatch):
     assert "| sink rate |" in text and "old definition" not in text
     del doc["sink_definition"]  # results written before: DIFF's rate pooled A1 and A2
     assert "| sink rate (pooled A1/A2, old definition) |" in emergence.render_regime(doc)
+
+
+def test_emergence_figures_say_when_diff_curves_pool_a1_and_a2():
+    from diffquant.report.emergence_plots import OLD_SINK_TITLE, _old_share, _title
+
+    old = {"DIFF": [{"model": {"sink_rate": 0.0, "sink_rate_A1": 0.0}, "layers": {"0": {"first_mass": 0.1}}}]}
+    new = {"DIFF": [{"model": {"sink_rate": 0.0, "sink_rate_A1": 0.0, "lambda": [0.5]},
+                     "layers": {"0": {"first_mass": 0.1, "first_share": 0.05}}}]}
+    assert _title("sink_rate", "sink rate", old) == OLD_SINK_TITLE and _title("sink_rate", "sink rate", new) == "sink rate"
+    assert _title("loss", "loss", old) == "loss"
+    assert _old_share(old["DIFF"], "first_share", "share")[0] == "first_mass"
+    assert _old_share(new["DIFF"], "first_share", "share") == ("first_share", "share")
