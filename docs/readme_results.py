@@ -143,8 +143,13 @@ def emergence_part() -> list[str]:
         lines += [f"{len(hits)} of {len(found)} settings reached the regime within the budget. {why}"
                   f"Baseline and DIFF trained identically{outside}:", ""]
     if (ROOT / "docs/emergence/results.md").is_file():
+        from diffquant.stats.sinks import SINK_DEFINITION
+
+        old = (results or {}).get("sink_definition") != SINK_DEFINITION
         lines += [*_md("docs/emergence/results.md"), *against_diff(results),
                   "![emergence](docs/emergence/emergence.png)", ""]
+        lines += (["Seed 0's training curves; the sink-rate panel is DIFF's rate by the old definition, pooling its A1 "
+                   "and A2 maps.", ""] if old else [])
     return lines
 
 
@@ -171,9 +176,11 @@ VERDICT_METRICS = {"hidden_ratio": "hidden top-1/median", "logit_ratio": "logit 
 
 def verdict_metrics(results: dict, reference: str = "DIFF") -> list[str]:
     """The metrics a table tests. DIFF's sink rate enters only when measured per differential head: results
-    without a `sink_definition` pooled its A1 and A2 maps (A2 is subtracted, so that number is no headline)."""
+    without that `sink_definition` pooled its A1 and A2 maps (A2 is subtracted, so that number is no headline)."""
+    from diffquant.stats.sinks import SINK_DEFINITION
+
     return [k for k in VERDICT_METRICS if k in results["aggregate"][reference]
-            and (k != "sink_rate" or results.get("sink_definition"))]
+            and (k != "sink_rate" or results.get("sink_definition") == SINK_DEFINITION)]
 
 
 def against_pvalues(results: dict | None, reference: str = "DIFF") -> dict[tuple[str, str], float]:

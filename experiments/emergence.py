@@ -33,6 +33,7 @@ from diffquant.report.style import display  # noqa: E402
 from diffquant.report.tables import markdown  # noqa: E402
 from diffquant.runs import start_run  # noqa: E402
 from diffquant.stats.intervals import fmt_pm  # noqa: E402
+from diffquant.stats.sinks import SINK_DEFINITION  # noqa: E402
 from diffquant.train import TrainConfig, prepare_data, train_pair  # noqa: E402
 
 RATIO, SINK = 100.0, 0.5  # the outlier regime: hidden top-1 / median, or sink rate (Gu et al.'s ε = 0.3)
@@ -167,7 +168,7 @@ def metric_label(doc: dict, key: str) -> str:
     taken per differential head: their DIFF rate pools the A1 and A2 maps, and the label says so."""
     from measure import METRICS
 
-    if key == "sink_rate" and not doc.get("sink_definition"):
+    if key == "sink_rate" and doc.get("sink_definition") != SINK_DEFINITION:
         return OLD_SINK_LABEL
     return METRICS[key][0]
 
@@ -202,6 +203,7 @@ def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_ev
             per[arch].append(m)
     agg = {arch: aggregate(ms) for arch, ms in per.items()}
     doc = {"setting": name, "overrides": overrides, "seeds": list(seeds), "eval_sequences": n_eval, "intervals": "t",
+           "sink_definition": SINK_DEFINITION,
            "scale": {display(a): {"parameters": per[a][0]["parameters"], "train_tokens": per[a][0]["train_tokens"]}
                      for a in archs},
            "per_seed": {display(a): [{k: v for k, v in m.items() if k != "emergence"} for m in ms]

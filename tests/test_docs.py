@@ -94,7 +94,7 @@ def test_designs_against_diff_say_which_way_after_holm(tmp_path):
     def agg(values):
         return {"values": values}
 
-    results = {"seeds": [0, 1, 2], "sink_definition": "differential-head share", "aggregate": {
+    results = {"seeds": [0, 1, 2], "sink_definition": "share", "aggregate": {
         "Transformer": {"hidden_ratio": agg([30.0, 31.0, 32.0]), "sink_rate": agg([0.1, 0.2, 0.15])},
         "DIFF": {"hidden_ratio": agg([20.0, 21.0, 19.0]), "sink_rate": agg([0.1, 0.2, 0.1])},
         "Gated": {"hidden_ratio": agg([10.0, 11.0, 12.0]), "sink_rate": agg([0.1, 0.2, 0.1])}}}

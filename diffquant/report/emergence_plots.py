@@ -19,6 +19,25 @@ PANELS = (  # (key in a snapshot's "model" figures, or "loss"; title; log y)
 HEATMAPS = (("hidden", "ratio", "hidden top-1 / median"), (None, "first_share", "first-token share (DIFF: of A1 − λ·A2)"))
 
 
+OLD_SINK_TITLE = "sink rate (first-token mass > 0.3)\nDIFF: A1/A2 maps pooled, old definition"
+
+
+def _title(key: str, title: str, models: dict) -> str:
+    """The panel's title; the sink panel says so when a DIFF curve was tracked before DIFF's sinks were counted
+    per differential head (its snapshots have the A1/A2 maps' rates but no λ: the rate pooled the two maps)."""
+    old = any("sink_rate_A1" in p["model"] and "lambda" not in p["model"] for pts in models.values() for p in pts)
+    return OLD_SINK_TITLE if key == "sink_rate" and old else title
+
+
+def _old_share(pts: list[dict], key: str, title: str) -> tuple[str, str]:
+    """Snapshots tracked before shares were recorded hold each layer's mean first-token mass over every softmax
+    map (DIFF: A1 and A2 pooled): draw that, and say so."""
+    has = lambda k: any(k in v for p in pts for v in p["layers"].values())  # noqa: E731
+    if key == "first_share" and not has("first_share") and has("first_mass"):
+        return "first_mass", "first-token mass\n(DIFF: A1/A2 pooled, old definition)"
+    return key, title
+
+
 def _value(point: dict, key: str):
     return point["loss"] if key == "loss" else point["model"].get(key)
 
@@ -36,7 +55,7 @@ def plot_emergence(doc: dict, out: Path) -> list[Path]:
             xs = [max(p["tokens"], 1) for p in pts]  # the initialisation (0 tokens) sits at x = 1 on the log axis
             ys = [_value(p, key) for p in pts]
             ax.plot(xs, ys, marker="o", ms=3, color=color(label), label=label)
-        ax.set(title=title, xlabel="tokens seen (log; 1 = initialisation)", xscale="log")
+        ax.set(title=_title(key, title, models), xlabel="tokens seen (log; 1 = initialisation)", xscale="log")
         if log:
             ax.set_yscale("log")
         if key == "sink_rate":
@@ -51,6 +70,7 @@ def plot_emergence(doc: dict, out: Path) -> list[Path]:
     for j, (label, pts) in enumerate(models.items()):
         layers = sorted({int(k) for p in pts for k in p["layers"]})
         for i, (kind, key, title) in enumerate(HEATMAPS):
+            key, title = _old_share(pts, key, title)
             grid = [[_layer_value(p, layer, kind, key) for p in pts] for layer in layers]
             ax = axes[i][j]
             im = ax.imshow(grid, aspect="auto", origin="lower", cmap="magma")

@@ -198,18 +198,19 @@ METRIC_SET_TABLES = {  # name: (header, rows(label, figures))
 }
 
 
-def write_report(profiles, out: Path, plots: bool = True) -> list[Path]:
-    out = Path(out)
-    rows = table5_rows(profiles)
-    tokens = ", ".join(f"{p.label}: {p.provenance.get('tokens')} tokens" for p in profiles)
+def table5_markdown(rows: list[list], tokens: str) -> str:
+    """The Table 5 analog with the paper's figures under it; `tokens` says how many each model was profiled on."""
     md = (f"Largest |activation| values (Table 5 analog; {tokens}). Attention logits: |q·k/√d| at causal, "
           f"unmasked positions, DIFF maps pooled. Hidden states: decoder-layer outputs. Kurtosis: Pearson "
           f"(Gaussian = 3).\n\n" + markdown(TABLE5_HEADER, rows))
     paper = [[m, KIND_TITLE[k], *v] for (m, k), v in PAPER_TABLE5.items()]
     md += "\nPaper (3B parameters, 350B training tokens, 0.4M tokens profiled):\n\n"
-    md += markdown(["model", "activation", "top-1", "top-2", "top-3", "top-10", "top-100", "median"], paper)
-    written = [out / "stats.json", out / "table5.md", out / "table5.csv"]
-    models = [profile_json(p) for p in profiles]
+    return md + markdown(["model", "activation", "top-1", "top-2", "top-3", "top-10", "top-100", "median"], paper)
+
+
+def sink_sections(models: list[dict]) -> str:
+    """From stats.json model entries: the sink table, DIFF per layer, and the selected metric sets."""
+    md = ""
     sinks = sink_rows(models)
     if sinks:
         md += ("\nAttention sinks (Gu et al.: a head is a sink when its mean attention on the first token, over "
@@ -223,7 +224,16 @@ def write_report(profiles, out: Path, plots: bool = True) -> list[Path]:
     per_layer = diff_layer_rows(models)
     if per_layer:
         md += "\nDIFF per layer (means over differential heads):\n\n" + markdown(DIFF_LAYER_HEADER, per_layer)
-    md += metric_set_sections(models)
+    return md + metric_set_sections(models)
+
+
+def write_report(profiles, out: Path, plots: bool = True) -> list[Path]:
+    out = Path(out)
+    rows = table5_rows(profiles)
+    tokens = ", ".join(f"{p.label}: {p.provenance.get('tokens')} tokens" for p in profiles)
+    models = [profile_json(p) for p in profiles]
+    md = table5_markdown(rows, tokens) + sink_sections(models)
+    written = [out / "stats.json", out / "table5.md", out / "table5.csv"]
     atomic_write_json(out / "stats.json", {"models": models})
     atomic_write_text(out / "table5.md", md)
     atomic_write_text(out / "table5.csv", to_csv(TABLE5_HEADER, rows))
