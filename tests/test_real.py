@@ -110,8 +110,10 @@ def _experiment(script: str):
     folder = str(ROOT / "experiments")
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location(f"experiment_{Path(script).stem}", ROOT / "experiments" / script)
+    name = f"experiment_{Path(script).stem}"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the script defines its settings
     spec.loader.exec_module(module)
     return module
 
