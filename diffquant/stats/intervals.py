@@ -7,6 +7,10 @@ over seeds.
 - The difference between two settings of the same model on the same sequences (a quantized cell against
   the float model) is paired: the SE of the per-sequence differences, much tighter than the two SEs.
 - A claim over training seeds uses Student's t: mean ± t(0.975, n−1) · s / √n.
+- A multiple-choice accuracy k / n is a binomial proportion: its interval is Wilson's score interval (it
+  stays inside [0, 1] and keeps its coverage near 0 and 1, where p ± 1.96 SE does not). Two settings scored
+  on the same examples are compared by the exact McNemar test: only the examples on which they disagree
+  carry information, and under "no difference" each of those is equally likely to go either way.
 """
 
 from __future__ import annotations
@@ -80,3 +84,38 @@ def welch(a: list[float], b: list[float]) -> dict | None:
     p = float(ttest_ind(a, b, equal_var=False).pvalue)
     d = fmean(a) - fmean(b)
     return {"diff": d, "p": p, "sign": ((d > 0) - (d < 0)) if p < 0.05 else 0}
+
+
+def wilson(k: int, n: int, confidence: float = 0.95) -> list[float]:
+    """Wilson's score interval for a binomial proportion k / n:
+    (p + z²/2n ± z·√(p(1−p)/n + z²/4n²)) / (1 + z²/n), with z the normal quantile of the confidence."""
+    if n <= 0 or not 0 <= k <= n:
+        raise ValueError(f"a binomial proportion needs 0 <= k <= n and n > 0, got k={k}, n={n}")
+    z = Z95 if confidence == 0.95 else _normal_quantile(0.5 + confidence / 2)
+    p = k / n
+    centre = p + z * z / (2 * n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return [max(0.0, (centre - half) / (1 + z * z / n)), min(1.0, (centre + half) / (1 + z * z / n))]
+
+
+def _normal_quantile(p: float) -> float:
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(p)
+
+
+def mcnemar_exact(a: list[bool], b: list[bool]) -> dict:
+    """Exact two-sided McNemar test of paired 0/1 outcomes of two settings on the same examples: with
+    `gained` = examples b gets right and a wrong, `lost` the reverse, and m = gained + lost, the p-value is
+    P(X <= min(gained, lost)) doubled (capped at 1) for X ~ Binomial(m, 1/2); p = 1 when m = 0.
+    Also returns the accuracy change b − a."""
+    if len(a) != len(b):
+        raise ValueError(f"paired outcomes need the same examples ({len(a)} vs {len(b)})")
+    if not a:
+        raise ValueError("paired outcomes need at least one example")
+    gained = sum(1 for x, y in zip(a, b) if y and not x)
+    lost = sum(1 for x, y in zip(a, b) if x and not y)
+    m = gained + lost
+    tail = sum(math.comb(m, i) for i in range(min(gained, lost) + 1)) / 2 ** m  # exact integers, then one division
+    return {"gained": gained, "lost": lost, "discordant": m, "p": min(1.0, 2 * tail),
+            "delta": (gained - lost) / len(a)}
