@@ -75,13 +75,19 @@ def parse_bits(text: str) -> list[int]:
 
 
 def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: list[str], wa: list[int] | None,
-                layer_bits: int | None, layers: dict[str, int], mitigations: list[str] = ("none",)) -> list[Cell]:
+                layer_bits: int | None, layers: dict[str, int], mitigations: list[str] = ("none",),
+                schemes: list[str] = ()) -> list[Cell]:
+    """Every cell of the sweep, the float reference first; `schemes` (presets or files, such as w8a8-static
+    and w4a16) add one whole-model cell each, beside the one-site bit-width cells."""
     from diffquant.quant.mitigate import parse
+    from diffquant.quant.scheme import get_scheme
 
     for g in grans:
         G.parse_granularity(g)  # fail before any model runs
     for m in mitigations:
         parse(m)
+    for name in schemes:
+        get_scheme(name)
     cells = []
     for label in labels:
         cells.append(Cell(label, "act", sites[0] if sites else "attn_logits", NATIVE, grans[0]))  # the float reference
@@ -91,6 +97,7 @@ def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: lis
                     cells += [Cell(label, "act", site, b, g, mitigate=fix) for b in bits]
             if wa:
                 cells += [Cell(label, "wa", "linear", a, "token", w, mitigate=fix) for w in wa for a in wa]
+            cells += [Cell(label, "scheme", name, mitigate=fix) for name in schemes]
             if layer_bits:
                 for site in sites:
                     cells += [Cell(label, "layer", site, layer_bits, grans[0], layer=i, mitigate=fix)
@@ -121,9 +128,30 @@ class Evaluator:
             elif e.startswith("mc:"):
                 r = multiple_choice(model, self.tokenizer, self.mc[e[3:]])
                 name = task_label(e[3:])
-                out.update({f"{name}_acc": r["acc"], f"{name}_acc_se": r["acc_se"], f"{name}_acc_norm": r["acc_norm"],
-                            f"{name}_acc_norm_se": r["acc_norm_se"], f"{name}_examples": r["examples"]})
+                out.update({f"{name}_{k}": r[k] for k in ("acc", "acc_se", "acc_ci95", "acc_norm", "acc_norm_se",
+                                                           "acc_norm_ci95", "examples", "chance", "correct",
+                                                           "correct_norm")})
         return out
+
+
+def save_layer_kurtosis(models: dict[str, tuple], text: str, seq_len: int, tokens: int, out: Path) -> Path:
+    """Profile each model's attention logits and hidden states on `tokens` tokens of `text` (float, no
+    quantizer) and write their Pearson kurtosis per layer to out/layer_kurtosis.json, so the accuracy figure
+    shows beside each model's accuracy where its outliers are. Kept when it exists (a resumed sweep)."""
+    from diffquant.data.tokens import encode, sequences
+    from diffquant.profile import profile_model
+    from diffquant.report.profile_report import layer_series
+
+    path = out / "layer_kurtosis.json"
+    if path.exists():
+        return path
+    result = {"tokens": tokens, "seq_len": seq_len, "models": {}}
+    for label, (model, tokenizer) in models.items():
+        prof = profile_model(model, sequences(encode(tokenizer, text), seq_len, tokens), progress=False, label=label)
+        result["models"][label] = {kind: [{"layer": r["layer"], "kurtosis": r["kurtosis"], "absmax": r["absmax"]}
+                                          for r in rows] for kind, rows in layer_series(prof).items()}
+    atomic_write_json(path, result)
+    return path
 
 
 def task_label(spec: str) -> str:
@@ -215,24 +243,36 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
 
 
 def versus_float(fp: dict, q: dict) -> dict:
-    """The cell's change from its model's float evaluation on the same sequences: paired Δloss with its 95%
-    interval, and the same as a perplexity change in % (exp(Δ) − 1)."""
+    """The cell's change from its model's float evaluation on the same sequences and examples: paired Δloss
+    with its 95% interval and the same as a perplexity change in % (exp(Δ) − 1); for each multiple-choice
+    accuracy, the change in accuracy with the exact McNemar test over the same examples."""
     import math
 
-    from diffquant.stats.intervals import paired
+    from diffquant.stats.intervals import mcnemar_exact, paired
 
-    if "per_sequence_loss" not in fp or "per_sequence_loss" not in q:
-        return {}
-    d = paired(fp["per_sequence_loss"], q["per_sequence_loss"])
-    pct = lambda x: 100 * (math.exp(x) - 1)  # noqa: E731
-    return {"delta_loss": d["mean"], "delta_loss_ci95": d["ci95"], "ppl_change_pct": pct(d["mean"]),
-            "ppl_change_pct_ci95": [pct(x) for x in d["ci95"]] if d["ci95"] else None}
+    out = {}
+    if "per_sequence_loss" in fp and "per_sequence_loss" in q:
+        d = paired(fp["per_sequence_loss"], q["per_sequence_loss"])
+        pct = lambda x: 100 * (math.exp(x) - 1)  # noqa: E731
+        out.update({"delta_loss": d["mean"], "delta_loss_ci95": d["ci95"], "ppl_change_pct": pct(d["mean"]),
+                    "ppl_change_pct_ci95": [pct(x) for x in d["ci95"]] if d["ci95"] else None})
+    for key in OUTCOMES:
+        for name in (k[:-len(key)] for k in q if k.endswith(key) and k in fp):
+            metric = name + key.replace("_correct", "_acc")
+            t = mcnemar_exact(fp[name + key], q[name + key])
+            out.update({f"{metric}_delta": t["delta"], f"{metric}_mcnemar_p": t["p"], f"{metric}_gained": t["gained"],
+                        f"{metric}_lost": t["lost"]})
+    return out
+
+
+OUTCOMES = ("_correct", "_correct_norm")  # per-example 0/1 metrics of a multiple-choice task, kept in cells.jsonl
 
 
 def _flat(row: dict) -> dict:
-    """A result row: the cell and its metrics, without the per-sequence values (kept in cells.jsonl)."""
+    """A result row: the cell and its metrics, without the per-sequence and per-example values (kept in
+    cells.jsonl)."""
     return {**{k: v for k, v in row.items() if k != "metrics"},
-            **{k: v for k, v in row["metrics"].items() if k != "per_sequence_loss"}}
+            **{k: v for k, v in row["metrics"].items() if k != "per_sequence_loss" and not k.endswith(OUTCOMES)}}
 
 
 def run_cli(args) -> None:
@@ -276,7 +316,10 @@ def run_cli(args) -> None:
         calibration[label] = sequences(encode(tokenizer, train_text), args.seq_len, 16 * args.seq_len)
     layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
     mitigations = [m.strip() for m in args.mitigate.split(",") if m.strip()]
-    cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers, mitigations)
+    cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers, mitigations,
+                        [x.strip() for x in args.schemes.split(",") if x.strip()])
+    if args.kurtosis_tokens:
+        save_layer_kurtosis(models, val, args.seq_len, args.kurtosis_tokens, out)
     rows = run_cells(models, cells, evaluators, out, compile=args.compile, calibration=calibration)
     if not args.no_plots:
         from diffquant.report.sweep_plots import plot_sweep
