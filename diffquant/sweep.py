@@ -331,12 +331,19 @@ def run_cli(args) -> None:
 
 def cell_text(r: dict, metric: str) -> str:
     """"74.11 ± 1.20" (95% interval over sequences), with the paired change from float for quantized cells:
-    "76.04 ± 1.25 (+2.6% [+2.1, +3.1])"."""
+    "76.04 ± 1.25 (+2.6% [+2.1, +3.1])"; a multiple-choice accuracy: "61.3% [55.7, 66.7] (-2.0 pts, McNemar
+    p = 0.041)" (95% Wilson interval, paired change from float with the exact McNemar test)."""
     from diffquant.stats.intervals import Z95, fmt_pm
 
     v = r.get(metric)
     if v is None:
         return "-"
+    if r.get(f"{metric}_ci95") and metric != "ppl":  # a multiple-choice accuracy: Wilson interval, McNemar test
+        lo, hi = r[f"{metric}_ci95"]
+        text = f"{100 * v:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+        if r.get(f"{metric}_mcnemar_p") is not None:
+            text += f" ({100 * r[f'{metric}_delta']:+.1f} pts, McNemar p = {r[f'{metric}_mcnemar_p']:.2g})"
+        return text
     if metric == "ppl":
         half = Z95 * r["loss_se"] * v if r.get("loss_se") else None  # delta method: d ppl = ppl · d loss
     else:
@@ -374,6 +381,9 @@ def summary_table(rows: list[dict]) -> str:
 
     body = [[m, s, g, *([fix] if fixes else []), *[cell(m, v, b) for b in bits]] for (m, s, g, fix), v in groups.items()]
     n = next((r.get("tokens") or r.get(metric.replace("_acc", "_examples")) for r in act), None)
-    return (f"{metric} by bit-width ({n:,} held-out {'tokens' if metric == 'ppl' else 'examples'} per cell; ± = 95% "
-            "interval over sequences; in brackets the change from 16-bit with its 95% paired interval):\n\n"
+    how = ("95% Wilson interval; in parentheses the paired change from 16-bit with the exact McNemar test"
+           if act[0].get(f"{metric}_ci95") else "± = 95% interval over sequences; in brackets the change from "
+                                                 "16-bit with its 95% paired interval")
+    return (f"{metric} by bit-width ({n:,} held-out {'tokens' if metric == 'ppl' else 'examples'} per cell; "
+            f"{how}):\n\n"
             + markdown(["model", "site", "granularity", *(["fix"] if fixes else []), *[f"{b}-bit" for b in bits]], body))

@@ -165,10 +165,10 @@ def markdown_report(result: dict) -> str:
 
     sel = result["selection"]
     pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
-    lines = [f"# Figure 8 on a real model: {result['model']}", "",
+    lines = [f"### Figure 8 on a real model: {result['model']} (`experiments/fig8_real_model.py`)", "",
              "Model: SmolLM2-135M-Instruct, dequantized from Q4_1 to fp32 (zoo name `smollm2-135m`), zero-shot, "
              "no chat template." if result["model"] == "smollm2-135m" else f"Model: {result['model']}.", "",
-             "## Task selection (float model only, before any quantized run)", "", f"Rule: {sel['rule']}", "",
+             "#### Task selection (float model only, before any quantized run)", "", f"Rule: {sel['rule']}", "",
              f"{sel['examples_per_task']} examples per task, sampled with seed {sel['seed']}. Candidates in order: "
              + ", ".join(f"`{c}`" for c in sel["candidates"]) + " (scored until one passed).", "",
              markdown(["task", "n", "acc %", "95% Wilson", "chance %", "majority %", "acc_norm %", "passes", "why"],
@@ -183,7 +183,7 @@ def markdown_report(result: dict) -> str:
                   "No sweep was run.", ""]
         return "\n".join(lines)
     for task, rows in result["tables"].items():
-        lines += [f"## Accuracy versus bit-width on `{task}`", "",
+        lines += [f"#### Accuracy versus bit-width on `{task}`", "",
                   f"{rows[0]['examples']} examples; chance {pct(rows[0]['chance'])}%. acc: the choice with the "
                   "largest summed log-likelihood (lm-eval's acc). Δ: paired change from float on the same examples "
                   "(gained/lost: examples the setting gets right/wrong that float got wrong/right), p: exact "
@@ -193,7 +193,7 @@ def markdown_report(result: dict) -> str:
                              "-" if r["delta"] is None else f"{100 * r['delta']:+.1f}",
                              "-" if r["gained"] is None else f"{r['gained']} / {r['lost']}",
                              "-" if r["mcnemar_p"] is None else f"{r['mcnemar_p']:.3g}", pct(r["acc_norm"])]
-                            for r in rows]), ""]
+                            for r in rows]), "", f"Figure: `{result['figure']}`.", ""]
     lines += ["Regenerate (the sweep resumes from its saved cells; `diffquant plot FOLDER` redraws the figure):", ""]
     lines += [f"    {c}" for c in result["commands"]]
     lines += ["", f"CPU time {result['cpu_seconds'] / 60:.1f} min (one thread, nice 10, shared 2-core machine), "
