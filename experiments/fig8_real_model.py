@@ -55,9 +55,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="default docs/fig8_real (runs/fig8_real_quick with --quick)")
+    p.add_argument("--report-only", action="store_true",
+                   help="write results.json/.md from the saved selection and cells without running a model "
+                        "(an unfinished sweep lists its missing cells; rerun without this flag to resume it)")
     a = p.parse_args(argv)
     out = Path(a.out or ("runs/fig8_real_quick" if a.quick else "docs/fig8_real"))
-    run(quick_settings(out) if a.quick else Settings(), out)
+    run(quick_settings(out) if a.quick else Settings(), out, a.report_only)
 
 
 def quick_settings(out: Path) -> Settings:
@@ -91,7 +94,7 @@ def quick_settings(out: Path) -> Settings:
                     data=str(out / "corpus.txt"), kurtosis_tokens=256, seq_len=32, tokens=1024)
 
 
-def run(s: Settings, out: Path) -> dict:
+def run(s: Settings, out: Path, report_only: bool = False) -> dict:
     import torch
 
     from diffquant.cli import main as cli
@@ -107,6 +110,8 @@ def run(s: Settings, out: Path) -> dict:
     selection_path = out / "selection.json"
     if selection_path.exists():  # fixed once made: a rerun never re-selects
         selection = json.loads(selection_path.read_text())
+    elif report_only:
+        raise SystemExit(f"{selection_path} does not exist: nothing to report")
     else:
         model, tok = load_model(s.model)
         record = select(model, tok, s.candidates, s.examples, s.seed, stop_after=s.stop_after, progress=True)
@@ -123,8 +128,10 @@ def run(s: Settings, out: Path) -> dict:
         if (folder / "cells.jsonl").exists():
             args.append("--resume")
         result["commands"].append("diffquant " + " ".join(args))
-        if cli(args) != 0:
+        if not report_only and cli(args) != 0:
             raise SystemExit(f"the sweep on {task} failed")
+        if not (folder / "results.json").exists():
+            continue
         rows = json.loads((folder / "results.json").read_text())["rows"]
         fp = next(r for r in rows if r["scheme"] == "fp")
         picked = next(r for r in selection["tried"] if r["task"] == task)
@@ -133,6 +140,8 @@ def run(s: Settings, out: Path) -> dict:
             raise SystemExit(f"{task}: the sweep's float accuracy {fp[f'{label}_acc']} differs from selection's "
                              f"{picked['acc']} on the same examples")
         result["tables"][task] = table_rows(rows, label)
+        result.setdefault("missing", {})[task] = [w for w in expected_settings(s) if w not in
+                                                  {r["setting"] for r in result["tables"][task]}]
         result["figure"] = str(folder / "accuracy_vs_bits.png")
     before = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
     result["cpu_seconds"] = before.get("cpu_seconds", 0.0) + time.process_time() - cpu0  # over every invocation
@@ -141,6 +150,13 @@ def run(s: Settings, out: Path) -> dict:
     atomic_write_text(out / "results.md", markdown_report(result))
     print(markdown_report(result))
     return result
+
+
+def expected_settings(s: Settings) -> list[str]:
+    """The settings a finished sweep holds, named as `table_rows` names them."""
+    bits = [b for b in s.bits.split(",") if b != "16"]
+    return ["float (16-bit)", *[f"attn_logits int{b} per {g}" for g in s.granularity.split(",") for b in bits],
+            *s.schemes.split(",")]
 
 
 def table_rows(rows: list[dict], label: str) -> list[dict]:
@@ -195,6 +211,9 @@ def markdown_report(result: dict) -> str:
                              "-" if r["gained"] is None else f"{r['gained']} / {r['lost']}",
                              "-" if r["mcnemar_p"] is None else f"{r['mcnemar_p']:.3g}", pct(r["acc_norm"])]
                             for r in rows]), "", f"Figure: `{result['figure']}`.", ""]
+        if result.get("missing", {}).get(task):
+            lines += [f"**Unfinished**: no result yet for {', '.join(result['missing'][task])}; the command below "
+                      "resumes the sweep.", ""]
     lines += ["Regenerate (the sweep resumes from its saved cells; `diffquant plot FOLDER` redraws the figure):", ""]
     lines += [f"    {c}" for c in result["commands"]]
     lines += ["", f"CPU time {result['cpu_seconds'] / 60:.1f} min, wall {result['wall_seconds'] / 60:.1f} min, summed over "
