@@ -180,8 +180,10 @@ def load_done(out: Path) -> dict[str, dict]:
 
 
 def append_row(out: Path, row: dict) -> None:
-    with open(out / "cells.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+    path = out / "cells.jsonl"
+    cut = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(("\n" if cut else "") + json.dumps(row) + "\n")  # a line cut by an interruption stays apart
         f.flush()
         os.fsync(f.fileno())
 

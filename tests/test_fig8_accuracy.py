@@ -144,3 +144,12 @@ def test_scheme_cells_and_accuracy_figure(tmp_path):
                                          "hidden": [{"layer": 0, "kurtosis": 30.0}, {"layer": 1, "kurtosis": 300.0}]}}}))
     written = plot_sweep(rows, tmp_path)
     assert tmp_path / "accuracy_vs_bits.png" in written
+
+
+def test_row_after_a_cut_line_survives(tmp_path):
+    """A sweep interrupted mid-write leaves a cut last line; the next row appended must stay readable."""
+    from diffquant.sweep import append_row, load_done
+
+    (tmp_path / "cells.jsonl").write_text('{"key": "a", "x": 1}\n{"key": "b", "x"')
+    append_row(tmp_path, {"key": "c", "x": 3})
+    assert sorted(load_done(tmp_path)) == ["a", "c"]
