@@ -181,7 +181,11 @@ def load_done(out: Path) -> dict[str, dict]:
 
 def append_row(out: Path, row: dict) -> None:
     path = out / "cells.jsonl"
-    cut = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    cut = False
+    if path.exists() and path.stat().st_size > 0:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            cut = f.read(1) != b"\n"
     with open(path, "a", encoding="utf-8") as f:
         f.write(("\n" if cut else "") + json.dumps(row) + "\n")  # a line cut by an interruption stays apart
         f.flush()
