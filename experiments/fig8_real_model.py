@@ -125,9 +125,9 @@ def run(s: Settings, out: Path, report_only: bool = False) -> dict:
         args = ["sweep", "--model", s.model, "--eval", f"mc:{task}", "--mc-limit", str(s.examples), "--bits", s.bits,
                 "--granularity", s.granularity, "--schemes", s.schemes, "--kurtosis-tokens", str(s.kurtosis_tokens),
                 "--data", s.data, "--seq-len", str(s.seq_len), "--tokens", str(s.tokens), "--out", str(folder)]
+        result["commands"].append("diffquant " + " ".join(args))
         if (folder / "cells.jsonl").exists():
             args.append("--resume")
-        result["commands"].append("diffquant " + " ".join(args))
         if not report_only and cli(args) != 0:
             raise SystemExit(f"the sweep on {task} failed")
         if not (folder / "results.json").exists():
@@ -214,7 +214,8 @@ def markdown_report(result: dict) -> str:
         if result.get("missing", {}).get(task):
             lines += [f"**Unfinished**: no result yet for {', '.join(result['missing'][task])}; the command below "
                       "resumes the sweep.", ""]
-    lines += ["Regenerate (the sweep resumes from its saved cells; `diffquant plot FOLDER` redraws the figure):", ""]
+    lines += ["Regenerate (add `--resume` to continue a sweep from its saved cells; `diffquant plot FOLDER` redraws "
+              "the figure from them):", ""]
     lines += [f"    {c}" for c in result["commands"]]
     lines += ["", f"CPU time {result['cpu_seconds'] / 60:.1f} min, wall {result['wall_seconds'] / 60:.1f} min, summed over "
                   "the invocations that made these results (one thread, nice 10, on a 2-core machine shared with "
