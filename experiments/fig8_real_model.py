@@ -193,6 +193,12 @@ def markdown_report(result: dict) -> str:
                         f"[{pct(r['acc_ci95'][0])}, {pct(r['acc_ci95'][1])}]", pct(r["chance"]), pct(r["majority"]),
                         pct(r["acc_norm"]), "yes" if r["passed"] else "no", r["reason"]] for r in sel["tried"]]),
              "", "majority: the accuracy of always answering the most common correct choice (a constant guesser).", ""]
+    for r in sel["tried"]:
+        if r["passed"] and r["acc_ci95"][0] <= r["majority"]:
+            lines += [f"Caveat on `{r['task']}`: its interval [{pct(r['acc_ci95'][0])}, {pct(r['acc_ci95'][1])}] "
+                      f"excludes chance ({pct(r['chance'])}%) but not the majority-answer rate ({pct(r['majority'])}%), "
+                      "so the float model is not shown to do better than always giving the most common answer; "
+                      "the rule, fixed in advance, asks only for chance.", ""]
     if not sel["chosen"]:
         near = max(sel["tried"], key=lambda r: r["margin"])
         lines += [f"No candidate passed; the nearest was `{near['task']}` at {pct(near['acc'])}% "
