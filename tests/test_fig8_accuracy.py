@@ -153,3 +153,30 @@ def test_row_after_a_cut_line_survives(tmp_path):
     (tmp_path / "cells.jsonl").write_text('{"key": "a", "x": 1}\n{"key": "b", "x"')
     append_row(tmp_path, {"key": "c", "x": 3})
     assert sorted(load_done(tmp_path)) == ["a", "c"]
+
+
+@pytest.mark.slow
+def test_fig8_real_model_quick(tmp_path):
+    """The experiment end to end on a micro model: the known-answer task is chosen, the random one is not,
+    every setting of the sweep is reported, and `diffquant plot` redraws the figure from the saved cells."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from diffquant.cli import main
+
+    path = Path(__file__).parent.parent / "experiments" / "fig8_real_model.py"
+    spec = importlib.util.spec_from_file_location("fig8_real_model_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks its module up there
+    spec.loader.exec_module(mod)
+    mod.main(["--quick", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["selection"]["chosen"] == [str(tmp_path / "known.jsonl")]
+    assert [r["passed"] for r in result["selection"]["tried"]] == [False, True]
+    rows = result["tables"][str(tmp_path / "known.jsonl")]
+    assert [r["setting"] for r in rows] == mod.expected_settings(mod.quick_settings(tmp_path / "again"))
+    assert rows[0]["acc"] == 1.0 and not result["missing"][str(tmp_path / "known.jsonl")]
+    (tmp_path / "sweep" / "accuracy_vs_bits.png").unlink()
+    assert main(["plot", str(tmp_path / "sweep")]) == 0
+    assert (tmp_path / "sweep" / "accuracy_vs_bits.png").exists()
