@@ -388,7 +388,7 @@ def summary_table(rows: list[dict]) -> str:
     body = [[m, s, g, *([fix] if fixes else []), *[cell(m, v, b) for b in bits]] for (m, s, g, fix), v in groups.items()]
     n = next((r.get("tokens") or r.get(metric.replace("_acc", "_examples")) for r in act), None)
     how = ("95% Wilson interval; in parentheses the paired change from 16-bit with the exact McNemar test"
-           if act[0].get(f"{metric}_ci95") else "± = 95% interval over sequences; in brackets the change from "
+           if metric != "ppl" and act[0].get(f"{metric}_ci95") else "± = 95% interval over sequences; in brackets the change from "
                                                  "16-bit with its 95% paired interval")
     return (f"{metric} by bit-width ({n:,} held-out {'tokens' if metric == 'ppl' else 'examples'} per cell; "
             f"{how}):\n\n"

@@ -180,3 +180,16 @@ def test_fig8_real_model_quick(tmp_path):
     (tmp_path / "sweep" / "accuracy_vs_bits.png").unlink()
     assert main(["plot", str(tmp_path / "sweep")]) == 0
     assert (tmp_path / "sweep" / "accuracy_vs_bits.png").exists()
+
+
+def test_summary_table_names_the_interval_it_shows():
+    from diffquant.sweep import summary_table
+
+    base = {"model": "m", "kind": "act", "site": "attn_logits", "granularity": "tensor", "mitigate": "none"}
+    acc = [{**base, "bits": 16, "scheme": "fp", "t_acc": 0.6, "t_acc_ci95": [0.5, 0.7], "t_examples": 300},
+           {**base, "bits": 4, "scheme": "q", "t_acc": 0.55, "t_acc_ci95": [0.45, 0.65], "t_examples": 300,
+            "t_acc_delta": -0.05, "t_acc_mcnemar_p": 0.0312}]
+    text = summary_table(acc)
+    assert "Wilson" in text and "55.0% [45.0, 65.0] (-5.0 pts, McNemar p = 0.031)" in text
+    ppl = [{**base, "bits": 16, "scheme": "fp", "ppl": 10.0, "ppl_ci95": [9.0, 11.0], "loss_se": 0.05, "tokens": 512}]
+    assert "interval over sequences" in summary_table(ppl) and "Wilson" not in summary_table(ppl)
