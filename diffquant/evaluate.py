@@ -1,4 +1,4 @@
-"""Evaluation: perplexity and next-token accuracy on held-out token sequences."""
+"""Evaluation: perplexity and next-token accuracy on held-out token sequences, and multiple-choice accuracy."""
 
 from __future__ import annotations
 
@@ -45,35 +45,67 @@ def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progr
     return out
 
 
-def multiple_choice(model, tokenizer, examples: list[dict], progress: bool = False) -> dict:
-    """Zero-shot multiple choice scored like lm-eval's HellaSwag: each choice's summed log-likelihood
-    given the context (`acc`), and the same divided by the choice's length in characters (`acc_norm`, as
-    lm-eval computes it).
+def multiple_choice(model, tokenizer, examples: list[dict], progress: bool = False, batch_tokens: int = 2048) -> dict:
+    """Zero-shot multiple choice scored like lm-eval's multiple-choice tasks (HellaSwag):
 
-    Each example is {"input": str, "target_scores": {choice: score}}; the correct choice has the top score.
+    - `acc`: the chosen answer is the choice with the largest summed log-likelihood of its tokens given the
+      context, log P(" " + choice | input), the choice tokenized on its own after the input's tokens;
+    - `acc_norm`: the same log-likelihood divided by the choice's length in characters (as lm-eval does).
+
+    Each example is {"input": str, "target_scores": {choice: score}}; the correct choice is the first with
+    the top score. Returns both accuracies with their sample SE and 95% Wilson interval, `chance` (the mean of
+    1 / number of choices), the per-example outcomes `correct` / `correct_norm` (0/1, in example order) for
+    paired tests between settings, and `predicted`, the index of each example's chosen answer under `acc`.
+
+    Sequences (input + one choice) of equal token length are batched together, never padded: a dynamic
+    quantizer scales each sequence from that sequence alone (quant/granularity.py), so a sequence scores the
+    same as it would alone; padding would add its positions to a per-tensor scale.
     """
     from tqdm.auto import tqdm
+
+    from diffquant.stats.intervals import wilson
 
     if not examples:
         raise DiffquantError("the multiple-choice task has no examples")
     device = input_device(model)
-    correct = correct_norm = 0
+    requests = []  # (example, choice, token ids, number of continuation tokens)
+    golds, n_choices = [], []
+    for i, ex in enumerate(examples):
+        choices = list(ex["target_scores"])
+        golds.append(max(range(len(choices)), key=lambda c: ex["target_scores"][choices[c]]))
+        n_choices.append(len(choices))
+        ctx = tokenizer(ex["input"], add_special_tokens=False)["input_ids"]
+        if not ctx:
+            raise DiffquantError(f"example {i} has an empty input: its first choice token would have no context")
+        for j, choice in enumerate(choices):
+            cont = tokenizer(" " + choice.strip(), add_special_tokens=False)["input_ids"]
+            if not cont:
+                raise DiffquantError(f"example {i}: choice {choice!r} has no tokens")
+            requests.append((i, j, (ctx + cont)[-2048:], min(len(cont), 2047)))
+    by_length: dict[int, list] = {}
+    for r in requests:
+        by_length.setdefault(len(r[2]), []).append(r)
+    batches = [group[k:k + max(1, batch_tokens // length)] for length, group in sorted(by_length.items())
+               for k in range(0, len(group), max(1, batch_tokens // length))]
+    loglik = [[0.0] * k for k in n_choices]
     with torch.inference_mode(), frozen_weights():
-        for ex in tqdm(examples, desc="mc", disable=not progress, leave=False):
-            choices = list(ex["target_scores"])
-            gold = max(range(len(choices)), key=lambda i: ex["target_scores"][choices[i]])
-            ctx = tokenizer(ex["input"], add_special_tokens=False)["input_ids"]
-            scores, norms = [], []
-            for choice in choices:
-                cont = tokenizer(" " + choice.strip(), add_special_tokens=False)["input_ids"]
-                ids = torch.tensor([(ctx + cont)[-2048:]], device=device)
-                logits = model(ids, use_cache=False).logits[0, -len(cont) - 1:-1].float()
-                ll = float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(cont, device=device)[:, None]).sum())
-                scores.append(ll)
-                norms.append(ll / max(1, len(choice.strip())))  # lm-eval divides by the choice's length
-            correct += max(range(len(scores)), key=scores.__getitem__) == gold
-            correct_norm += max(range(len(norms)), key=norms.__getitem__) == gold
+        for batch in tqdm(batches, desc="mc", disable=not progress, leave=False):
+            keep = max(r[3] for r in batch) + 1  # the logits that predict the longest continuation
+            ids = torch.tensor([r[2] for r in batch], device=device)
+            logp = torch.log_softmax(model(ids, use_cache=False, logits_to_keep=keep).logits[:, -keep:].float(), -1)
+            for row, (i, j, seq, n) in enumerate(batch):
+                target = torch.tensor(seq[-n:], device=device)
+                loglik[i][j] = float(logp[row, keep - n - 1:keep - 1].gather(-1, target[:, None]).double().sum())
+    correct, correct_norm, predicted = [], [], []
+    for ex, gold, ll in zip(examples, golds, loglik):
+        lengths = [max(1, len(c.strip())) for c in ex["target_scores"]]  # lm-eval divides by characters
+        predicted.append(max(range(len(ll)), key=ll.__getitem__))
+        correct.append(int(predicted[-1] == gold))
+        norm = [v / n for v, n in zip(ll, lengths)]
+        correct_norm.append(int(max(range(len(norm)), key=norm.__getitem__) == gold))
     n = len(examples)
     binomial = lambda p: (p * (1 - p) / (n - 1)) ** 0.5 if n > 1 else None  # noqa: E731 - SE of a mean of 0/1
-    return {"acc": correct / n, "acc_se": binomial(correct / n), "acc_norm": correct_norm / n,
-            "acc_norm_se": binomial(correct_norm / n), "examples": n}
+    acc, acc_norm = sum(correct) / n, sum(correct_norm) / n
+    return {"acc": acc, "acc_se": binomial(acc), "acc_ci95": wilson(sum(correct), n), "acc_norm": acc_norm,
+            "acc_norm_se": binomial(acc_norm), "acc_norm_ci95": wilson(sum(correct_norm), n), "examples": n,
+            "chance": sum(1 / k for k in n_choices) / n, "correct": correct, "correct_norm": correct_norm, "predicted": predicted}

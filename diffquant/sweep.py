@@ -75,13 +75,19 @@ def parse_bits(text: str) -> list[int]:
 
 
 def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: list[str], wa: list[int] | None,
-                layer_bits: int | None, layers: dict[str, int], mitigations: list[str] = ("none",)) -> list[Cell]:
+                layer_bits: int | None, layers: dict[str, int], mitigations: list[str] = ("none",),
+                schemes: list[str] = ()) -> list[Cell]:
+    """Every cell of the sweep, the float reference first; `schemes` (presets or files, such as w8a8-static
+    and w4a16) add one whole-model cell each, beside the one-site bit-width cells."""
     from diffquant.quant.mitigate import parse
+    from diffquant.quant.scheme import get_scheme
 
     for g in grans:
         G.parse_granularity(g)  # fail before any model runs
     for m in mitigations:
         parse(m)
+    for name in schemes:
+        get_scheme(name)
     cells = []
     for label in labels:
         cells.append(Cell(label, "act", sites[0] if sites else "attn_logits", NATIVE, grans[0]))  # the float reference
@@ -91,6 +97,7 @@ def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: lis
                     cells += [Cell(label, "act", site, b, g, mitigate=fix) for b in bits]
             if wa:
                 cells += [Cell(label, "wa", "linear", a, "token", w, mitigate=fix) for w in wa for a in wa]
+            cells += [Cell(label, "scheme", name, mitigate=fix) for name in schemes]
             if layer_bits:
                 for site in sites:
                     cells += [Cell(label, "layer", site, layer_bits, grans[0], layer=i, mitigate=fix)
@@ -122,9 +129,30 @@ class Evaluator:
             elif e.startswith("mc:"):
                 r = multiple_choice(model, self.tokenizer, self.mc[e[3:]])
                 name = task_label(e[3:])
-                out.update({f"{name}_acc": r["acc"], f"{name}_acc_se": r["acc_se"], f"{name}_acc_norm": r["acc_norm"],
-                            f"{name}_acc_norm_se": r["acc_norm_se"], f"{name}_examples": r["examples"]})
+                out.update({f"{name}_{k}": r[k] for k in ("acc", "acc_se", "acc_ci95", "acc_norm", "acc_norm_se",
+                                                           "acc_norm_ci95", "examples", "chance", "correct",
+                                                           "correct_norm")})
         return out
+
+
+def save_layer_kurtosis(models: dict[str, tuple], text: str, seq_len: int, tokens: int, out: Path) -> Path:
+    """Profile each model's attention logits and hidden states on `tokens` tokens of `text` (float, no
+    quantizer) and write their Pearson kurtosis per layer to out/layer_kurtosis.json, so the accuracy figure
+    shows beside each model's accuracy where its outliers are. Kept when it exists (a resumed sweep)."""
+    from diffquant.data.tokens import encode, sequences
+    from diffquant.profile import profile_model
+    from diffquant.report.profile_report import layer_series
+
+    path = out / "layer_kurtosis.json"
+    if path.exists():
+        return path
+    result = {"tokens": tokens, "seq_len": seq_len, "models": {}}
+    for label, (model, tokenizer) in models.items():
+        prof = profile_model(model, sequences(encode(tokenizer, text), seq_len, tokens), progress=False, label=label)
+        result["models"][label] = {kind: [{"layer": r["layer"], "kurtosis": r["kurtosis"], "absmax": r["absmax"]}
+                                          for r in rows] for kind, rows in layer_series(prof).items()}
+    atomic_write_json(path, result)
+    return path
 
 
 def task_label(spec: str) -> str:
@@ -153,8 +181,14 @@ def load_done(out: Path) -> dict[str, dict]:
 
 
 def append_row(out: Path, row: dict) -> None:
-    with open(out / "cells.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+    path = out / "cells.jsonl"
+    cut = False
+    if path.exists() and path.stat().st_size > 0:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            cut = f.read(1) != b"\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(("\n" if cut else "") + json.dumps(row) + "\n")  # a line cut by an interruption stays apart
         f.flush()
         os.fsync(f.fileno())
 
@@ -216,24 +250,36 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
 
 
 def versus_float(fp: dict, q: dict) -> dict:
-    """The cell's change from its model's float evaluation on the same sequences: paired Δloss with its 95%
-    t-interval (n − 1 degrees of freedom), and the same as a perplexity change in % (exp(Δ) − 1)."""
+    """The cell's change from its model's float evaluation on the same sequences and examples: paired Δloss
+    with its 95% interval and the same as a perplexity change in % (exp(Δ) − 1); for each multiple-choice
+    accuracy, the change in accuracy with the exact McNemar test over the same examples."""
     import math
 
-    from diffquant.stats.intervals import paired
+    from diffquant.stats.intervals import mcnemar_exact, paired
 
-    if "per_sequence_loss" not in fp or "per_sequence_loss" not in q:
-        return {}
-    d = paired(fp["per_sequence_loss"], q["per_sequence_loss"])
-    pct = lambda x: 100 * (math.exp(x) - 1)  # noqa: E731
-    return {"delta_loss": d["mean"], "delta_loss_ci95": d["ci95"], "ppl_change_pct": pct(d["mean"]),
-            "ppl_change_pct_ci95": [pct(x) for x in d["ci95"]] if d["ci95"] else None}
+    out = {}
+    if "per_sequence_loss" in fp and "per_sequence_loss" in q:
+        d = paired(fp["per_sequence_loss"], q["per_sequence_loss"])
+        pct = lambda x: 100 * (math.exp(x) - 1)  # noqa: E731
+        out.update({"delta_loss": d["mean"], "delta_loss_ci95": d["ci95"], "ppl_change_pct": pct(d["mean"]),
+                    "ppl_change_pct_ci95": [pct(x) for x in d["ci95"]] if d["ci95"] else None})
+    for key in OUTCOMES:
+        for name in (k[:-len(key)] for k in q if k.endswith(key) and k in fp):
+            metric = name + key.replace("_correct", "_acc")
+            t = mcnemar_exact(fp[name + key], q[name + key])
+            out.update({f"{metric}_delta": t["delta"], f"{metric}_mcnemar_p": t["p"], f"{metric}_gained": t["gained"],
+                        f"{metric}_lost": t["lost"]})
+    return out
+
+
+OUTCOMES = ("_correct", "_correct_norm")  # per-example 0/1 metrics of a multiple-choice task, kept in cells.jsonl
 
 
 def _flat(row: dict) -> dict:
-    """A result row: the cell and its metrics, without the per-sequence values (kept in cells.jsonl)."""
+    """A result row: the cell and its metrics, without the per-sequence and per-example values (kept in
+    cells.jsonl)."""
     return {**{k: v for k, v in row.items() if k != "metrics"},
-            **{k: v for k, v in row["metrics"].items() if k != "per_sequence_loss"}}
+            **{k: v for k, v in row["metrics"].items() if k != "per_sequence_loss" and not k.endswith(OUTCOMES)}}
 
 
 def sample_size(r: dict, metric: str) -> int | None:
@@ -247,12 +293,20 @@ def sample_size(r: dict, metric: str) -> int | None:
 
 def cell_text(r: dict, metric: str) -> str:
     """Perplexity as "74.11 [71.8, 76.5]" (exp of the loss's 95% t-interval over sequences), other metrics as
-    "0.242 ± 0.010", with the paired change from float for quantized cells: "76.04 [73.7, 78.5] (+2.6% [+2.1, +3.1])"."""
+    "0.242 ± 0.010", with the paired change from float for quantized cells: "76.04 [73.7, 78.5] (+2.6% [+2.1, +3.1])";
+    a multiple-choice accuracy: "61.3% [55.7, 66.7] (-2.0 pts, McNemar p = 0.041)" (95% Wilson interval, paired
+    change from float with the exact McNemar test)."""
     from diffquant.stats.intervals import fmt_interval, fmt_pm, half95
 
     v = r.get(metric)
     if v is None:
         return "-"
+    if r.get(f"{metric}_ci95") and metric != "ppl":  # a multiple-choice accuracy: Wilson interval, McNemar test
+        lo, hi = r[f"{metric}_ci95"]
+        text = f"{100 * v:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+        if r.get(f"{metric}_mcnemar_p") is not None:
+            text += f" ({100 * r[f'{metric}_delta']:+.1f} pts, McNemar p = {r[f'{metric}_mcnemar_p']:.2g})"
+        return text
     if metric == "ppl":
         text = fmt_interval(v, r.get("ppl_ci95"), 4)
     else:
@@ -288,8 +342,11 @@ def summary_table(rows: list[dict]) -> str:
 
     body = [[m, s, g, *([fix] if fixes else []), *[cell(m, v, b) for b in bits]] for (m, s, g, fix), v in groups.items()]
     n = next((r.get("tokens") or r.get(metric.replace("_acc", "_examples")) for r in act), None)
-    what = ("perplexity [95% interval: exp of the loss's t-interval over sequences]" if metric == "ppl"
-            else f"{metric} ± 95% t-interval")
-    return (f"{metric} by bit-width ({n:,} held-out {'tokens' if metric == 'ppl' else 'examples'} per cell; {what}; "
-            "in parentheses the change from 16-bit with its 95% paired t-interval):\n\n"
+    if metric != "ppl" and act[0].get(f"{metric}_ci95"):
+        how = "95% Wilson interval; in parentheses the paired change from 16-bit with the exact McNemar test"
+    else:
+        what = ("perplexity [95% interval: exp of the loss's t-interval over sequences]" if metric == "ppl"
+                else f"{metric} ± 95% t-interval")
+        how = f"{what}; in parentheses the change from 16-bit with its 95% paired t-interval"
+    return (f"{metric} by bit-width ({n:,} held-out {'tokens' if metric == 'ppl' else 'examples'} per cell; {how}):\n\n"
             + markdown(["model", "site", "granularity", *(["fix"] if fixes else []), *[f"{b}-bit" for b in bits]], body))

@@ -6,7 +6,7 @@
                                                   # into docs/demo, then rewrite
 
 Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/rivals/*/results.json,
-docs/mitigations/results.json and benchmarks/results-cpu.json. A missing source leaves its part out.
+docs/mitigations/results.json, docs/fig8_real/results.md and benchmarks/results-cpu.json. A missing source leaves its part out.
 """
 
 from __future__ import annotations
@@ -233,6 +233,15 @@ def mitigations_part() -> list[str]:
             "![mitigations](docs/mitigations/mitigations.png)", ""]
 
 
+def fig8_real_part() -> list[str]:
+    """Accuracy versus bit-width on SmolLM2-135M-Instruct (experiments/fig8_real_model.py); its results.md
+    carries the task-selection record, the table and the figure."""
+    results = _load("docs/fig8_real/results.json")
+    if results is None or "figure" not in results:
+        return _md("docs/fig8_real/results.md")
+    return [*_md("docs/fig8_real/results.md"), f"![accuracy versus bits]({results['figure']})", ""]
+
+
 def _history(n: int = 3) -> list[dict]:
     """The last n full (not --quick) benchmark runs, oldest first."""
     p = ROOT / "benchmarks/history-cpu.jsonl"
@@ -319,7 +328,8 @@ def benchmark_part() -> list[str]:
 
 
 def results_block() -> str:
-    parts = demo_part() + emergence_part() + rivals_part() + mitigations_part() + benchmark_part()
+    parts = (demo_part() + emergence_part() + rivals_part() + mitigations_part() + fig8_real_part()
+             + benchmark_part())
     return "\n".join(parts).strip()
 
 

@@ -191,6 +191,11 @@ def _sweep(sub) -> None:
     p.add_argument("--eval", default="ppl", help="comma-separated: ppl, needle, mc:TASK (BIG-bench name or .jsonl)")
     p.add_argument("--wa-grid", default=None, help="bit-widths for a weight × activation grid, e.g. 8,6,4")
     p.add_argument("--per-layer", type=int, default=None, help="BITS: quantize one layer at a time (sensitivity)")
+    p.add_argument("--schemes", default="", help="comma-separated whole-model schemes evaluated beside the "
+                                                 "bit-width cells, e.g. w8a8-static,w4a16 (presets or files)")
+    p.add_argument("--kurtosis-tokens", type=int, default=0,
+                   help="profile attention logits and hidden states on this many held-out tokens and draw their "
+                        "kurtosis per layer beside the accuracy figure (default 0: none)")
     p.add_argument("--mitigate", default="none",
                    help="comma-separated fixes applied before each scheme, one more sweep axis: none, "
                         "smoothquant[:ALPHA], rotate[:SEED], clip:mse, clip:percentile:P (calibrated on the training "

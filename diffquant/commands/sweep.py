@@ -8,7 +8,8 @@ from diffquant.commands.common import parse_model_args
 from diffquant.errors import DiffquantError
 from diffquant.memory import check_fits
 from diffquant.paths import atomic_write_json
-from diffquant.sweep import Evaluator, build_cells, check_evals, parse_bits, run_cells, summary_table
+from diffquant.sweep import (Evaluator, build_cells, check_evals, parse_bits, run_cells, save_layer_kurtosis,
+                             summary_table)
 
 
 def run_cli(args) -> None:
@@ -35,7 +36,8 @@ def run_cli(args) -> None:
             raise DiffquantError(f"{out} already holds a sweep; pass --resume to continue it or --force to restart")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "sweep_config.json", config)
-    val = corpus_text(args.data, "validation", args.cache_dir) if "needle" in evals else ""  # the needle haystack
+    # the needle haystack, and the text the per-layer kurtosis profile reads
+    val = corpus_text(args.data, "validation", args.cache_dir) if "needle" in evals or args.kurtosis_tokens else ""
     mc = {e[3:]: load_task(e[3:], args.mc_limit, cache=args.cache_dir) for e in evals if e.startswith("mc:")}
     models, evaluators, calibration = {}, {}, {}
     for label, source in parse_model_args(args.model):
@@ -50,7 +52,10 @@ def run_cli(args) -> None:
                                             args.cache_dir, chars=200_000)
     layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
     mitigations = [m.strip() for m in args.mitigate.split(",") if m.strip()]
-    cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers, mitigations)
+    cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers, mitigations,
+                        [x.strip() for x in args.schemes.split(",") if x.strip()])
+    if args.kurtosis_tokens:
+        save_layer_kurtosis(models, val, args.seq_len, args.kurtosis_tokens, out)
     rows = run_cells(models, cells, evaluators, out, compile=args.compile, calibration=calibration)
     if not args.no_plots:
         from diffquant.report.sweep_plots import plot_sweep

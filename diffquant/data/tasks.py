@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
-import subprocess
-import sys
+import shutil
 import tarfile
+import urllib.request
 from pathlib import Path
 
 from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_text, cache_dir
 
 BIGBENCH = "bigbench==1.0.0"
+# pip (>= 25) refuses to download this sdist, even with --no-deps, because its metadata declares a direct-URL
+# dependency (bleurt @ file://...); so the pinned file is fetched from PyPI's file host and checked by its hash.
+SDIST_URL = ("https://files.pythonhosted.org/packages/95/f8/c019b3579df548a04cac12342cfcb878e50ddf6cfcd7fddba8cfc721"
+             "c157/bigbench-1.0.0.tar.gz")
+SDIST_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2"
 
 
 def _bigbench_dir(cache: str | None) -> Path:
@@ -22,22 +28,30 @@ def _bigbench_dir(cache: str | None) -> Path:
     if done.exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    sdists = list(folder.glob("bigbench-*.tar.gz"))
-    if not sdists:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", str(folder),
-               BIGBENCH]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        sdists = list(folder.glob("bigbench-*.tar.gz"))
-        if result.returncode != 0 or not sdists:
-            raise DiffquantError(f"could not fetch {BIGBENCH} ({result.stderr.strip()[-200:]}); pass a local JSONL task")
-    with tarfile.open(sdists[0]) as tar:
+    sdist = folder / "bigbench-1.0.0.tar.gz"
+    if not sdist.exists():
+        part = sdist.with_suffix(".gz.part")
+        try:
+            with urllib.request.urlopen(SDIST_URL, timeout=60) as response, open(part, "wb") as f:
+                shutil.copyfileobj(response, f)
+        except OSError as e:
+            raise DiffquantError(f"could not fetch {BIGBENCH} ({e}); pass a local JSONL task") from None
+        digest = hashlib.sha256()
+        with open(part, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != SDIST_SHA256:
+            part.unlink()
+            raise DiffquantError(f"{BIGBENCH}: the downloaded file's sha256 does not match PyPI's")
+        part.replace(sdist)
+    with tarfile.open(sdist) as tar:
         for member in tar:
             if member.isfile() and member.name.endswith("/task.json") and "/benchmark_tasks/" in member.name:
                 rel = member.name.split("/benchmark_tasks/", 1)[1]
                 target = folder / "tasks" / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(tar.extractfile(member).read())
-    sdists[0].unlink()
+    sdist.unlink()
     done.write_text("ok")
     return folder
 

@@ -135,5 +135,7 @@ def plot_sensitivity(rows: list[dict], out: Path) -> list[Path]:
 
 
 def plot_sweep(rows: list[dict], out: Path) -> list[Path]:
+    from diffquant.report.accuracy_plots import plot_accuracy
+
     out = Path(out)
-    return plot_bits(rows, out) + plot_wa(rows, out) + plot_sensitivity(rows, out)
+    return plot_bits(rows, out) + plot_wa(rows, out) + plot_sensitivity(rows, out) + plot_accuracy(rows, out)

@@ -12,6 +12,10 @@ over seeds.
 - A table of several tests (one design against another, metric by metric) controls the family-wise error
   with Holm's step-down correction; a verdict is drawn where the adjusted p < 0.05, and otherwise it says
   "no difference detected (n = …)", which is not "equal".
+- A multiple-choice accuracy k / n is a binomial proportion: its interval is Wilson's score interval (it
+  stays inside [0, 1] and keeps its coverage near 0 and 1, where p ± 1.96 SE does not). Two settings scored
+  on the same examples are compared by the exact McNemar test: only the examples on which they disagree
+  carry information, and under "no difference" each of those is equally likely to go either way.
 """
 
 from __future__ import annotations
@@ -140,3 +144,38 @@ def verdict(diff: float, p_adjusted: float, n: int, words=("higher", "lower")) -
     if p_adjusted < ALPHA and diff:
         return f"{words[0] if diff > 0 else words[1]} (p {p_adjusted:.2g})"
     return f"no difference detected (n = {n}, p {p_adjusted:.2g})"
+
+
+def wilson(k: int, n: int, confidence: float = 0.95) -> list[float]:
+    """Wilson's score interval for a binomial proportion k / n:
+    (p + z²/2n ± z·√(p(1−p)/n + z²/4n²)) / (1 + z²/n), with z the normal quantile of the confidence."""
+    if n <= 0 or not 0 <= k <= n:
+        raise ValueError(f"a binomial proportion needs 0 <= k <= n and n > 0, got k={k}, n={n}")
+    z = _normal_quantile(0.5 + confidence / 2)
+    p = k / n
+    centre = p + z * z / (2 * n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return [max(0.0, (centre - half) / (1 + z * z / n)), min(1.0, (centre + half) / (1 + z * z / n))]
+
+
+def _normal_quantile(p: float) -> float:
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(p)
+
+
+def mcnemar_exact(a: list[bool], b: list[bool]) -> dict:
+    """Exact two-sided McNemar test of paired 0/1 outcomes of two settings on the same examples: with
+    `gained` = examples b gets right and a wrong, `lost` the reverse, and m = gained + lost, the p-value is
+    P(X <= min(gained, lost)) doubled (capped at 1) for X ~ Binomial(m, 1/2); p = 1 when m = 0.
+    Also returns the accuracy change b − a."""
+    if len(a) != len(b):
+        raise ValueError(f"paired outcomes need the same examples ({len(a)} vs {len(b)})")
+    if not a:
+        raise ValueError("paired outcomes need at least one example")
+    gained = sum(1 for x, y in zip(a, b) if y and not x)
+    lost = sum(1 for x, y in zip(a, b) if x and not y)
+    m = gained + lost
+    tail = sum(math.comb(m, i) for i in range(min(gained, lost) + 1)) / 2 ** m  # exact integers, then one division
+    return {"gained": gained, "lost": lost, "discordant": m, "p": min(1.0, 2 * tail),
+            "delta": (gained - lost) / len(a)}
