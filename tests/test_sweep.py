@@ -89,6 +89,7 @@ def test_sweep_cli_resumes(tmp_path, micro_pair, capsys):
     assert all(r["ppl"] == fp[r["model"]] for r in rows if r["bits"] == 16 and r["kind"] == "act")
     # the paired change from float, against numpy on the per-sequence losses kept in cells.jsonl
     import numpy as np
+    import scipy.stats
 
     cells = {json.loads(line)["key"]: json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()}
     for r in rows:
@@ -98,7 +99,7 @@ def test_sweep_cli_resumes(tmp_path, micro_pair, capsys):
         f = np.array(next(c for c in cells.values() if c["model"] == r["model"] and c["scheme"] == "fp")
                      ["metrics"]["per_sequence_loss"])
         d = q - f
-        half = 1.959964 * d.std(ddof=1) / np.sqrt(len(d))
+        half = scipy.stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))  # paired t-interval
         assert r["delta_loss"] == pytest.approx(d.mean(), abs=1e-9)
         assert r["delta_loss_ci95"] == pytest.approx([d.mean() - half, d.mean() + half], abs=1e-9)
         assert r["ppl_change_pct"] == pytest.approx(100 * (np.exp(d.mean()) - 1), rel=1e-9)
