@@ -10,7 +10,7 @@ import torch
 
 from diffquant.compiled import CompiledOrEager
 from diffquant.quant.formats import Format, grid
-from diffquant.quant.granularity import Granularity, PerGroup
+from diffquant.quant.granularity import Granularity, KVChannel, PerGroup
 
 
 def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...],
@@ -27,10 +27,26 @@ def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...],
         if pad:
             x = torch.cat([x, x.new_zeros(*x.shape[:-1], pad)], dim=-1)
         return x.unflatten(-1, (-1, gran.size)), (x.dim(),)
+    if position_runs(gran):  # runs of G positions: [.., pos, ..] -> [.., run, G, ..], one scale per run
+        pos = dims.index("pos")
+        pad = -x.shape[pos] % gran.group
+        if pad:
+            x = torch.cat([x, x.new_zeros(*x.shape[:pos], pad, *x.shape[pos + 1:])], dim=pos)
+        return x.unflatten(pos, (-1, gran.group)), (pos + 1,)
     reduce = gran.reduce_dims(x, dims)
     if per_sequence and "batch" in dims and len(dims) == x.dim():
         reduce = tuple(i for i in reduce if i != dims.index("batch"))
     return x, reduce
+
+
+def position_runs(gran: Granularity) -> bool:
+    """Whether scales cover runs of positions (KIVI's grouped per-channel keys), so x is regrouped."""
+    return isinstance(gran, KVChannel) and gran.group > 0
+
+
+def elementwise_groups(gran: Granularity) -> bool:
+    """Whether `grouped` reshapes x, so a broadcast mask must first be expanded to x's shape."""
+    return isinstance(gran, PerGroup) or position_runs(gran)
 
 
 def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | None, symmetric: bool):
@@ -121,18 +137,22 @@ _COMPILED_ROUNDTRIP = CompiledOrEager(_int_roundtrip)
 
 
 def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity | None = None,
-                  compiled: bool = False) -> torch.Tensor:
+                  compiled: bool = False, dims: tuple[str, ...] = ()) -> torch.Tensor:
     """Quantize-dequantize with a straight-through gradient (identity), in x's shape. `compiled` fuses
-    the integer round trip with torch.compile (eager where it cannot compile)."""
+    the integer round trip with torch.compile (eager where it cannot compile); `dims` (the site's) are
+    needed by granularities that group positions."""
     xf = x.detach() if x.dtype == torch.float32 else x.detach().float()
-    if isinstance(gran, PerGroup):
-        xf = grouped(xf, gran, ())[0]
+    if elementwise_groups(gran):
+        xf = grouped(xf, gran, dims)[0]
     if compiled and fmt.is_int:
         y = _COMPILED_ROUNDTRIP(xf, scale, zero, fmt.qmin, fmt.qmax).to(x.dtype)
     else:
         y = dequantize(quantize(xf, scale, zero, fmt), scale, zero, fmt).to(x.dtype)
     if isinstance(gran, PerGroup):
         y = y.flatten(-2)[..., :x.shape[-1]]  # drop a ragged last group's padding
+    elif position_runs(gran):
+        pos = dims.index("pos")
+        y = y.flatten(pos, pos + 1).narrow(pos, 0, x.shape[pos])
     if x.requires_grad:
         y = x + (y - x).detach()  # straight-through estimator
     return y
@@ -146,10 +166,10 @@ def dynamic_fake_quantize(x: torch.Tensor, fmt: Format, gran: Granularity, dims:
     xg, reduce = grouped(xd, gran, dims, per_sequence=True)
     vg = None
     if valid is not None:  # kept broadcast where it can be: no full-size mask
-        vg = grouped(valid.expand_as(x) if isinstance(gran, PerGroup) else valid, gran, dims)[0]
+        vg = grouped(valid.expand_as(x) if elementwise_groups(gran) else valid, gran, dims)[0]
     lo, hi = value_range(xg, reduce, vg, fmt.symmetric)
     scale, zero = qparams(lo, hi, fmt)
-    return fake_quantize(x, scale, zero, fmt, gran, compiled)
+    return fake_quantize(x, scale, zero, fmt, gran, compiled, dims)
 
 
 def keep_masked(y: torch.Tensor, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
