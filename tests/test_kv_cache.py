@@ -67,6 +67,15 @@ def projections(model, ids, layer=0):
     return {n: y.view(*y.shape[:2], -1, d).transpose(1, 2) for n, y in out.items()}
 
 
+def minmax(x, bits, reduce):
+    """Hand min-max quantizer with a float offset (KIVI, quanto): q = round((x − min)/s), x̂ = q·s + min."""
+    qmax = 2 ** bits - 1
+    lo, hi = x.amin(dim=reduce, keepdim=True), x.amax(dim=reduce, keepdim=True)
+    scale = (hi - lo) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.clamp(torch.round((x - lo) / scale), 0, qmax) * scale + lo
+
+
 def asym(x, bits, reduce):
     """Hand asymmetric min-max quantizer (range widened to contain 0) over the dims `reduce`."""
     qmax = 2 ** bits - 1
@@ -146,12 +155,12 @@ def test_sink_aware_keeps_first_tokens_bit_exact_and_quantizes_the_rest(llama_gq
     for name in ("layers.0.k_cache", "layers.1.v_cache"):
         x, y = fp[name], q[name]
         assert torch.equal(y[:, :, :1], x[:, :, :1])
-        assert torch.allclose(y[:, :, 1:], asym(x[:, :, 1:], 4, (-1,)), atol=1e-6)
+        assert torch.allclose(y[:, :, 1:], minmax(x[:, :, 1:], 4, (-1,)), atol=1e-6)
         assert not torch.equal(y, x)
 
 
 def test_kivi_channel_runs_and_recent_window(llama_gqa, ids):
-    k = QuantConfig(Format("int", 2, False), G.KVChannel(4), keep_first=1, keep_last=3)
+    k = QuantConfig(Format("int", 2, False, minmax=True), G.KVChannel(4), keep_first=1, keep_last=3)
     v = QuantConfig(Format("int", 3, False), G.PerGroup(8), keep_last=3)
     scheme = QuantScheme("kivi-test", (("*.k_cache", k), ("*.v_cache", v)))
     fp, q = observe(llama_gqa, ids, scheme=scheme)
@@ -159,7 +168,7 @@ def test_kivi_channel_runs_and_recent_window(llama_gqa, ids):
     assert torch.equal(y[:, :, :1], x[:, :, :1]) and torch.equal(y[:, :, T - 3:], x[:, :, T - 3:])
     for start in range(1, T - 3, 4):  # runs of 4 positions from the sink on; the last one ragged
         end = min(start + 4, T - 3)
-        assert torch.allclose(y[:, :, start:end], asym(x[:, :, start:end], 2, (2,)), atol=1e-6)
+        assert torch.allclose(y[:, :, start:end], minmax(x[:, :, start:end], 2, (2,)), atol=1e-6)
     x, y = fp["layers.0.v_cache"], q["layers.0.v_cache"]
     groups = x[:, :, : T - 3].unflatten(-1, (2, 8))
     assert torch.allclose(y[:, :, : T - 3], asym(groups, 3, (-1,)).flatten(-2), atol=1e-6)
@@ -223,7 +232,7 @@ def test_decode_greedy_generation_matches_prefill_quantization(llama_gqa, ids):
 def test_write_once_cache_quantizes_runs_once_when_complete(llama_gqa, ids):
     """kv-channel:4 keys after a sink of 1: after 11 tokens, runs [1, 5) and [5, 9) are quantized, each from
     its float keys alone; positions 9, 10 wait in full precision."""
-    k = QuantConfig(Format("int", 2, False), G.KVChannel(4), keep_first=1)
+    k = QuantConfig(Format("int", 2, False, minmax=True), G.KVChannel(4), keep_first=1)
     scheme = QuantScheme("runs", (("*.k_cache", k),))
     cache = write_once_cache(llama_gqa, scheme)
     with torch.no_grad():
@@ -234,7 +243,7 @@ def test_write_once_cache_quantizes_runs_once_when_complete(llama_gqa, ids):
     stored = cache.layers[0].keys
     assert torch.equal(stored[:, :, :1], float_keys[:, :, :1])
     for start in (1, 5):
-        assert torch.allclose(stored[:, :, start:start + 4], asym(float_keys[:, :, start:start + 4], 2, (2,)),
+        assert torch.allclose(stored[:, :, start:start + 4], minmax(float_keys[:, :, start:start + 4], 2, (2,)),
                               atol=1e-5)
     assert torch.allclose(stored[:, :, 9:], float_keys[:, :, 9:], atol=1e-5)
 
@@ -265,3 +274,28 @@ def test_cache_sites_on_a_fused_qkv_family():
     assert "layers.0.k_cache" in site_table(phi3).sites
     handle = attach(phi3, {"*.k_cache": lambda x, ctx: None})
     handle.remove()
+
+
+@pytest.mark.parametrize("family", ["llama", "diffllama-gqa"])
+def test_simulation_matches_transformers_quanto_cache(family):
+    """transformers' QuantizedCache (quanto backend: min-max groups along the head dim, axis 0, a residual
+    of 4 tokens re-quantized with the cache when full) against diffquant's simulation of the same rule:
+    the same logits at every decode step."""
+    pytest.importorskip("optimum.quanto")
+    from transformers.cache_utils import QuantizedCache
+
+    from diffquant.models.fused import fuse
+    from diffquant.quant.kv_cache import residual_requant_cache
+
+    model = FAMILIES[family].build()
+    fuse(model)
+    ids = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(1))
+    cfg = QuantConfig(Format("int", 2, False, minmax=True), G.PerGroup(8))
+    scheme = QuantScheme("q2", (("*.k_cache", cfg), ("*.v_cache", cfg)))
+    real = decode_logits(model, ids, None, 6, QuantizedCache("quanto", model.config, nbits=2, q_group_size=8,
+                                                               residual_length=4))
+    sim = decode_logits(model, ids, scheme, 6, residual_requant_cache(model, scheme, 4))
+    with torch.no_grad():
+        fp = model(ids).logits
+    assert torch.allclose(real, sim, atol=1e-5)
+    assert (real - fp).abs().max() > 1e-3  # the real cache does quantize

@@ -90,7 +90,7 @@ class FakeQuant:
 
     def observe_range(self, x: torch.Tensor, ctx) -> None:
         xg, reduce = Q.grouped(x.detach().float(), self.config.granularity, ctx.site.dims, per_sequence=True)
-        lo, hi = Q.value_range(xg, reduce, ctx.valid, self.config.format.symmetric)
+        lo, hi = Q.value_range(xg, reduce, ctx.valid, self.config.format.symmetric, not self.config.format.minmax)
         if self._block_range is None:
             self._block_range = (lo, hi)
         else:
@@ -111,7 +111,7 @@ class FakeQuant:
             self._hist = self._hist or AbsHistogram(x.device)
             self._hist.add(xg, vg)  # non-finite values are never counted
             return
-        lo, hi = Q.value_range(xg, reduce, vg, cfg.format.symmetric)
+        lo, hi = Q.value_range(xg, reduce, vg, cfg.format.symmetric, not cfg.format.minmax)
         if self._lo is None:
             self._lo, self._hi = lo, hi
         elif self._lo.shape != lo.shape:

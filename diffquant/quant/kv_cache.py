@@ -79,10 +79,8 @@ def write_once_cache(model, scheme) -> WriteOnceCache:
     """A fresh cache that quantizes `scheme`'s `k_cache` / `v_cache` sites on write. Refuses a scheme with any
     other site (apply those with `quantize_`), and models whose cache is not one full-attention layer per
     decoder layer (sliding windows, KV sharing, linear attention)."""
-    from diffquant.quant.fake import FakeQuant
     from diffquant.quant.scheme import plan
     from diffquant.taps import site_table
-    from diffquant.taps.tap import TapContext
 
     table = site_table(model)
     config = model.config.get_text_config(decoder=True)
@@ -96,24 +94,81 @@ def write_once_cache(model, scheme) -> WriteOnceCache:
     if other:
         raise DiffquantError(f"scheme {scheme.name!r} quantizes sites other than the KV cache ({other[0]}, ...); "
                              "a write-once cache simulates k_cache/v_cache only")
-    layers = []
+    return WriteOnceCache([WriteOnceLayer(q) for q in _layer_quantizers(model, scheme)])
+
+
+def _layer_quantizers(model, scheme, both: bool = False) -> list[dict]:
+    """Per decoder layer {"keys"/"values": (FakeQuant, TapContext)} of the scheme's cache sites."""
+    from diffquant.quant.fake import FakeQuant
+    from diffquant.quant.scheme import plan
+    from diffquant.taps import site_table
+    from diffquant.taps.tap import TapContext
+
+    table, planned = site_table(model), plan(model, scheme)
+    out = []
     for i in range(len(table.layers)):
         quant = {}
         for which, point in (("keys", "k_cache"), ("values", "v_cache")):
             name = f"layers.{i}.{point}"
             if name in planned:
                 quant[which] = (FakeQuant(planned[name]), TapContext(table.sites[name]))
-        layers.append(WriteOnceLayer(quant))
-    return WriteOnceCache(layers)
+            elif both:
+                raise DiffquantError(f"scheme {scheme.name!r} leaves {name} in full precision; this cache "
+                                     "quantizes keys and values together")
+        out.append(quant)
+    return out
+
+
+class ResidualRequantLayer(DynamicLayer):
+    """transformers' `QuantizedLayer` rule (its quanto / HQQ caches), simulated with diffquant's quantizers,
+    to check the simulation against the real cache: the prompt is attended in full precision and stored
+    quantized; later tokens wait in a full-precision residual of up to `residual` tokens, and when it fills,
+    the dequantized cache and the residual are quantized again as one tensor. `quant`: {"keys"/"values":
+    (FakeQuant, TapContext)}; their configs' kept windows are not used (this rule has none)."""
+
+    def __init__(self, quant: dict, residual: int):
+        super().__init__()
+        self.quant, self.residual, self.length = quant, residual, 0
+        self.stored = {}
+
+    def _q(self, which: str, x: torch.Tensor) -> torch.Tensor:
+        fq, ctx = self.quant[which]
+        return fq.apply_all(x.contiguous(), ctx)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.length += key_states.shape[-2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.stored = {"keys": self._q("keys", key_states), "values": self._q("values", value_states)}
+            return key_states, value_states
+        keys = torch.cat([self.stored["keys"], self.keys, key_states], dim=-2)
+        values = torch.cat([self.stored["values"], self.values, value_states], dim=-2)
+        waiting = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        if waiting + key_states.shape[-2] >= self.residual:
+            self.stored = {"keys": self._q("keys", keys), "values": self._q("values", values)}
+            self.keys = self.values = torch.tensor([], dtype=key_states.dtype, device=key_states.device)
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+def residual_requant_cache(model, scheme, residual: int) -> Cache:
+    """A cache of `ResidualRequantLayer`s quantizing with `scheme`'s k_cache / v_cache configs."""
+    return Cache(layers=[ResidualRequantLayer(q, residual) for q in _layer_quantizers(model, scheme, both=True)])
 
 
 @torch.inference_mode()
-def decode_logits(model, ids: torch.Tensor, scheme, prompt: int) -> torch.Tensor:
+def decode_logits(model, ids: torch.Tensor, scheme, prompt: int, cache: Cache | None = None) -> torch.Tensor:
     """Logits of every position of `ids` [batch, T] computed the way a cache is used: the first `prompt`
-    tokens in one forward, then one token per forward through a write-once quantized cache."""
+    tokens in one forward, then one token per forward through `cache` (default: a write-once quantized
+    cache of `scheme`)."""
     if not 1 <= prompt <= ids.shape[1]:
         raise DiffquantError(f"prompt length {prompt} must be within 1..{ids.shape[1]}")
-    cache = write_once_cache(model, scheme)
+    cache = cache if cache is not None else write_once_cache(model, scheme)
     out = [model(ids[:, :prompt], cache=cache, use_cache=True).logits]
     for t in range(prompt, ids.shape[1]):
         out.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
@@ -121,9 +176,10 @@ def decode_logits(model, ids: torch.Tensor, scheme, prompt: int) -> torch.Tensor
 
 
 @torch.inference_mode()
-def decode_greedy(model, prompt_ids: torch.Tensor, scheme, new_tokens: int) -> torch.Tensor:
-    """Greedy continuation [batch, new_tokens] of `prompt_ids`, decoding through a write-once quantized cache."""
-    cache = write_once_cache(model, scheme)
+def decode_greedy(model, prompt_ids: torch.Tensor, scheme, new_tokens: int, cache: Cache | None = None) -> torch.Tensor:
+    """Greedy continuation [batch, new_tokens] of `prompt_ids`, decoding through `cache` (default: a
+    write-once quantized cache of `scheme`)."""
+    cache = cache if cache is not None else write_once_cache(model, scheme)
     logits = model(prompt_ids, cache=cache, use_cache=True).logits[:, -1]
     tokens = []
     for _ in range(new_tokens):

@@ -49,8 +49,16 @@ def elementwise_groups(gran: Granularity) -> bool:
     return isinstance(gran, PerGroup) or position_runs(gran)
 
 
-def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | None, symmetric: bool):
-    """(lo, hi) per scale group with keepdim; symmetric formats only need hi = max |x|."""
+def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | None, symmetric: bool,
+                contain_zero: bool = True):
+    """(lo, hi) per scale group with keepdim; symmetric formats only need hi = max |x|. `contain_zero=False`
+    (min-max formats): the exact range of the valid entries."""
+    if not contain_zero:
+        ok = torch.isfinite(x) if valid is None else valid & torch.isfinite(x)
+        lo = torch.where(ok, x, float("inf")).amin(dim=reduce, keepdim=True)
+        hi = torch.where(ok, x, float("-inf")).amax(dim=reduce, keepdim=True)
+        empty = ~torch.isfinite(lo)
+        return torch.where(empty, 0, lo), torch.where(empty, 0, hi)
     # fast path: masked entries zeroed by a float multiply (bool masks are slow on CPU); the zeros they
     # leave cannot move the range, which always contains 0. A non-finite value anywhere sends it below.
     xm = x if valid is None else x * valid.to(x.dtype)
@@ -90,6 +98,9 @@ def _aminmax(x: torch.Tensor, reduce: tuple[int, ...]) -> tuple[torch.Tensor, to
 
 def qparams(lo: torch.Tensor, hi: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero_point) covering [lo, hi]: absmax / qmax for symmetric formats, min/max otherwise."""
+    if fmt.minmax:  # "zero" is the float offset lo: x ≈ q·scale + lo
+        scale = (hi - lo) / fmt.qmax
+        return torch.where(scale > 0, scale, torch.ones_like(scale)), lo.clone()
     if fmt.symmetric:
         scale = torch.maximum(lo.abs(), hi.abs()) / fmt.qmax
         zero = torch.zeros_like(scale)
@@ -104,6 +115,8 @@ def qparams(lo: torch.Tensor, hi: torch.Tensor, fmt: Format) -> tuple[torch.Tens
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Integer codes (int formats) or unscaled grid values (float formats), as float tensors."""
+    if fmt.minmax:
+        return torch.sub(x, zero).div_(scale).round_().clamp_(0, fmt.qmax)
     if fmt.is_int:
         q = torch.div(x, scale).round_()  # one new tensor, then in place
         if fmt.symmetric:
@@ -121,6 +134,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Form
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Values from codes; works in place on `q`, which `quantize` created."""
+    if fmt.minmax:
+        return q.mul_(scale).add_(zero)
     if fmt.is_int and not fmt.symmetric:
         return q.sub_(zero).mul_(scale)
     return q.mul_(scale)
@@ -144,7 +159,7 @@ def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity |
     xf = x.detach() if x.dtype == torch.float32 else x.detach().float()
     if elementwise_groups(gran):
         xf = grouped(xf, gran, dims)[0]
-    if compiled and fmt.is_int:
+    if compiled and fmt.is_int and not fmt.minmax:
         y = _COMPILED_ROUNDTRIP(xf, scale, zero, fmt.qmin, fmt.qmax).to(x.dtype)
     else:
         y = dequantize(quantize(xf, scale, zero, fmt), scale, zero, fmt).to(x.dtype)
@@ -164,10 +179,12 @@ def dynamic_fake_quantize(x: torch.Tensor, fmt: Format, gran: Granularity, dims:
     two sequences: "per tensor" is per tensor of one sequence (see `grouped`)."""
     xd = x.detach() if x.dtype == torch.float32 else x.detach().float()
     xg, reduce = grouped(xd, gran, dims, per_sequence=True)
+    if fmt.minmax and valid is None and xg.numel() != x.numel():  # zero padding must not join a min-max range
+        valid = torch.ones_like(x, dtype=torch.bool)
     vg = None
     if valid is not None:  # kept broadcast where it can be: no full-size mask
         vg = grouped(valid.expand_as(x) if elementwise_groups(gran) else valid, gran, dims)[0]
-    lo, hi = value_range(xg, reduce, vg, fmt.symmetric)
+    lo, hi = value_range(xg, reduce, vg, fmt.symmetric, not fmt.minmax)
     scale, zero = qparams(lo, hi, fmt)
     return fake_quantize(x, scale, zero, fmt, gran, compiled, dims)
 

@@ -114,24 +114,25 @@ def kv_scheme(name: str, k: QuantConfig, v: QuantConfig, description: str, pre_r
                        description=f"KV cache, {where}: {description}")
 
 
-def kv_config(bits: int, granularity=None, sink: int = 0, recent: int = 0, symmetric: bool = False) -> QuantConfig:
-    """A KV-cache quantizer: integer, asymmetric min-max by default (as KIVI, KVQuant and quanto's cache),
+def kv_config(bits: int, granularity=None, sink: int = 0, recent: int = 0) -> QuantConfig:
+    """A KV-cache quantizer: integer min-max with a float offset (KIVI's and quanto's cache quantizers),
     dynamic, `sink` first and `recent` last positions kept in full precision."""
-    return QuantConfig(Format("int", bits, symmetric), granularity or G.PerToken(), keep_first=sink, keep_last=recent)
+    return QuantConfig(Format("int", bits, False, minmax=True), granularity or G.PerToken(), keep_first=sink,
+                       keep_last=recent)
 
 
 def kv_presets() -> dict[str, QuantScheme]:
     tok = "per token and KV head"
-    out = [kv_scheme("kv8", kv_config(8), kv_config(8), f"int8 asymmetric keys and values, {tok}"),
-           kv_scheme("kv4", kv_config(4), kv_config(4), f"int4 asymmetric keys and values, {tok}"),
-           kv_scheme("k4v2", kv_config(4), kv_config(2), f"int4 keys, int2 values (asymmetric, {tok})"),
+    out = [kv_scheme("kv8", kv_config(8), kv_config(8), f"int8 min-max keys and values, {tok}"),
+           kv_scheme("kv4", kv_config(4), kv_config(4), f"int4 min-max keys and values, {tok}"),
+           kv_scheme("k4v2", kv_config(4), kv_config(2), f"int4 keys, int2 values (min-max, {tok})"),
            kv_scheme("kv4-sink1", kv_config(4, sink=1), kv_config(4, sink=1),
-                     f"int4 asymmetric keys and values, {tok}; the first token (the attention sink) in full precision"),
+                     f"int4 min-max keys and values, {tok}; the first token (the attention sink) in full precision"),
            kv_scheme("kivi2", kv_config(2, G.KVChannel(32), recent=128), kv_config(2, G.PerGroup(32), recent=128),
-                     "KIVI-2: int2 asymmetric keys per channel over runs of 32 positions, values per token in groups "
+                     "KIVI-2: int2 min-max keys per channel over runs of 32 positions, values per token in groups "
                      "of 32 channels; the 128 most recent positions in full precision"),
            kv_scheme("kvquant4-sink1", kv_config(4, G.KVChannel(), sink=1), kv_config(4, sink=1),
-                     f"KVQuant-style int4: keys per channel over the sequence, values {tok}, asymmetric; the first "
+                     f"KVQuant-style int4: keys per channel over the sequence, values {tok}, min-max; the first "
                      "token in full precision", pre_rope=True)]
     return {s.name: s for s in out}
 
