@@ -27,10 +27,10 @@ METRICS = {  # key: (label, digits)
 }
 
 
-def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme: str) -> dict:
-    """Perplexity change (%) under `scheme`, paired over the same sequences: exp(mean Δloss) − 1, with the
-    paired 95% interval of Δloss carried through the same map."""
-    handle = quantize_(model, get_scheme(scheme))
+def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme) -> dict:
+    """Perplexity change (%) under `scheme` (a name or a QuantScheme), paired over the same sequences:
+    exp(mean Δloss) − 1, with the paired 95% interval of Δloss carried through the same map."""
+    handle = quantize_(model, get_scheme(scheme) if isinstance(scheme, str) else scheme)
     try:
         q = language_modeling(model, seqs)["per_sequence_loss"]
     finally:
