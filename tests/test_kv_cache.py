@@ -299,3 +299,40 @@ def test_simulation_matches_transformers_quanto_cache(family):
         fp = model(ids).logits
     assert torch.allclose(real, sim, atol=1e-5)
     assert (real - fp).abs().max() > 1e-3  # the real cache does quantize
+
+
+def test_kv_channel_is_per_channel_and_kv_head_over_the_sequence(llama_gqa, ids):
+    cfg = QuantConfig(Format("int", 3, False, minmax=True), G.KVChannel())
+    fp, q = observe(llama_gqa, ids, scheme=QuantScheme("kc", (("*.k_cache", cfg),)))
+    x, y = fp["layers.0.k_cache"], q["layers.0.k_cache"]
+    assert torch.allclose(y, minmax(x, 3, (2,)), atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A micro DIFF checkpoint and a Bloom one (attention outside AttentionInterface), with byte tokenizers."""
+    from diffquant.data.tokens import byte_tokenizer
+
+    root = tmp_path_factory.mktemp("kv")
+    (root / "c.txt").write_text("\n".join(f"and the {w} went unto the city of {v}." for w, v in
+                                          zip(["men", "women", "kings"] * 40, ["david", "judah"] * 60)))
+    for name in ("diffllama-gqa", "bloom"):
+        FAMILIES[name].build().save_pretrained(root / name)
+        byte_tokenizer().save_pretrained(root / name)
+    return root
+
+
+def test_quantize_cli_with_a_kv_scheme_and_refusal(saved, tmp_path, capsys):
+    from diffquant.cli import main
+    from diffquant.models.load import load_model
+
+    args = ["--scheme", "kv4-sink1", "--data", str(saved / "c.txt"), "--tokens", "128", "--seq-len", "32"]
+    assert main(["quantize", "--model", str(saved / "diffllama-gqa"), *args, "--out", str(tmp_path / "q")]) == 0
+    model, _ = load_model(str(tmp_path / "q"))
+    assert {n for n in model._diffquant_quant.quantizers if n.endswith("_cache")} == {
+        f"layers.{i}.{p}" for i in range(2) for p in ("k_cache", "v_cache")}
+    capsys.readouterr()
+    assert main(["quantize", "--model", str(saved / "bloom"), *args, "--out", str(tmp_path / "b")]) != 0
+    err = capsys.readouterr().err  # after the loader's progress bars: one line says why
+    assert len([line for line in err.splitlines() if "AttentionInterface" in line]) == 1
+    assert "Traceback" not in err
