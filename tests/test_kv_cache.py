@@ -336,3 +336,12 @@ def test_quantize_cli_with_a_kv_scheme_and_refusal(saved, tmp_path, capsys):
     err = capsys.readouterr().err  # after the loader's progress bars: one line says why
     assert len([line for line in err.splitlines() if "AttentionInterface" in line]) == 1
     assert "Traceback" not in err
+
+
+def test_profile_counts_each_kv_head_once(llama_gqa, ids):
+    from diffquant.profile import profile_model
+
+    prof = profile_model(llama_gqa, ids, ["*.k_cache"], batch_size=2)
+    cfg = llama_gqa.config
+    assert prof.pooled("k_cache").summary(full=False)["count"] == (
+        ids.numel() * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers)  # not num_attention_heads
