@@ -2,11 +2,12 @@
 
 Every condition quantizes the keys after RoPE (`k_cache`) and the values (`v_cache`) of every layer, min-max
 with a float offset (KIVI's and quanto's quantizer), in one forward over each sequence (prefill semantics:
-every query sees every key and value quantized; with these per-token value scales and per-token keys this
-equals decoding through a write-once quantized cache, see tests/test_kv_cache.py). Grid: K/V bits 8/4/3/2 ×
-key granularity (per token and KV head, or per channel and KV head over the sequence, as KIVI and KVQuant
-quantize keys; values are per token and KV head in both) × sink-aware off/on (the first token kept in full
-precision). Perplexity change against the same model in full precision is paired over sequences (95% t
+every query sees every key and value quantized). With per-token keys this equals decoding through a
+write-once quantized cache (tests/test_kv_cache.py); per-channel keys use KIVI's runs of 32 positions, and
+in one forward a query also sees the keys of its own run quantized with a scale that includes the run's
+later positions, where a decoding cache would still hold them in full precision (KIVI's convention). Grid:
+K/V bits 8/4/3/2 × key granularity (per token and KV head, or per channel and KV head in runs of 32; values
+are per token and KV head in both) × sink-aware off/on (the first token kept in full precision). Perplexity change against the same model in full precision is paired over sequences (95% t
 interval of the per-sequence loss difference, carried through exp).
 
     python experiments/kv_cache.py --quick                      # seconds: the micro pair, random init
@@ -33,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
 OUT = ROOT / "docs" / "kv_cache"
-KEY_GRANULARITY = {"token": "per token and KV head", "channel": "per channel and KV head (over the sequence)"}
+KEY_GRANULARITY = {"token": "per token and KV head", "channel": "per channel and KV head, runs of 32 positions"}
+RUN = 32  # KIVI's group size: key scales per channel over runs of 32 consecutive positions
 
 
 @dataclass
@@ -52,7 +54,7 @@ def scheme(bits: int, keys: str, sink: int):
     from diffquant.quant import granularity as G
     from diffquant.quant.scheme import kv_config, kv_scheme
 
-    kg = G.PerToken() if keys == "token" else G.KVChannel()
+    kg = G.PerToken() if keys == "token" else G.KVChannel(RUN)
     return kv_scheme(f"k{bits}v{bits}-{keys}-sink{sink}", kv_config(bits, kg, sink=sink), kv_config(bits, sink=sink),
                      f"int{bits} keys {KEY_GRANULARITY[keys]}, values per token; first {sink} token(s) kept")
 
@@ -105,8 +107,10 @@ def table(doc: dict) -> str:
     s = doc["settings"]
     parts = [f"KV-cache quantization on {s['corpus'].upper()} held-out tokens: {s['sequences']} sequences of "
              f"{s['seq_len']} tokens per model ({s['sequences'] * (s['seq_len'] - 1):,} predicted tokens), one "
-             "forward each with keys (after RoPE) and values quantized, min-max with a float offset. Δppl is "
-             "paired over the same sequences, [95% interval]. Models run: "
+             "forward each with keys (after RoPE) and values quantized, min-max with a float offset; values per "
+             f"token and KV head; per-channel keys in runs of {RUN} positions (KIVI; in one forward a run's scale "
+             "includes positions a decoding cache would not have written yet). Δppl is paired over the same "
+             "sequences, [95% interval]. Models run: "
              + "; ".join(f"{m['label']} (`{m['source']}`)" for m in doc["models"]) + "."]
     for m in doc["models"]:
         body = []
