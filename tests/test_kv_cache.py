@@ -345,3 +345,34 @@ def test_profile_counts_each_kv_head_once(llama_gqa, ids):
     cfg = llama_gqa.config
     assert prof.pooled("k_cache").summary(full=False)["count"] == (
         ids.numel() * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers)  # not num_attention_heads
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_kv4_sink1_on_every_family_or_refused(name):
+    """The architecture matrix: families whose attention goes through AttentionInterface take kv4-sink1
+    (the output changes, removing it restores it exactly, the first position is untouched); the others are
+    refused before anything is attached."""
+    from diffquant.models.fused import fuse
+    from diffquant.taps.sites import supports_attention_interface
+
+    model = FAMILIES[name].build()
+    if name.startswith("diffllama"):
+        with pytest.raises(DiffquantError, match="fused forward"):
+            quantize_(model, get_scheme("kv4-sink1"))
+        fuse(model)  # as diffquant's loaders do
+    x = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(x).logits
+    if not supports_attention_interface(model):
+        with pytest.raises(DiffquantError, match="AttentionInterface"):
+            quantize_(model, get_scheme("kv4-sink1"))
+        return
+    handle = quantize_(model, get_scheme("kv4-sink1"))
+    with torch.no_grad():
+        out = model(x).logits
+    handle.remove()
+    with torch.no_grad():
+        again = model(x).logits
+    assert torch.isfinite(out).all() and (out - ref).abs().max() > 1e-6
+    assert torch.allclose(out[:, 0], ref[:, 0], atol=1e-5)  # position 0 sees only its own (kept) key and value
+    assert torch.equal(again, ref)

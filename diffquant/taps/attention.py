@@ -94,13 +94,11 @@ def key_valid(attention_mask: torch.Tensor | None, q_len: int, k_len: int, devic
 
 def cache_taps(module, q_len: int, key: torch.Tensor, value: torch.Tensor, attention_mask):
     """Keys and values through the `k_cache` / `v_cache` taps, each KV head once (before grouped-query
-    heads are repeated): the tensors a KV cache stores, after RoPE. Returns (key, value, the other taps)."""
+    heads are repeated): the tensors a KV cache stores, after RoPE. Returns (key, value, the other taps).
+    DiffLlama reaches here in its fused form only (see `Attachment._add`)."""
     taps = getattr(module, "_diffquant_taps", None) or {}
     if not any(p in taps for p in CACHE_POINTS):
         return key, value, taps
-    if getattr(module, "_diffquant_paired", False) and not getattr(module, "_diffquant_fused", False):
-        raise DiffquantError("the k_cache/v_cache sites of DiffLlama's two-call form would see each key twice; give "
-                             "the model the fused forward (diffquant.models.fused.fuse), which diffquant's loaders do")
     valid = key_valid(attention_mask, q_len, key.shape[2], key.device)
     key = run_taps(taps.get("k_cache"), key, valid)
     value = run_taps(taps.get("v_cache"), value, valid)
