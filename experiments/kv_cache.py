@@ -13,6 +13,7 @@ interval of the per-sequence loss difference, carried through exp).
     python experiments/kv_cache.py --quick                      # seconds: the micro pair, random init
     python experiments/kv_cache.py                              # SmolLM2-135M-Instruct
     python experiments/kv_cache.py --model runs/pair/baseline --model runs/pair/diff   # trained checkpoints
+    python experiments/kv_cache.py --decode [--quick]          # prefill vs decoding through a quantized cache
 
 Results: docs/kv_cache/results.json, results.md, kv_cache.png/.svg (perplexity vs KV bits, one line per model
 and key granularity, sink-aware dashed).
@@ -101,6 +102,59 @@ def measure(source: str, s: Settings) -> dict:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def decode_vs_prefill(source: str, s: Settings, prompt: int, new: int) -> dict:
+    """Perplexity of tokens prompt..prompt+new of the first held-out sequence, (a) with K/V quantized in one
+    forward over the whole sequence and (b) decoded one token at a time through a write-once quantized
+    cache (the prompt in one forward), per condition."""
+    from diffquant.models.load import load_model
+    from diffquant.quant.kv_cache import decode_logits
+    from diffquant.quant.scheme import quantize_
+
+    model, tok = load_model(source)[:2]
+    ids = held_out(tok, Settings(corpus=s.corpus, seq_len=prompt + new, sequences=1))[:1]
+
+    def ppl(logits):
+        lp = torch.log_softmax(logits[0, prompt - 1:-1].float(), -1)
+        return math.exp(float(-lp.gather(-1, ids[0, prompt:, None]).mean()))
+
+    with torch.inference_mode():
+        fp = ppl(model(ids).logits)
+    rows = []
+    for bits in (4, 2):
+        for keys in KEY_GRANULARITY:
+            sch = scheme(bits, keys, 1)
+            handle = quantize_(model, sch)
+            try:
+                with torch.inference_mode():
+                    prefill = ppl(model(ids).logits)
+            finally:
+                handle.remove()
+            decode = ppl(decode_logits(model, ids, sch, prompt))
+            rows.append({"bits": bits, "keys": keys, "sink": 1, "ppl_prefill": prefill, "ppl_decode": decode})
+            print(f"{source} decode int{bits} keys={keys}: prefill {prefill:.4f} decode {decode:.4f}", flush=True)
+    return {"source": source, "label": label_of(source, model), "prompt": prompt, "decoded": new, "ppl_fp": fp,
+            "rows": rows}
+
+
+def decode_table(doc: dict) -> str:
+    from diffquant.report.tables import markdown
+
+    parts = []
+    for m in doc["models"]:
+        body = [[f"int{r['bits']}", KEY_GRANULARITY[r["keys"]], f"{r['ppl_prefill']:.4f}", f"{r['ppl_decode']:.4f}"]
+                for r in m["rows"]]
+        parts.append(f"**{m['label']}**: perplexity of tokens {m['prompt']}..{m['prompt'] + m['decoded'] - 1} of one "
+                     f"KJV held-out sequence (n = {m['decoded']} tokens, one sequence: no interval), full precision "
+                     f"{m['ppl_fp']:.4f}; first token kept in both.\n\n"
+                     + markdown(["K/V bits", "keys", "ppl, one forward (prefill)", "ppl, decoded through the cache"],
+                                body))
+    return ("Prefill against decode-time KV quantization: one forward with every entry quantized, against decoding "
+            "one token at a time through a cache whose entries are quantized once, when written (the prompt in "
+            "one forward). Per-token scales must agree to rounding; per-channel runs of 32 are quantized at "
+            "decode only once complete (the newest, incomplete run waits in full precision).\n\n"
+            + "\n\n".join(parts) + "\n")
+
+
 def table(doc: dict) -> str:
     from diffquant.report.tables import markdown
 
@@ -162,6 +216,8 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="the micro pair (random init), 2 short sequences")
     p.add_argument("--model", action="append", help="a model to run (zoo name, preset:design, checkpoint folder); "
                                                     "repeatable; default smollm2-135m")
+    p.add_argument("--decode", action="store_true",
+                   help="instead: prefill vs decode-time quantization on one sequence (128 + 64 tokens; quick: 32 + 16)")
     p.add_argument("--sequences", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     a = p.parse_args(argv)
@@ -175,6 +231,14 @@ def main(argv=None) -> None:
     from diffquant.paths import atomic_write_json, atomic_write_text
 
     torch.manual_seed(0)
+    if a.decode:
+        prompt, new = (32, 16) if s.quick else (128, 64)
+        doc = {"settings": asdict(s), "models": [decode_vs_prefill(m, s, prompt, new) for m in s.models]}
+        stem = "decode-quick" if s.quick else "decode"
+        atomic_write_json(OUT / f"{stem}.json", doc)
+        atomic_write_text(OUT / f"{stem}.md", decode_table(doc))
+        print(decode_table(doc))
+        return
     doc = {"settings": asdict(s), "models": [measure(m, s) for m in s.models], "torch_threads": torch.get_num_threads()}
     stem = "results-quick" if s.quick else "results"
     atomic_write_json(OUT / f"{stem}.json", doc)
