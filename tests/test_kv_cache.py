@@ -196,20 +196,20 @@ def test_quantized_cache_changes_the_model_output_and_remove_restores(llama_gqa,
 
 @pytest.mark.parametrize("family", ["llama", "diffllama-gqa"])
 def test_decode_time_equals_prefill_time_for_per_token_scales(family, ids):
-    """Per-token scales, no recent window: each entry is quantized once when written, exactly as in one
-    prefill forward, so the logits agree; a recent window makes them differ, as it must."""
+    """Per-token scales, no recent window: each entry is quantized once when written, as in one prefill
+    forward, so the logits agree (to float rounding: no value of these small models lies within float noise
+    of a rounding boundary; one that did would make the two runs part); a recent window makes them differ,
+    as it must."""
     from diffquant.models.fused import fuse
 
     model = FAMILIES[family].build()
     fuse(model)
-    for name, equal in (("kv4-sink1", True), ("k4v2", True)):
-        scheme = get_scheme(name)
-        handle = quantize_(model, scheme)
-        with torch.no_grad():
-            prefill = model(ids).logits
-        handle.remove()
-        decode = decode_logits(model, ids, scheme, prompt=5)
-        assert torch.allclose(decode, prefill, atol=1e-5) == equal
+    scheme = get_scheme("k4v2")
+    handle = quantize_(model, scheme)
+    with torch.no_grad():
+        prefill = model(ids).logits
+    handle.remove()
+    assert torch.allclose(decode_logits(model, ids, scheme, prompt=5), prefill, atol=1e-5)
     window = QuantScheme("w", (("*.k_cache", QuantConfig(Format("int", 2, False), G.PerToken(), keep_last=4)),))
     handle = quantize_(model, window)
     with torch.no_grad():
