@@ -4,9 +4,8 @@ Every condition quantizes the keys after RoPE (`k_cache`) and the values (`v_cac
 with a float offset (KIVI's and quanto's quantizer), in one forward over each sequence (prefill semantics:
 every query sees every key and value quantized). With per-token keys this is what decoding through a
 write-once quantized cache computes (tests/test_kv_cache.py), up to float rounding: on SmolLM2 a 1e-5
-difference between one-query and whole-sequence attention eventually moves a value across a rounding
-boundary, and from then on the two are different draws of the same quantization noise (`--decode` shows
-both). Per-channel keys use KIVI's runs of 32 positions, and
+difference between one-query and whole-sequence attention can move a value across a rounding boundary,
+and from then on the two are different draws of the same quantization noise (`--decode` shows both). Per-channel keys use KIVI's runs of 32 positions, and
 in one forward a query also sees the keys of its own run quantized with a scale that includes the run's
 later positions, where a decoding cache would still hold them in full precision (KIVI's convention). Grid:
 K/V bits 8/4/3/2 × key granularity (per token and KV head, or per channel and KV head in runs of 32; values
@@ -156,9 +155,8 @@ def decode_table(doc: dict) -> str:
             "one forward). With per-token scales the two compute the same quantizer on the same inputs up to float "
             "rounding (≤ 1e-4 in the logits; tests/test_kv_cache.py), until such a difference moves a value across "
             "a rounding boundary: from then on they are two draws of the same quantization noise, and their "
-            "perplexities differ by that noise (on SmolLM2 at int4 the logits agreed to 6e-5 for 8 decode steps "
-            "after a 128-token prompt, then parted by up to 1.9). Per-channel runs of 32 are quantized at decode "
-            "only once complete (the newest, incomplete run waits in full precision).\n\n"
+            "perplexities differ by that noise (SmolLM2's int4 per-token row). Per-channel runs of 32 are "
+            "quantized at decode only once complete (the newest, incomplete run waits in full precision).\n\n"
             + "\n\n".join(parts) + "\n")
 
 
