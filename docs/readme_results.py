@@ -6,7 +6,7 @@
                                                   # into docs/demo, then rewrite
 
 Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/rivals/*/results.json,
-docs/mitigations/results.json, docs/kv_cache/{results,parity}.md and benchmarks/results-cpu.json. A missing source leaves its part out.
+docs/mitigations/results.json, docs/kv_cache/{results,decode,parity}.md and benchmarks/results-cpu.json. A missing source leaves its part out.
 """
 
 from __future__ import annotations
@@ -158,6 +158,9 @@ def kv_cache_part() -> list[str]:
     if (ROOT / "docs/kv_cache/results.md").is_file():
         lines += ["### KV-cache quantization (`experiments/kv_cache.py`)", "", *_md("docs/kv_cache/results.md"),
                   "![kv cache](docs/kv_cache/kv_cache.png)", ""]
+    if (ROOT / "docs/kv_cache/decode.md").is_file():
+        lines += ["#### Prefill against decoding through the cache (`experiments/kv_cache.py --decode`)", "",
+                  *_md("docs/kv_cache/decode.md")]
     if (ROOT / "docs/kv_cache/parity.md").is_file():
         lines += ["#### Against transformers' QuantizedCache (`experiments/kv_cache_parity.py`)", "",
                   *_md("docs/kv_cache/parity.md")]

@@ -153,7 +153,7 @@ def decode_table(doc: dict) -> str:
     return ("Prefill against decode-time KV quantization: one forward with every entry quantized, against decoding "
             "one token at a time through a cache whose entries are quantized once, when written (the prompt in "
             "one forward). With per-token scales the two compute the same quantizer on the same inputs up to float "
-            "rounding (≤ 1e-4 in the logits; tests/test_kv_cache.py), until such a difference moves a value across "
+            "rounding (≤ 1e-5 in the logits of the micro models in tests/test_kv_cache.py), until such a difference moves a value across "
             "a rounding boundary: from then on they are two draws of the same quantization noise, and their "
             "perplexities differ by that noise (SmolLM2's int4 per-token row). Per-channel runs of 32 are "
             "quantized at decode only once complete (the newest, incomplete run waits in full precision).\n\n"
