@@ -357,7 +357,7 @@ def test_kv4_sink1_on_every_family_or_refused(name):
 
     model = FAMILIES[name].build()
     if name.startswith("diffllama"):
-        with pytest.raises(DiffquantError, match="fused forward"):
+        with pytest.raises(DiffquantError, match="fused forward"):  # refused before anything is attached
             quantize_(model, get_scheme("kv4-sink1"))
         fuse(model)  # as diffquant's loaders do
     x = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(0))

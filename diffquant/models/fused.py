@@ -30,6 +30,7 @@ def fuse(model) -> None:
         if isinstance(module, DiffLlamaAttention) and not getattr(module, "_diffquant_fused", False):
             module.forward = types.MethodType(fused_forward, module)
             module._diffquant_fused = True
+    model.__dict__.pop("_diffquant_sites", None)  # a site table built before has no cache sites: rebuild it
 
 
 def paired_values(value: torch.Tensor, heads: int) -> torch.Tensor:

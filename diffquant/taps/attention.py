@@ -33,6 +33,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from diffquant import DiffquantError
+from diffquant.taps.sites import CACHE_POINTS
 
 NAME = "diffquant"
 BLOCK = int(os.environ.get("DIFFQUANT_ATTN_BLOCK", "1024"))
@@ -80,7 +81,6 @@ def plain_causal(mask: torch.Tensor | None, q_len: int, k_len: int) -> bool:
     return _last_mask[1]
 
 
-CACHE_POINTS = ("k_cache", "v_cache")
 
 
 def key_valid(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor | None:
@@ -95,7 +95,7 @@ def key_valid(attention_mask: torch.Tensor | None, q_len: int, k_len: int, devic
 def cache_taps(module, q_len: int, key: torch.Tensor, value: torch.Tensor, attention_mask):
     """Keys and values through the `k_cache` / `v_cache` taps, each KV head once (before grouped-query
     heads are repeated): the tensors a KV cache stores, after RoPE. Returns (key, value, the other taps).
-    DiffLlama reaches here in its fused form only (see `Attachment._add`)."""
+    DiffLlama has these sites in its fused form only (see `SiteTable`)."""
     taps = getattr(module, "_diffquant_taps", None) or {}
     if not any(p in taps for p in CACHE_POINTS):
         return key, value, taps

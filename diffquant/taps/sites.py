@@ -244,6 +244,8 @@ class SiteTable:
                     if attn is None or not self.attention_interface:
                         continue
                     module = layer.get_submodule(attn)
+                    if point.name in CACHE_POINTS and self.diff and not getattr(module, "_diffquant_fused", False):
+                        continue  # transformers' two-call DiffLlama passes each key twice (see miss_reason)
                 else:
                     found = _resolve(layer, point, attn)
                     if found is None:
@@ -315,6 +317,10 @@ class SiteTable:
         arch = type(self.model).__name__
         point = re.sub(r"^(layers\.[^.]+|\*)\.", "", pattern)
         if point in POINTS and POINTS[point].attention:
+            if point in CACHE_POINTS and self.diff and self.attention_interface and not any(
+                    site.kind == point for site in self):
+                return (f"site {pattern!r}: transformers' two-call DiffLlama passes each key twice; give the model "
+                        "the fused forward first (diffquant.models.fused.fuse; diffquant's loaders do)")
             if POINTS[point].diff_only and not self.diff:
                 return f"site {pattern!r}: {point} exists only in DIFF (DiffLlama) models"
             if not self.attention_interface:

@@ -113,10 +113,6 @@ class Attachment:
         elif site.point.where in ("attention", "experts"):
             if transforms and site.point.name in ("attn_map", "lambda"):
                 raise DiffquantError(f"{site.name} can be observed but not transformed")
-            if site.point.name in attention.CACHE_POINTS and self.table.diff and not getattr(module, "_diffquant_fused",
-                                                                                            False):
-                raise DiffquantError(f"{site.name}: DiffLlama's two-call form passes each key twice; give the model the "
-                                     "fused forward first (diffquant.models.fused.fuse; diffquant's loaders do)")
             entry = (tap, ctx)
             module.__dict__.setdefault("_diffquant_taps", {}).setdefault(site.point.name, []).append(entry)
             if site.point.attention:
