@@ -6,7 +6,7 @@
                                                   # into docs/demo, then rewrite
 
 Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/rivals/*/results.json,
-docs/mitigations/results.json, docs/fig8_real/results.md and benchmarks/results-cpu.json. A missing source leaves its part out.
+docs/mitigations/results.json, docs/fig8_real/results.md, docs/kv_cache/{results,decode,parity}.md and benchmarks/results-cpu.json. A missing source leaves its part out.
 """
 
 from __future__ import annotations
@@ -242,6 +242,20 @@ def fig8_real_part() -> list[str]:
     return [*_md("docs/fig8_real/results.md"), f"![accuracy versus bits]({results['figure']})", ""]
 
 
+def kv_cache_part() -> list[str]:
+    lines = []
+    if (ROOT / "docs/kv_cache/results.md").is_file():
+        lines += ["### KV-cache quantization (`experiments/kv_cache.py`)", "", *_md("docs/kv_cache/results.md"),
+                  "![kv cache](docs/kv_cache/kv_cache.png)", ""]
+    if (ROOT / "docs/kv_cache/decode.md").is_file():
+        lines += ["#### Prefill against decoding through the cache (`experiments/kv_cache.py --decode`)", "",
+                  *_md("docs/kv_cache/decode.md")]
+    if (ROOT / "docs/kv_cache/parity.md").is_file():
+        lines += ["#### Against transformers' QuantizedCache (`experiments/kv_cache_parity.py`)", "",
+                  *_md("docs/kv_cache/parity.md")]
+    return lines
+
+
 def _history(n: int = 3) -> list[dict]:
     """The last n full (not --quick) benchmark runs, oldest first."""
     p = ROOT / "benchmarks/history-cpu.jsonl"
@@ -329,7 +343,7 @@ def benchmark_part() -> list[str]:
 
 def results_block() -> str:
     parts = (demo_part() + emergence_part() + rivals_part() + mitigations_part() + fig8_real_part()
-             + benchmark_part())
+             + kv_cache_part() + benchmark_part())
     return "\n".join(parts).strip()
 
 

@@ -84,7 +84,8 @@ def rows(real: bool = True) -> list[list[str]]:
     for family in FAMILIES.values():
         model = family.build()
         table = site_table(model)
-        points = [p for p in table.points() if p not in ("attn_logits", "attn_probs", "attn_map", "lambda")]
+        inside = ("k_cache", "v_cache", "attn_logits", "attn_probs", "attn_map", "lambda")  # where logits ✓
+        points = [p for p in table.points() if p not in inside]
         logits = "✓" if "attn_logits" in table.points() else "– (own attention)"
         schemes = {name: applies(model, scheme) is None for name, scheme in PRESETS.items()}
         weight_only = [n for n in ("w8a16", "w4a16", "nf4", "fp4") if schemes[n]]

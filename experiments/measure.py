@@ -33,10 +33,10 @@ METRICS = {
 SCALE_FREE = ("hidden_ratio", "logit_ratio", "massive_ratio", "hidden_kurtosis", "sink_rate")
 
 
-def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme: str) -> dict:
-    """Perplexity change (%) under `scheme`, paired over the same sequences: exp(mean Δloss) − 1, with the
-    paired 95% t-interval of Δloss carried through the same map."""
-    handle = quantize_(model, get_scheme(scheme))
+def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme) -> dict:
+    """Perplexity change (%) under `scheme` (a name or a QuantScheme), paired over the same sequences:
+    exp(mean Δloss) − 1, with the paired 95% t-interval of Δloss carried through the same map."""
+    handle = quantize_(model, get_scheme(scheme) if isinstance(scheme, str) else scheme)
     try:
         q = language_modeling(model, seqs)["per_sequence_loss"]
     finally:

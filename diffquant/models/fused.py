@@ -30,6 +30,7 @@ def fuse(model) -> None:
         if isinstance(module, DiffLlamaAttention) and not getattr(module, "_diffquant_fused", False):
             module.forward = types.MethodType(fused_forward, module)
             module._diffquant_fused = True
+    model.__dict__.pop("_diffquant_sites", None)  # a site table built before has no cache sites: rebuild it
 
 
 def paired_values(value: torch.Tensor, heads: int) -> torch.Tensor:
@@ -59,6 +60,12 @@ def fused_forward(self, hidden_states, position_embeddings, attention_mask=None,
     impl = self.config._attn_implementation
     weights = None
     q_len, k_len = query.shape[2], key.shape[2]
+    taps = {}
+    if impl == A.NAME:  # the cache sites (K1|K2 and V1|V2 as KV heads) first, then the other taps
+        key, value, taps = A.cache_taps(self, q_len, key, value, attention_mask)
+        cache_only = len(taps) == 0 and len(getattr(self, "_diffquant_taps", None) or {}) > 0
+        if cache_only and self.__dict__.get("_diffquant_fallback") == "sdpa":
+            impl = "sdpa"  # nothing else observes this layer: its fast kernel, on the transformed K and V
     plain = attention_mask is None and (q_len == k_len or q_len == 1) or A.plain_causal(attention_mask, q_len, k_len)
     if impl == "sdpa" and plain and not kwargs.get("output_attentions"):
         out = _sdpa_padded(query, key, value, self.scaling)  # [B, T, H, 2d], the two calls' layout
@@ -66,7 +73,7 @@ def fused_forward(self, hidden_states, position_embeddings, attention_mask=None,
         out = out[:, :, :half] - lam * out[:, :, half:]
     else:
         out, weights = A.diff_attention(self, query, key, paired_values(value, heads), attention_mask, self.scaling,
-                                        lam, tapped=impl == A.NAME)
+                                        lam, taps)
     out = (1 - self.lambda_init) * self.groupnorm(out)
     return self.o_proj(out.reshape(*input_shape, -1)), weights
 

@@ -20,8 +20,14 @@ class QuantConfig:
     calibration: str = "minmax"
     percentile: float = 99.99
     ema_momentum: float = 0.9
+    keep_first: int = 0  # positions kept in full precision at the start (attention sinks; sites with a pos dim)
+    keep_last: int = 0  # ... and at the end (KIVI's residual window of recent tokens)
 
     def __post_init__(self) -> None:
+        for name in ("keep_first", "keep_last"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if not isinstance(self.format, Format):
             raise ValueError(f"format must be a Format, got {self.format!r}")
         if self.calibration not in CALIBRATIONS:
@@ -33,21 +39,34 @@ class QuantConfig:
         if not self.dynamic:
             if isinstance(self.granularity, G.PerToken):
                 raise ValueError("static (calibrated) scales cannot be per token: tokens differ between batches")
+            if isinstance(self.granularity, G.KVChannel) and self.granularity.group:
+                raise ValueError("static (calibrated) scales cannot cover runs of positions (kv-channel:G)")
             if self.calibration == "percentile" and not (isinstance(self.granularity, G.PerTensor)
                                                          and self.format.symmetric):
                 raise ValueError("percentile calibration supports symmetric per-tensor scales only")
 
+    def quantized_span(self, length: int) -> tuple[int, int]:
+        """[start, end) of the positions quantized in a sequence of `length`: all but the first `keep_first`
+        and the last `keep_last` (an empty span when they cover it)."""
+        start = min(self.keep_first, length)
+        return start, max(start, length - self.keep_last)
+
     def label(self) -> str:
         mode = "dyn" if self.dynamic else self.calibration
-        return f"{self.format.label()}/{G.label(self.granularity)}/{mode}"
+        keep = (f"/sink{self.keep_first}" if self.keep_first else "") + (f"/recent{self.keep_last}"
+                                                                           if self.keep_last else "")
+        return f"{self.format.label()}/{G.label(self.granularity)}/{mode}{keep}"
 
     def to_dict(self) -> dict:
-        return {"format": self.format.label(), "granularity": G.to_dict(self.granularity), "dynamic": self.dynamic,
-                "calibration": self.calibration, "percentile": self.percentile, "ema_momentum": self.ema_momentum}
+        out = {"format": self.format.label(), "granularity": G.to_dict(self.granularity), "dynamic": self.dynamic,
+               "calibration": self.calibration, "percentile": self.percentile, "ema_momentum": self.ema_momentum}
+        out.update({k: getattr(self, k) for k in ("keep_first", "keep_last") if getattr(self, k)})
+        return out
 
     @staticmethod
     def from_dict(d: dict) -> "QuantConfig":
-        known = {"format", "granularity", "dynamic", "calibration", "percentile", "ema_momentum", "bits"}
+        known = {"format", "granularity", "dynamic", "calibration", "percentile", "ema_momentum", "bits", "keep_first",
+                 "keep_last"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown quantizer keys {sorted(unknown)}; known: {sorted(known)}")
@@ -61,6 +80,8 @@ class QuantConfig:
             calibration=d.get("calibration", "minmax"),
             percentile=float(d.get("percentile", 99.99)),
             ema_momentum=float(d.get("ema_momentum", 0.9)),
+            keep_first=int(d.get("keep_first", 0)),
+            keep_last=int(d.get("keep_last", 0)),
         )
 
 

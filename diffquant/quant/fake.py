@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from diffquant.errors import DiffquantError
@@ -35,20 +37,39 @@ class FakeQuant:
 
     # ------------------------------------------------------------------ forward
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor | None:
+        """The quantized activation; positions a config keeps in full precision (`keep_first`, `keep_last`:
+        attention sinks and a recent window) are passed through bit-exact, and never set a scale."""
+        cfg = self.config
+        if not (cfg.keep_first or cfg.keep_last):
+            return self.apply_all(x, ctx)
+        pos = ctx.site.dims.index("pos")
+        start, end = cfg.quantized_span(x.shape[pos])
+        if end <= start:
+            return None
+        valid = ctx.valid
+        if valid is not None and valid.shape[pos] == x.shape[pos]:
+            valid = valid.narrow(pos, start, end - start)
+        y = self.apply_all(x.narrow(pos, start, end - start), replace(ctx, valid=valid))
+        if y is None:
+            return None
+        return torch.cat([x.narrow(pos, 0, start), y, x.narrow(pos, end, x.shape[pos] - end)], dim=pos)
+
+    def apply_all(self, x: torch.Tensor, ctx) -> torch.Tensor | None:
+        """Quantize every position of x, ignoring the config's kept windows (the caller chose the span)."""
         cfg = self.config
         if self.calibrating:
             self._observe(x, ctx)
             return None
         if cfg.dynamic and self._range is not None:  # a query block: the scale of the whole call's range
             scale, zero = Q.qparams(*self._range, cfg.format)
-            y = Q.fake_quantize(x, scale, zero, cfg.format, cfg.granularity, self.compile)
+            y = Q.fake_quantize(x, scale, zero, cfg.format, cfg.granularity, self.compile, ctx.site.dims)
         elif cfg.dynamic:
             y = Q.dynamic_fake_quantize(x, cfg.format, cfg.granularity, ctx.site.dims, ctx.valid, self.compile)
         else:
             if self.scale is None:
                 raise DiffquantError(f"{ctx.site.name}: static quantizer used before calibration; run calibrate()")
             y = Q.fake_quantize(x, self.scale.to(x.device), self.zero.to(x.device), cfg.format, cfg.granularity,
-                                self.compile)
+                                self.compile, ctx.site.dims)
         if ctx.valid is not None:
             y = Q.keep_masked(y, x, ctx.valid)  # masked positions stay as they were (and stay masked)
         return y
@@ -69,7 +90,7 @@ class FakeQuant:
 
     def observe_range(self, x: torch.Tensor, ctx) -> None:
         xg, reduce = Q.grouped(x.detach().float(), self.config.granularity, ctx.site.dims, per_sequence=True)
-        lo, hi = Q.value_range(xg, reduce, ctx.valid, self.config.format.symmetric)
+        lo, hi = Q.value_range(xg, reduce, ctx.valid, self.config.format.symmetric, not self.config.format.minmax)
         if self._block_range is None:
             self._block_range = (lo, hi)
         else:
@@ -90,7 +111,7 @@ class FakeQuant:
             self._hist = self._hist or AbsHistogram(x.device)
             self._hist.add(xg, vg)  # non-finite values are never counted
             return
-        lo, hi = Q.value_range(xg, reduce, vg, cfg.format.symmetric)
+        lo, hi = Q.value_range(xg, reduce, vg, cfg.format.symmetric, not cfg.format.minmax)
         if self._lo is None:
             self._lo, self._hi = lo, hi
         elif self._lo.shape != lo.shape:

@@ -31,8 +31,12 @@ class Format:
     name: str = "int"
     bits: int = 8
     symmetric: bool = True
+    minmax: bool = False  # asymmetric int: the exact [min, max] range and a float offset (KIVI's and quanto's
+    # KV-cache quantizers), rather than a range widened to contain 0 with an integer zero point
 
     def __post_init__(self) -> None:
+        if self.minmax and (self.name != "int" or self.symmetric):
+            raise ValueError("min-max (float offset) quantization is an asymmetric integer format")
         if self.name not in FORMATS:
             raise ValueError(f"unknown format {self.name!r}; choose one of: {', '.join(FORMATS)}")
         if self.name == "int":
@@ -62,7 +66,7 @@ class Format:
         return -self.qmax if self.symmetric else 0.0
 
     def label(self) -> str:
-        return f"int{self.bits}{'' if self.symmetric else '-asym'}" if self.is_int else self.name
+        return f"int{self.bits}{'' if self.symmetric else '-minmax' if self.minmax else '-asym'}" if self.is_int else self.name
 
 
 FORMATS = {"int": None, "fp8_e4m3": 8, "fp8_e5m2": 8, "fp4_e2m1": 4, "nf4": 4}
@@ -88,17 +92,18 @@ def grid(name: str) -> "torch.Tensor":
 
 
 def parse_format(text: str) -> Format:
-    """`int8`, `int4-asym`, `uint4`, `fp8_e4m3`, `fp8` (= e4m3), `fp4`, `nf4`."""
+    """`int8`, `int4-asym`, `uint4`, `int4-minmax` (float offset, exact range), `fp8_e4m3`, `fp8` (= e4m3), `fp4`, `nf4`."""
     t = text.strip().lower()
     aliases = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2", "fp4": "fp4_e2m1"}
     t = aliases.get(t, t)
     if t in FORMATS and t != "int":
         return Format(t)
-    symmetric = not (t.endswith("-asym") or t.startswith("uint"))
-    digits = t.removesuffix("-asym").removeprefix("uint").removeprefix("int")
+    minmax = t.endswith("-minmax")
+    symmetric = not (t.endswith("-asym") or minmax or t.startswith("uint"))
+    digits = t.removesuffix("-asym").removesuffix("-minmax").removeprefix("uint").removeprefix("int")
     if not digits.isdigit():
-        raise DiffquantError(f"unknown format {text!r}: use int2..int16, int4-asym, fp8_e4m3, fp8_e5m2, fp4_e2m1 or nf4")
+        raise DiffquantError(f"unknown format {text!r}: use int2..int16, int4-asym, int4-minmax, fp8_e4m3, fp8_e5m2, fp4_e2m1 or nf4")
     try:
-        return Format("int", int(digits), symmetric)
+        return Format("int", int(digits), symmetric, minmax)
     except ValueError as e:
         raise DiffquantError(str(e)) from None

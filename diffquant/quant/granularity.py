@@ -7,6 +7,12 @@
 | PerToken()      | row: all but the last dim                       | (batch, pos)              | (batch, head, q) row    | out channel           |
 | PerHead()       | head (attention sites only)                     | -                         | head (dynamic: per seq.)| -                     |
 | PerGroup(G)     | G consecutive elements of the last dim, per row | G channels of a token     | G keys of a row         | G inputs of an output |
+| KVChannel(G)    | channel (and head), over positions in runs of G | channel, over its tokens  | -                       | -                     |
+
+KVChannel is KIVI's per-channel key quantization: at a cache site [batch, kv_head, pos, dim] one scale per
+(kv_head, dim) over the positions (G > 0: over each run of G consecutive positions, from the first one);
+at a token site [batch, pos, channel] (the pre-RoPE `k`) one scale per channel. At cache sites "per token"
+is one scale per (token, KV head) and "per head" one per KV head.
 
 Dynamic scales are computed from each sequence of a batch alone (the batch dim is never reduced), so a
 result does not depend on how many sequences were evaluated together; static (calibrated) scales span
@@ -46,13 +52,37 @@ class PerToken:
         return (x.dim() - 1,)
 
 
+HEAD_DIMS = ("head", "kv_head")
+
+
+def head_axis(dims: tuple[str, ...]) -> int | None:
+    return next((dims.index(d) for d in HEAD_DIMS if d in dims), None)
+
+
 @dataclass(frozen=True)
 class PerHead:
     def reduce_dims(self, x: torch.Tensor, dims: tuple[str, ...]) -> tuple[int, ...]:
-        if "head" not in dims:
+        h = head_axis(dims)
+        if h is None:
             raise DiffquantError(f"per-head granularity needs a site with a head dimension, not [{', '.join(dims)}]")
-        h = dims.index("head")
         return tuple(i for i in range(x.dim()) if i != h)
+
+
+@dataclass(frozen=True)
+class KVChannel:
+    """One scale per channel over the positions of a sequence (runs of `group` positions when > 0)."""
+
+    group: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group, int) or isinstance(self.group, bool) or self.group < 0:
+            raise ValueError(f"position group must be a non-negative integer, got {self.group!r}")
+
+    def reduce_dims(self, x: torch.Tensor, dims: tuple[str, ...]) -> tuple[int, ...]:
+        if "pos" not in dims:
+            raise DiffquantError(f"kv-channel granularity needs a site with a pos dimension, not [{', '.join(dims)}]")
+        pos = dims.index("pos")
+        return tuple(i for i in range(x.dim()) if i == pos or dims[i] == "batch")
 
 
 @dataclass(frozen=True)
@@ -64,7 +94,7 @@ class PerGroup:
             raise ValueError(f"group size must be a positive integer, got {self.size!r}")
 
 
-Granularity = PerTensor | PerChannel | PerToken | PerHead | PerGroup
+Granularity = PerTensor | PerChannel | PerToken | PerHead | PerGroup | KVChannel
 
 
 def validate(g: Granularity, dims: tuple[str, ...], site: str) -> None:
@@ -72,11 +102,15 @@ def validate(g: Granularity, dims: tuple[str, ...], site: str) -> None:
     shape = f"[{', '.join(dims)}]"
     if not dims and not isinstance(g, PerTensor):
         raise DiffquantError(f"{site} is a scalar: only per-tensor scales apply, not {label(g)}")
-    if isinstance(g, PerHead) and "head" not in dims:
+    if isinstance(g, PerHead) and head_axis(dims) is None:
         raise DiffquantError(f"{site}: per-head granularity needs a site with a head dimension, not {shape}")
     if isinstance(g, PerChannel) and not -len(dims) <= g.axis < len(dims):
         raise DiffquantError(f"{site}: channel axis {g.axis} is outside its dims {shape}")
-_KINDS = {"tensor": PerTensor, "channel": PerChannel, "token": PerToken, "head": PerHead, "group": PerGroup}
+    if isinstance(g, KVChannel) and "pos" not in dims:
+        raise DiffquantError(f"{site}: kv-channel granularity needs a site with a pos dimension, not {shape}")
+
+_KINDS = {"tensor": PerTensor, "channel": PerChannel, "token": PerToken, "head": PerHead, "group": PerGroup,
+          "kv-channel": KVChannel}
 
 
 def to_dict(g: Granularity) -> dict:
@@ -86,6 +120,8 @@ def to_dict(g: Granularity) -> dict:
         out["axis"] = g.axis
     if isinstance(g, PerGroup):
         out["size"] = g.size
+    if isinstance(g, KVChannel) and g.group:
+        out["group"] = g.group
     return out
 
 
@@ -100,11 +136,17 @@ def from_dict(d: dict | str) -> Granularity:
 
 
 def parse_granularity(text: str) -> Granularity:
-    """`tensor`, `channel`, `channel:0`, `token`, `row` (= token), `head`, `group:128`."""
+    """`tensor`, `channel`, `channel:0`, `token`, `row` (= token), `head`, `group:128`, `kv-channel`,
+    `kv-channel:32` (KIVI: per channel over runs of 32 positions)."""
     kind, _, arg = text.strip().lower().partition(":")
     kind = {"row": "token", "per-tensor": "tensor"}.get(kind, kind)
     if kind not in _KINDS:
-        raise DiffquantError(f"unknown granularity {text!r}; choose tensor, channel[:AXIS], token, head or group:SIZE")
+        raise DiffquantError(f"unknown granularity {text!r}; choose tensor, channel[:AXIS], token, head, group:SIZE "
+                             "or kv-channel[:POSITIONS]")
+    if kind == "kv-channel":
+        if arg and not arg.isdigit():
+            raise DiffquantError(f"kv-channel granularity takes a position run length, e.g. kv-channel:32 (got {text!r})")
+        return KVChannel(int(arg or 0))
     if kind == "group":
         if not arg.isdigit() or int(arg) < 1:
             raise DiffquantError(f"group granularity needs a positive size, e.g. group:128 (got {text!r})")
@@ -116,4 +158,6 @@ def parse_granularity(text: str) -> Granularity:
 
 def label(g: Granularity) -> str:
     d = to_dict(g)
+    if "group" in d:
+        return f"{d['kind']}:{d['group']}"
     return d["kind"] + (f":{d['size']}" if "size" in d else f":{d['axis']}" if d.get("axis", -1) != -1 else "")

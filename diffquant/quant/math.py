@@ -10,7 +10,7 @@ import torch
 
 from diffquant.compiled import CompiledOrEager
 from diffquant.quant.formats import Format, grid
-from diffquant.quant.granularity import Granularity, PerGroup
+from diffquant.quant.granularity import Granularity, KVChannel, PerGroup
 
 
 def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...],
@@ -27,14 +27,38 @@ def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...],
         if pad:
             x = torch.cat([x, x.new_zeros(*x.shape[:-1], pad)], dim=-1)
         return x.unflatten(-1, (-1, gran.size)), (x.dim(),)
+    if position_runs(gran):  # runs of G positions: [.., pos, ..] -> [.., run, G, ..], one scale per run
+        pos = dims.index("pos")
+        pad = -x.shape[pos] % gran.group
+        if pad:
+            x = torch.cat([x, x.new_zeros(*x.shape[:pos], pad, *x.shape[pos + 1:])], dim=pos)
+        return x.unflatten(pos, (-1, gran.group)), (pos + 1,)
     reduce = gran.reduce_dims(x, dims)
     if per_sequence and "batch" in dims and len(dims) == x.dim():
         reduce = tuple(i for i in reduce if i != dims.index("batch"))
     return x, reduce
 
 
-def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | None, symmetric: bool):
-    """(lo, hi) per scale group with keepdim; symmetric formats only need hi = max |x|."""
+def position_runs(gran: Granularity) -> bool:
+    """Whether scales cover runs of positions (KIVI's grouped per-channel keys), so x is regrouped."""
+    return isinstance(gran, KVChannel) and gran.group > 0
+
+
+def elementwise_groups(gran: Granularity) -> bool:
+    """Whether `grouped` reshapes x, so a broadcast mask must first be expanded to x's shape."""
+    return isinstance(gran, PerGroup) or position_runs(gran)
+
+
+def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | None, symmetric: bool,
+                contain_zero: bool = True):
+    """(lo, hi) per scale group with keepdim; symmetric formats only need hi = max |x|. `contain_zero=False`
+    (min-max formats): the exact range of the valid entries."""
+    if not contain_zero:
+        ok = torch.isfinite(x) if valid is None else valid & torch.isfinite(x)
+        lo = torch.where(ok, x, float("inf")).amin(dim=reduce, keepdim=True)
+        hi = torch.where(ok, x, float("-inf")).amax(dim=reduce, keepdim=True)
+        empty = ~torch.isfinite(lo)
+        return torch.where(empty, 0, lo), torch.where(empty, 0, hi)
     # fast path: masked entries zeroed by a float multiply (bool masks are slow on CPU); the zeros they
     # leave cannot move the range, which always contains 0. A non-finite value anywhere sends it below.
     xm = x if valid is None else x * valid.to(x.dtype)
@@ -74,6 +98,9 @@ def _aminmax(x: torch.Tensor, reduce: tuple[int, ...]) -> tuple[torch.Tensor, to
 
 def qparams(lo: torch.Tensor, hi: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero_point) covering [lo, hi]: absmax / qmax for symmetric formats, min/max otherwise."""
+    if fmt.minmax:  # "zero" is the float offset lo: x ≈ q·scale + lo
+        scale = (hi - lo) / fmt.qmax
+        return torch.where(scale > 0, scale, torch.ones_like(scale)), lo.clone()
     if fmt.symmetric:
         scale = torch.maximum(lo.abs(), hi.abs()) / fmt.qmax
         zero = torch.zeros_like(scale)
@@ -88,6 +115,8 @@ def qparams(lo: torch.Tensor, hi: torch.Tensor, fmt: Format) -> tuple[torch.Tens
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Integer codes (int formats) or unscaled grid values (float formats), as float tensors."""
+    if fmt.minmax:
+        return torch.sub(x, zero).div_(scale).round_().clamp_(0, fmt.qmax)
     if fmt.is_int:
         q = torch.div(x, scale).round_()  # one new tensor, then in place
         if fmt.symmetric:
@@ -105,6 +134,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Form
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Values from codes; works in place on `q`, which `quantize` created."""
+    if fmt.minmax:
+        return q.mul_(scale).add_(zero)
     if fmt.is_int and not fmt.symmetric:
         return q.sub_(zero).mul_(scale)
     return q.mul_(scale)
@@ -121,18 +152,22 @@ _COMPILED_ROUNDTRIP = CompiledOrEager(_int_roundtrip)
 
 
 def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity | None = None,
-                  compiled: bool = False) -> torch.Tensor:
+                  compiled: bool = False, dims: tuple[str, ...] = ()) -> torch.Tensor:
     """Quantize-dequantize with a straight-through gradient (identity), in x's shape. `compiled` fuses
-    the integer round trip with torch.compile (eager where it cannot compile)."""
+    the integer round trip with torch.compile (eager where it cannot compile); `dims` (the site's) are
+    needed by granularities that group positions."""
     xf = x.detach() if x.dtype == torch.float32 else x.detach().float()
-    if isinstance(gran, PerGroup):
-        xf = grouped(xf, gran, ())[0]
-    if compiled and fmt.is_int:
+    if elementwise_groups(gran):
+        xf = grouped(xf, gran, dims)[0]
+    if compiled and fmt.is_int and not fmt.minmax:
         y = _COMPILED_ROUNDTRIP(xf, scale, zero, fmt.qmin, fmt.qmax).to(x.dtype)
     else:
         y = dequantize(quantize(xf, scale, zero, fmt), scale, zero, fmt).to(x.dtype)
     if isinstance(gran, PerGroup):
         y = y.flatten(-2)[..., :x.shape[-1]]  # drop a ragged last group's padding
+    elif position_runs(gran):
+        pos = dims.index("pos")
+        y = y.flatten(pos, pos + 1).narrow(pos, 0, x.shape[pos])
     if x.requires_grad:
         y = x + (y - x).detach()  # straight-through estimator
     return y
@@ -144,12 +179,14 @@ def dynamic_fake_quantize(x: torch.Tensor, fmt: Format, gran: Granularity, dims:
     two sequences: "per tensor" is per tensor of one sequence (see `grouped`)."""
     xd = x.detach() if x.dtype == torch.float32 else x.detach().float()
     xg, reduce = grouped(xd, gran, dims, per_sequence=True)
+    if fmt.minmax and valid is None and xg.numel() != x.numel():  # zero padding must not join a min-max range
+        valid = torch.ones_like(x, dtype=torch.bool)
     vg = None
     if valid is not None:  # kept broadcast where it can be: no full-size mask
-        vg = grouped(valid.expand_as(x) if isinstance(gran, PerGroup) else valid, gran, dims)[0]
-    lo, hi = value_range(xg, reduce, vg, fmt.symmetric)
+        vg = grouped(valid.expand_as(x) if elementwise_groups(gran) else valid, gran, dims)[0]
+    lo, hi = value_range(xg, reduce, vg, fmt.symmetric, not fmt.minmax)
     scale, zero = qparams(lo, hi, fmt)
-    return fake_quantize(x, scale, zero, fmt, gran, compiled)
+    return fake_quantize(x, scale, zero, fmt, gran, compiled, dims)
 
 
 def keep_masked(y: torch.Tensor, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -100,9 +100,41 @@ def _presets() -> dict[str, QuantScheme]:
                              "fp8 e4m3 weights (per channel) and Linear inputs (per token)")
     out["nf4"] = QuantScheme("nf4", (), ((LAYER_WEIGHTS, QuantConfig(Format("nf4"), G.PerGroup(64))),),
                              "NF4 weights in groups of 64 (QLoRA), activations in full precision")
+    out.update(kv_presets())
     out["fp4"] = QuantScheme("fp4", (), ((LAYER_WEIGHTS, QuantConfig(Format("fp4_e2m1"), G.PerGroup(64))),),
                              "FP4 (e2m1) weights in groups of 64, activations in full precision")
     return out
+
+
+def kv_scheme(name: str, k: QuantConfig, v: QuantConfig, description: str, pre_rope: bool = False) -> QuantScheme:
+    """Keys and values of the KV cache with their own quantizers: keys after RoPE at `k_cache` (what a
+    cache stores), or before it at `k` (KVQuant's pre-RoPE keys; separate k projections only)."""
+    where = "pre-RoPE keys (k_proj output)" if pre_rope else "post-RoPE keys"
+    return QuantScheme(name, (("*.k" if pre_rope else "*.k_cache", k), ("*.v_cache", v)),
+                       description=f"KV cache, {where}: {description}")
+
+
+def kv_config(bits: int, granularity=None, sink: int = 0, recent: int = 0) -> QuantConfig:
+    """A KV-cache quantizer: integer min-max with a float offset (KIVI's and quanto's cache quantizers),
+    dynamic, `sink` first and `recent` last positions kept in full precision."""
+    return QuantConfig(Format("int", bits, False, minmax=True), granularity or G.PerToken(), keep_first=sink,
+                       keep_last=recent)
+
+
+def kv_presets() -> dict[str, QuantScheme]:
+    tok = "per token and KV head"
+    out = [kv_scheme("kv8", kv_config(8), kv_config(8), f"int8 min-max keys and values, {tok}"),
+           kv_scheme("kv4", kv_config(4), kv_config(4), f"int4 min-max keys and values, {tok}"),
+           kv_scheme("k4v2", kv_config(4), kv_config(2), f"int4 keys, int2 values (min-max, {tok})"),
+           kv_scheme("kv4-sink1", kv_config(4, sink=1), kv_config(4, sink=1),
+                     f"int4 min-max keys and values, {tok}; the first token (the attention sink) in full precision"),
+           kv_scheme("kivi2", kv_config(2, G.KVChannel(32), recent=128), kv_config(2, G.PerGroup(32), recent=128),
+                     "KIVI-2: int2 min-max keys per channel over runs of 32 positions, values per token in groups "
+                     "of 32 channels; the 128 most recent positions in full precision"),
+           kv_scheme("kvquant4-sink1", kv_config(4, G.KVChannel(), sink=1), kv_config(4, sink=1),
+                     f"KVQuant-style int4: keys per channel over the sequence, values {tok}, min-max; the first "
+                     "token in full precision", pre_rope=True)]
+    return {s.name: s for s in out}
 
 
 PRESETS = _presets()
@@ -150,6 +182,9 @@ def plan(model, scheme: QuantScheme) -> dict[str, QuantConfig]:
             if site.router and any(c in pattern for c in "*?["):
                 continue
             G.validate(config.granularity, site.dims, site.name)
+            if (config.keep_first or config.keep_last) and "pos" not in site.dims:
+                raise DiffquantError(f"{site.name}: keep_first/keep_last keep positions in full precision, but its "
+                                     f"dims [{', '.join(site.dims)}] have no pos dimension")
             out[site.name] = config
     return out
 

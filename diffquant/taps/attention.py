@@ -34,6 +34,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from diffquant.errors import DiffquantError
+from diffquant.taps.sites import CACHE_POINTS
 
 NAME = "diffquant"
 BLOCK: int | None = int(os.environ["DIFFQUANT_ATTN_BLOCK"]) if os.environ.get("DIFFQUANT_ATTN_BLOCK") else None
@@ -95,8 +96,32 @@ def plain_causal(mask: torch.Tensor | None, q_len: int, k_len: int) -> bool:
     return _last_mask[1]
 
 
+
+
+def key_valid(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor | None:
+    """[batch|1, 1, k, 1]: the key positions some query may attend (None when every one is), the
+    validity of a [batch, kv_head, pos, dim] cache site (left padding never sets a scale)."""
+    if attention_mask is None:
+        return None
+    valid = valid_positions(attention_mask, q_len, k_len, device).any(dim=-2)
+    return None if bool(valid.all()) else valid.unsqueeze(-1)
+
+
+def cache_taps(module, q_len: int, key: torch.Tensor, value: torch.Tensor, attention_mask):
+    """Keys and values through the `k_cache` / `v_cache` taps, each KV head once (before grouped-query
+    heads are repeated): the tensors a KV cache stores, after RoPE. Returns (key, value, the other taps).
+    DiffLlama has these sites in its fused form only (see `SiteTable`)."""
+    taps = getattr(module, "_diffquant_taps", None) or {}
+    if not any(p in taps for p in CACHE_POINTS):
+        return key, value, taps
+    valid = key_valid(attention_mask, q_len, key.shape[2], key.device)
+    key = run_taps(taps.get("k_cache"), key, valid)
+    value = run_taps(taps.get("v_cache"), value, valid)
+    return key, value, {p: e for p, e in taps.items() if p not in CACHE_POINTS}
+
+
 def tapped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    taps = getattr(module, "_diffquant_taps", None)
+    key, value, taps = cache_taps(module, query.shape[2], key, value, attention_mask)
     if not taps:
         plain = all(kwargs.get(k) is None for k in ("softcap", "s_aux", "clip_softmax"))
         if module.__dict__.get("_diffquant_fallback", "sdpa") == "sdpa" and plain:
@@ -104,7 +129,7 @@ def tapped_attention(module, query, key, value, attention_mask, scaling=None, dr
                 attention_mask = None  # SDPA then takes its is_causal path
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                           **kwargs)
-    return _attend(module, taps or {}, query, key, value, attention_mask, scaling, dropout, kwargs)
+    return _attend(module, taps, query, key, value, attention_mask, scaling, dropout, kwargs)
 
 
 def explicit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -145,11 +170,11 @@ def _attend(module, taps, query, key, value, attention_mask, scaling, dropout, k
     return out.transpose(1, 2).contiguous(), probs
 
 
-def diff_attention(module, query, key, vpair, attention_mask, scaling, lam, tapped: bool):
+def diff_attention(module, query, key, vpair, attention_mask, scaling, lam, taps: dict):
     """DIFF in one call: the softmax maps of all H heads (taps on logits and probabilities see each once),
     A = P[:, :H/2] − λ·P[:, H/2:] per differential head (the `attn_map` site), and A·[V1 | V2].
+    `taps`: the module's taps other than the cache sites (see `cache_taps`).
     Returns ([batch, pos, H/2, 2d], probabilities or None when computed in blocks)."""
-    taps = (getattr(module, "_diffquant_taps", None) or {}) if tapped else {}
     run_taps(taps.get("lambda"), lam.float(), None)
     key = repeat_kv(key, query.shape[1] // key.shape[1])
     q_len, k_len = query.shape[2], key.shape[2]

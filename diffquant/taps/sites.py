@@ -6,9 +6,9 @@ shape, so no code guesses a layout from a name. Points are defined by what the m
 what one architecture calls them: each point lists the module paths it may live at (the first that
 exists in a layer wins), so `attn_out` is the input of Llama's `o_proj`, OPT's `out_proj`, GPT-2's
 `c_proj` or GPT-NeoX's `dense`. Module points are read with forward (pre-)hooks on the real Hugging Face
-modules; attention points (logits, probabilities, the differential map, λ) are only visible inside
-diffquant's registered attention function (see `taps/attention.py`), and the input of a mixture of
-experts' down projections only inside its registered experts function (see `taps/experts.py`).
+modules; attention points (the cached keys and values, logits, probabilities, the differential map, λ) are
+only visible inside diffquant's registered attention function (see `taps/attention.py`), and the input of
+a mixture of experts' down projections only inside its registered experts function (see `taps/experts.py`).
 
 Weights are those of every projection: `nn.Linear`, transformers' `Conv1D` (GPT-2, stored [in, out]) and
 the fused 3-D expert parameters of MoE layers. Taps always see a weight in one canonical layout,
@@ -52,6 +52,8 @@ class Point:
 
 TOKENS = ("batch", "pos", "channel")
 PAIRS = ("batch", "head", "q_pos", "k_pos")
+CACHE = ("batch", "kv_head", "pos", "dim")
+CACHE_POINTS = ("k_cache", "v_cache")
 
 POINTS: dict[str, Point] = {
     p.name: p
@@ -62,6 +64,13 @@ POINTS: dict[str, Point] = {
         Point("q", TOKENS, "output of q_proj, before RoPE (separate q/k/v projections only)", "output", ("{attn}.q_proj",)),
         Point("k", TOKENS, "output of k_proj, before RoPE (separate q/k/v projections only)", "output", ("{attn}.k_proj",)),
         Point("v", TOKENS, "output of v_proj (separate q/k/v projections only)", "output", ("{attn}.v_proj",)),
+        Point("k_cache", CACHE,
+              "keys as the attention function receives them, i.e. what a KV cache stores: after RoPE (and any q/k "
+              "norm), each KV head once (before grouped-query heads are repeated); DIFF: heads [0, KVH/2) are K1 "
+              "(paired with queries [0, H/2)), the rest K2", "attention"),
+        Point("v_cache", CACHE,
+              "values as the attention function receives them (what a KV cache stores), each KV head once; DIFF: "
+              "heads [0, KVH/2) are V1, the rest V2", "attention"),
         Point("attn_logits", PAIRS,
               "scaled q·k/√d after RoPE (and softcapping), before the mask and softmax; only causal (or in-window), "
               "unmasked positions are seen (DIFF: both softmax maps, map j pairs with j + H/2)", "attention"),
@@ -235,6 +244,8 @@ class SiteTable:
                     if attn is None or not self.attention_interface:
                         continue
                     module = layer.get_submodule(attn)
+                    if point.name in CACHE_POINTS and self.diff and not getattr(module, "_diffquant_fused", False):
+                        continue  # transformers' two-call DiffLlama passes each key twice (see miss_reason)
                 else:
                     found = _resolve(layer, point, attn)
                     if found is None:
@@ -306,11 +317,16 @@ class SiteTable:
         arch = type(self.model).__name__
         point = re.sub(r"^(layers\.[^.]+|\*)\.", "", pattern)
         if point in POINTS and POINTS[point].attention:
+            if point in CACHE_POINTS and self.diff and self.attention_interface and not any(
+                    site.kind == point for site in self):
+                return (f"site {pattern!r}: transformers' two-call DiffLlama passes each key twice; give the model "
+                        "the fused forward first (diffquant.models.fused.fuse; diffquant's loaders do)")
             if POINTS[point].diff_only and not self.diff:
                 return f"site {pattern!r}: {point} exists only in DIFF (DiffLlama) models"
             if not self.attention_interface:
                 return (f"site {pattern!r}: {arch} computes attention inside its own module, not through "
-                        "transformers' AttentionInterface, so its attention logits/probabilities cannot be tapped")
+                        "transformers' AttentionInterface, so its attention (cached keys and values, logits, "
+                        "probabilities) cannot be tapped")
         if point in ("q", "k", "v") and self.fused_qkv:
             return (f"site {pattern!r}: {arch} projects q, k and v with one fused projection "
                     f"({self.fused_qkv}), so it has no separate {point} site; its input is attn_in")

@@ -1,0 +1,256 @@
+"""KV-cache quantization, sink-aware or not: perplexity against K/V bits on KJV held-out tokens.
+
+Every condition quantizes the keys after RoPE (`k_cache`) and the values (`v_cache`) of every layer, min-max
+with a float offset (KIVI's and quanto's quantizer), in one forward over each sequence (prefill semantics:
+every query sees every key and value quantized). With per-token keys this is what decoding through a
+write-once quantized cache computes (tests/test_kv_cache.py), up to float rounding: on SmolLM2 a 1e-5
+difference between one-query and whole-sequence attention can move a value across a rounding boundary,
+and from then on the two are different draws of the same quantization noise (`--decode` shows both). Per-channel keys use KIVI's runs of 32 positions, and
+in one forward a query also sees the keys of its own run quantized with a scale that includes the run's
+later positions, where a decoding cache would still hold them in full precision (KIVI's convention). Grid:
+K/V bits 8/4/3/2 × key granularity (per token and KV head, or per channel and KV head in runs of 32; values
+are per token and KV head in both) × sink-aware off/on (the first token kept in full precision). Perplexity change against the same model in full precision is paired over sequences (95% t
+interval of the per-sequence loss difference, carried through exp).
+
+    python experiments/kv_cache.py --quick                      # seconds: the micro pair, random init
+    python experiments/kv_cache.py                              # SmolLM2-135M-Instruct
+    python experiments/kv_cache.py --model runs/pair/baseline --model runs/pair/diff   # trained checkpoints
+    python experiments/kv_cache.py --decode [--quick]          # prefill vs decoding through a quantized cache
+
+Results: docs/kv_cache/results.json, results.md, kv_cache.png/.svg (perplexity vs KV bits, one line per model
+and key granularity, sink-aware dashed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
+
+OUT = ROOT / "docs" / "kv_cache"
+KEY_GRANULARITY = {"token": "per token and KV head", "channel": "per channel and KV head, runs of 32 positions"}
+RUN = 32  # KIVI's group size: key scales per channel over runs of 32 consecutive positions
+
+
+@dataclass
+class Settings:
+    models: list[str] = field(default_factory=lambda: ["smollm2-135m"])
+    corpus: str = "kjv"
+    seq_len: int = 256
+    sequences: int = 8
+    bits: list[int] = field(default_factory=lambda: [8, 4, 3, 2])
+    key_granularity: list[str] = field(default_factory=lambda: list(KEY_GRANULARITY))
+    sinks: list[int] = field(default_factory=lambda: [0, 1])
+    quick: bool = False
+
+
+def scheme(bits: int, keys: str, sink: int):
+    from diffquant.quant import granularity as G
+    from diffquant.quant.scheme import kv_config, kv_scheme
+
+    kg = G.PerToken() if keys == "token" else G.KVChannel(RUN)
+    return kv_scheme(f"k{bits}v{bits}-{keys}-sink{sink}", kv_config(bits, kg, sink=sink), kv_config(bits, sink=sink),
+                     f"int{bits} keys {KEY_GRANULARITY[keys]}, values per token; first {sink} token(s) kept")
+
+
+def held_out(tokenizer, s: Settings) -> torch.Tensor:
+    from diffquant.data.corpora import load_text, split
+    from diffquant.data.tokens import encode, sequences
+
+    _, val = split(load_text(s.corpus)[0])
+    return sequences(encode(tokenizer, val), s.seq_len, s.seq_len * s.sequences)
+
+
+def label_of(source: str, model) -> str:
+    if source == "smollm2-135m":
+        return "SmolLM2-135M-Instruct"
+    if source.startswith("micro:"):
+        return f"micro {source.split(':')[1]} (random init)"
+    return f"{Path(source).name} ({type(model).__name__})"
+
+
+def measure(source: str, s: Settings) -> dict:
+    from measure import quantization_cost
+
+    from diffquant.evaluate import language_modeling
+    from diffquant.models.load import load_model
+
+    model, tok = load_model(source)[:2]
+    seqs = held_out(tok, s)
+    t0 = time.perf_counter()
+    fp = language_modeling(model, seqs)
+    rows = []
+    for bits in s.bits:
+        for keys in s.key_granularity:
+            for sink in s.sinks:
+                sch = scheme(bits, keys, sink)
+                cost = quantization_cost(model, seqs, fp["per_sequence_loss"], sch)
+                ppl = fp["ppl"] * (1 + cost["pct"] / 100)
+                rows.append({"bits": bits, "keys": keys, "sink": sink, "scheme": sch.to_dict(), "ppl": ppl,
+                             "dppl_pct": cost["pct"], "dppl_pct_ci95": cost["ci95"], "n": cost["n"]})
+                print(f"{source} int{bits} keys={keys} sink={sink}: ppl {ppl:.4f} ({cost['pct']:+.3f}%)", flush=True)
+    return {"source": source, "label": label_of(source, model), "architecture": type(model).__name__,
+            "kv_heads": model.config.num_key_value_heads, "head_dim": model.config.head_dim,
+            "fp": {k: fp[k] for k in ("loss", "ppl", "ppl_ci95", "tokens", "sequences")}, "rows": rows,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def decode_vs_prefill(source: str, s: Settings, prompt: int, new: int) -> dict:
+    """Perplexity of tokens prompt..prompt+new of the first held-out sequence, (a) with K/V quantized in one
+    forward over the whole sequence and (b) decoded one token at a time through a write-once quantized
+    cache (the prompt in one forward), per condition."""
+    from diffquant.models.load import load_model
+    from diffquant.quant.kv_cache import decode_logits
+    from diffquant.quant.scheme import quantize_
+
+    model, tok = load_model(source)[:2]
+    ids = held_out(tok, Settings(corpus=s.corpus, seq_len=prompt + new, sequences=1))[:1]
+
+    def ppl(logits):
+        lp = torch.log_softmax(logits[0, prompt - 1:-1].float(), -1)
+        return math.exp(float(-lp.gather(-1, ids[0, prompt:, None]).mean()))
+
+    with torch.inference_mode():
+        fp = ppl(model(ids).logits)
+    rows = []
+    for bits in (4, 2):
+        for keys in KEY_GRANULARITY:
+            sch = scheme(bits, keys, 1)
+            handle = quantize_(model, sch)
+            try:
+                with torch.inference_mode():
+                    prefill = ppl(model(ids).logits)
+            finally:
+                handle.remove()
+            decode = ppl(decode_logits(model, ids, sch, prompt))
+            rows.append({"bits": bits, "keys": keys, "sink": 1, "ppl_prefill": prefill, "ppl_decode": decode})
+            print(f"{source} decode int{bits} keys={keys}: prefill {prefill:.4f} decode {decode:.4f}", flush=True)
+    return {"source": source, "label": label_of(source, model), "prompt": prompt, "decoded": new, "ppl_fp": fp,
+            "rows": rows}
+
+
+def decode_table(doc: dict) -> str:
+    from diffquant.report.tables import markdown
+
+    parts = []
+    for m in doc["models"]:
+        body = [[f"int{r['bits']}", KEY_GRANULARITY[r["keys"]], f"{r['ppl_prefill']:.4f}", f"{r['ppl_decode']:.4f}"]
+                for r in m["rows"]]
+        parts.append(f"**{m['label']}**: perplexity of tokens {m['prompt']}..{m['prompt'] + m['decoded'] - 1} of one "
+                     f"KJV held-out sequence (n = {m['decoded']} tokens, one sequence: no interval), full precision "
+                     f"{m['ppl_fp']:.4f}; first token kept in both.\n\n"
+                     + markdown(["K/V bits", "keys", "ppl, one forward (prefill)", "ppl, decoded through the cache"],
+                                body))
+    return ("Prefill against decode-time KV quantization: one forward with every entry quantized, against decoding "
+            "one token at a time through a cache whose entries are quantized once, when written (the prompt in "
+            "one forward). With per-token scales the two compute the same quantizer on the same inputs up to float "
+            "rounding (≤ 1e-5 in the logits of the micro models in tests/test_kv_cache.py), until such a difference moves a value across "
+            "a rounding boundary: from then on they are two draws of the same quantization noise, and their "
+            "perplexities differ by that noise (SmolLM2's int4 per-token row). Per-channel runs of 32 are "
+            "quantized at decode only once complete (the newest, incomplete run waits in full precision).\n\n"
+            + "\n\n".join(parts) + "\n")
+
+
+def table(doc: dict) -> str:
+    from diffquant.report.tables import markdown
+
+    s = doc["settings"]
+    parts = [f"KV-cache quantization on {s['corpus'].upper()} held-out tokens: {s['sequences']} sequences of "
+             f"{s['seq_len']} tokens per model ({s['sequences'] * (s['seq_len'] - 1):,} predicted tokens), one "
+             "forward each with keys (after RoPE) and values quantized, min-max with a float offset; values per "
+             f"token and KV head; per-channel keys in runs of {RUN} positions (KIVI; in one forward a run's scale "
+             "includes positions a decoding cache would not have written yet). Δppl is paired over the same "
+             "sequences, [95% interval]. Models run: "
+             + "; ".join(f"{m['label']} (`{m['source']}`)" for m in doc["models"]) + "."]
+    for m in doc["models"]:
+        body = []
+        for r in m["rows"]:
+            ci = r["dppl_pct_ci95"]
+            body.append([f"int{r['bits']}", KEY_GRANULARITY[r["keys"]], "first token kept" if r["sink"] else "-",
+                         f"{r['ppl']:.3f}", f"{r['dppl_pct']:+.2f}%",
+                         f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "-"])
+        parts.append(f"**{m['label']}**: full precision ppl {m['fp']['ppl']:.3f} ({m['fp']['tokens']:,} tokens, "
+                     f"{m['kv_heads']} KV heads of {m['head_dim']})\n\n"
+                     + markdown(["K/V bits", "keys", "sink-aware", "ppl", "Δppl", "95% interval"], body))
+    return "\n\n".join(parts) + "\n"
+
+
+def figure(doc: dict, stem: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from diffquant.report.style import color
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
+    markers = {"token": "o", "channel": "s"}
+    for m in doc["models"]:
+        c = color(m["label"])
+        for keys in KEY_GRANULARITY:
+            for sink in (0, 1):
+                pts = sorted((r["bits"], r["ppl"]) for r in m["rows"] if r["keys"] == keys and r["sink"] == sink)
+                if not pts:
+                    continue
+                ax.plot(*zip(*pts), color=c, marker=markers[keys], linestyle="--" if sink else "-",
+                        label=f"{m['label']}, keys {keys}" + (", sink kept" if sink else ""))
+        ax.axhline(m["fp"]["ppl"], color=c, linestyle=":", linewidth=1)
+    ax.set_xlabel("K/V bits")
+    ax.set_ylabel("perplexity (log scale)")
+    ax.set_yscale("log")
+    ax.set_xticks(sorted({r["bits"] for m in doc["models"] for r in m["rows"]}))
+    ax.set_title("KV-cache quantization (dotted: full precision; dashed: first token kept)", fontsize=9)
+    ax.legend(fontsize=7)
+    for ext in ("png", "svg"):
+        fig.savefig(stem.with_suffix(f".{ext}.part"), format=ext, dpi=150)
+        stem.with_suffix(f".{ext}.part").replace(stem.with_suffix(f".{ext}"))
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the micro pair (random init), 2 short sequences")
+    p.add_argument("--model", action="append", help="a model to run (zoo name, preset:design, checkpoint folder); "
+                                                    "repeatable; default smollm2-135m")
+    p.add_argument("--decode", action="store_true",
+                   help="instead: prefill vs decode-time quantization on one sequence (128 + 64 tokens; quick: 32 + 16)")
+    p.add_argument("--sequences", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    a = p.parse_args(argv)
+    s = Settings(quick=a.quick)
+    if a.quick:
+        s.models, s.sequences, s.seq_len = ["micro:baseline", "micro:diff"], 4, 64
+    if a.model:
+        s.models = a.model
+    s.sequences = a.sequences or s.sequences
+    s.seq_len = a.seq_len or s.seq_len
+    from diffquant.paths import atomic_write_json, atomic_write_text
+
+    torch.manual_seed(0)
+    if a.decode:
+        prompt, new = (32, 16) if s.quick else (128, 64)
+        doc = {"settings": asdict(s), "models": [decode_vs_prefill(m, s, prompt, new) for m in s.models]}
+        stem = "decode-quick" if s.quick else "decode"
+        atomic_write_json(OUT / f"{stem}.json", doc)
+        atomic_write_text(OUT / f"{stem}.md", decode_table(doc))
+        print(decode_table(doc))
+        return
+    doc = {"settings": asdict(s), "models": [measure(m, s) for m in s.models], "torch_threads": torch.get_num_threads()}
+    stem = "results-quick" if s.quick else "results"
+    atomic_write_json(OUT / f"{stem}.json", doc)
+    atomic_write_text(OUT / f"{stem}.md", table(doc))
+    figure(doc, OUT / ("kv_cache-quick" if s.quick else "kv_cache"))
+    print(table(doc))
+
+
+if __name__ == "__main__":
+    main()
