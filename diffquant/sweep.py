@@ -32,13 +32,18 @@ class Cell:
     wbits: int = NATIVE
     layer: int | None = None
     mitigate: str = "none"  # a function-preserving transform applied before the scheme (quant/mitigate.py)
+    weights: str = "rtn"  # how the weights reach their grid (quant/solvers.py)
 
     def key(self) -> str:
-        return "|".join(str(v) for v in asdict(self).values())
+        values = asdict(self)
+        if values["weights"] == "rtn":  # the keys of sweeps made before the weights axis existed
+            del values["weights"]
+        return "|".join(str(v) for v in values.values())
 
     def label(self) -> str:
         """How a progress bar names the cell."""
-        fix = "" if self.mitigate == "none" else f" + {self.mitigate}"
+        fix = ("" if self.mitigate == "none" else f" + {self.mitigate}") + (
+            "" if self.weights == "rtn" else f" + {self.weights}")
         if self.kind == "scheme":
             return f"{self.model} {self.site}{fix}"
         if self.kind == "wa":
@@ -75,13 +80,19 @@ def parse_bits(text: str) -> list[int]:
 
 
 def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: list[str], wa: list[int] | None,
-                layer_bits: int | None, layers: dict[str, int], mitigations: list[str] = ("none",)) -> list[Cell]:
+                layer_bits: int | None, layers: dict[str, int], mitigations: list[str] = ("none",),
+                solvers: list[str] = ("rtn",)) -> list[Cell]:
+    """Every cell of a sweep; the weight solvers vary the weight × activation grid only (the other cells
+    quantize no weights)."""
+    from diffquant.quant import solvers as S
     from diffquant.quant.mitigate import parse
 
     for g in grans:
         G.parse_granularity(g)  # fail before any model runs
     for m in mitigations:
         parse(m)
+    for s in solvers:
+        S.parse(s)
     cells = []
     for label in labels:
         cells.append(Cell(label, "act", sites[0] if sites else "attn_logits", NATIVE, grans[0]))  # the float reference
@@ -90,7 +101,8 @@ def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: lis
                 for g in grans:
                     cells += [Cell(label, "act", site, b, g, mitigate=fix) for b in bits]
             if wa:
-                cells += [Cell(label, "wa", "linear", a, "token", w, mitigate=fix) for w in wa for a in wa]
+                cells += [Cell(label, "wa", "linear", a, "token", w, mitigate=fix, weights=s)
+                          for s in solvers for w in wa for a in wa]
             if layer_bits:
                 for site in sites:
                     cells += [Cell(label, "layer", site, layer_bits, grans[0], layer=i, mitigate=fix)
@@ -172,6 +184,7 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
     mitigations that calibrate (smoothquant) and static scales."""
     from tqdm.auto import tqdm
 
+    from diffquant.quant import solvers
     from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse
     from diffquant.quant.scheme import calibrate, quantize_
 
@@ -190,9 +203,12 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
             metrics = fp_cache[cell.model]
         else:
             applied = mitigate_(model, fix, calib)
-            attachment = None
+            attachment = solved = None
             try:
+                solved = solvers.solve_weights_(model, solvers.parse(cell.weights), scheme, calib, progress=False)
+                scheme = solved.scheme(scheme)
                 attachment = quantize_(model, scheme, compile)
+                solved.install(attachment)
                 if any(not q.config.dynamic for q in attachment.quantizers.values()):
                     if calib is None:
                         raise DiffquantError(f"{cell.label()}: static scales need calibration data")
@@ -201,6 +217,8 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
             finally:
                 if attachment is not None:
                     attachment.remove()
+                if solved is not None:
+                    solved.remove()
                 applied.remove()
             if scheme.is_identity and fix is None:
                 fp_cache[cell.model] = metrics
@@ -276,7 +294,8 @@ def run_cli(args) -> None:
         calibration[label] = sequences(encode(tokenizer, train_text), args.seq_len, 16 * args.seq_len)
     layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
     mitigations = [m.strip() for m in args.mitigate.split(",") if m.strip()]
-    cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers, mitigations)
+    cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers, mitigations,
+                        [s.strip() for s in args.weights.split(",") if s.strip()])
     rows = run_cells(models, cells, evaluators, out, compile=args.compile, calibration=calibration)
     if not args.no_plots:
         from diffquant.report.sweep_plots import plot_sweep

@@ -29,6 +29,7 @@ DOCS = {"rtn": "round to nearest (the scheme's own quantizer)",
         "gptq[:act-order]": "GPTQ (Frantar et al. 2022): Hessian-weighted error feedback, layer by layer on "
                             "calibration data; act-order: columns by decreasing activation energy"}
 CHUNK = 8  # calibration windows per forward pass
+WEIGHTS_FILE = "diffquant_solved_weights.safetensors"  # beside a saved scheme: the solved weights, by site
 
 
 def parse(text: str) -> Solver | None:
@@ -66,6 +67,48 @@ class Solved:
 
     def remove(self) -> None:
         self._applied.remove()
+
+    def save(self, folder) -> None:
+        """The solved weights (as stored) to folder/WEIGHTS_FILE, for `load_solved`."""
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        from diffquant.taps import site_table
+
+        table = site_table(self._applied.model)
+        tensors = {}
+        for name in self.scales:
+            module, param = table.modules[name], table.sites[name].param
+            p = module.parametrizations[param].original if _parametrized(module, param) else getattr(module, param)
+            tensors[name] = p.detach().cpu().contiguous()
+        part = Path(folder) / (WEIGHTS_FILE + ".part")
+        save_file(tensors, str(part))
+        part.replace(Path(folder) / WEIGHTS_FILE)
+
+
+def _parametrized(module, param: str) -> bool:
+    return param in getattr(module, "parametrizations", {})
+
+
+def load_solved(model, folder, record: dict) -> Solved:
+    """Put the weights `Solved.save` wrote back into `model` (after its mitigation was replayed); their
+    scales come with the saved scheme."""
+    import torch
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from diffquant.taps import site_table
+
+    solved = Solved(model, parse(record["weights"]))
+    solved.record = record
+    table = site_table(model)
+    with torch.no_grad():
+        for name, value in load_file(str(Path(folder) / WEIGHTS_FILE)).items():
+            module = table.modules[name]
+            solved._applied.set(module, table.sites[name].param, value.to(getattr(module, table.sites[name].param).device))
+    return solved
 
 
 def solve_weights_(model, solver: Solver | None, scheme, calibration: torch.Tensor | None,
