@@ -151,7 +151,8 @@ def test_gptq_layer_zero_solves_its_own_inputs(micro_pair):
 
 
 def test_quantize_cli_with_gptq_round_trip(micro_pair, tmp_path):
-    """`quantize --weights gptq` on a DiffLlama with rotate: the saved folder reloads to the same loss."""
+    """`quantize --weights awq+gptq` on a DiffLlama with rotate: the saved folder (AWQ's folded norms, GPTQ's
+    weights and scales) reloads to the same loss, and `remove()` gives back the float model."""
     import json
 
     from diffquant.cli import main
@@ -165,10 +166,10 @@ def test_quantize_cli_with_gptq_round_trip(micro_pair, tmp_path):
     (tmp_path / "c.txt").write_text("\n".join(f"line {i}: and the lord spake unto moses" for i in range(2000)))
     out = tmp_path / "q"
     assert main(["quantize", "--model", str(tmp_path / "m"), "--scheme", "w4a8", "--mitigate", "rotate",
-                 "--weights", "gptq", "--data", str(tmp_path / "c.txt"), "--tokens", "256", "--seq-len", "32",
+                 "--weights", "awq+gptq", "--data", str(tmp_path / "c.txt"), "--tokens", "256", "--seq-len", "32",
                  "--calib-batches", "4", "--out", str(out)]) == 0
     result = json.loads((out / "quantize.json").read_text())
-    assert result["weights_record"]["weights"] == "gptq" and result["calibration"]["tokens"] == 4 * 32
+    assert result["weights_record"]["weights"] == "awq+gptq" and result["calibration"]["tokens"] == 4 * 32
     loaded, tok = load_model(str(out))
     evalset = sequences(encode(tok, split((tmp_path / "c.txt").read_text())[1]), 32, 256)
     assert language_modeling(loaded, evalset)["loss"] == pytest.approx(result["simulated"]["loss"], rel=1e-6)

@@ -217,7 +217,7 @@ def save_scheme(attachment, folder, source: str | None = None, mitigation: dict 
         doc["source"] = source
     if mitigation is not None and mitigation.get("mitigation"):
         doc["mitigation"] = mitigation
-    if solved is not None and solved.scales:
+    if solved is not None and solved.changed:
         solved.save(folder)
         doc["weights"] = solved.record
     atomic_write_json(Path(folder) / SCHEME_FILE, doc)

@@ -19,26 +19,33 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from diffquant import DiffquantError
+from diffquant.quant.awq import AWQ
 from diffquant.quant.gptq import GPTQ
 
 if TYPE_CHECKING:
     import torch
 
-Solver = GPTQ
+Solver = GPTQ | AWQ
 DOCS = {"rtn": "round to nearest (the scheme's own quantizer)",
         "gptq[:act-order]": "GPTQ (Frantar et al. 2022): Hessian-weighted error feedback, layer by layer on "
-                            "calibration data; act-order: columns by decreasing activation energy"}
+                            "calibration data; act-order: columns by decreasing activation energy",
+        "awq[:no-clip][+gptq]": "AWQ (Lin et al. 2023): activation-aware per-channel scales searched on the output "
+                                "error and folded into the norms/up_proj, then an output-error clip search; "
+                                "+gptq: GPTQ instead of RTN on the result"}
 CHUNK = 8  # calibration windows per forward pass
 WEIGHTS_FILE = "diffquant_solved_weights.safetensors"  # beside a saved scheme: the solved weights, by site
 
 
 def parse(text: str) -> Solver | None:
-    """`rtn` (None: nothing to solve), `gptq`, `gptq:act-order`."""
-    kind, _, arg = text.strip().lower().partition(":")
-    if kind == "rtn" and not arg:
+    """`rtn` (None: nothing to solve), `gptq`, `gptq:act-order`, `awq`, `awq:no-clip`, `awq+gptq`."""
+    t = text.strip().lower()
+    kind, _, arg = t.partition(":")
+    if t == "rtn":
         return None
     if kind == "gptq" and arg in ("", "act-order"):
         return GPTQ(act_order=arg == "act-order")
+    if t in ("awq", "awq:no-clip", "awq+gptq", "awq:no-clip+gptq"):
+        return AWQ(clip="no-clip" not in t, gptq=t.endswith("+gptq"))
     raise DiffquantError(f"unknown weight solver {text!r}; choose one of: {', '.join(DOCS)}")
 
 
@@ -54,11 +61,14 @@ class Solved:
         self.record: dict = {"weights": "rtn" if solver is None else solver.label()}
 
     def scheme(self, scheme):
-        """`scheme` with the solved weights' scales static (fixed by `install`, never recalibrated)."""
+        """`scheme` named after the solver, with the solved weights' scales static where the solver chose
+        them (fixed by `install`, never recalibrated)."""
         if self.solver is None:
             return scheme
-        return replace(scheme, name=f"{scheme.name}+{self.solver.label()}",
-                       weights=tuple((p, replace(c, dynamic=False)) for p, c in scheme.weights))
+        weights = scheme.weights
+        if self.scales or _uses_gptq(self.solver):
+            weights = tuple((p, replace(c, dynamic=False)) for p, c in scheme.weights)
+        return replace(scheme, name=f"{scheme.name}+{self.solver.label()}", weights=weights)
 
     def install(self, attachment) -> None:
         """Give the attachment's weight quantizers the solver's scales."""
@@ -68,20 +78,22 @@ class Solved:
     def remove(self) -> None:
         self._applied.remove()
 
+    @property
+    def changed(self) -> bool:
+        return bool(self._applied._saved)
+
     def save(self, folder) -> None:
-        """The solved weights (as stored) to folder/WEIGHTS_FILE, for `load_solved`."""
+        """Every parameter the solver changed (as stored, by module path) to folder/WEIGHTS_FILE, for
+        `load_solved`."""
         from pathlib import Path
 
         from safetensors.torch import save_file
 
-        from diffquant.taps import site_table
-
-        table = site_table(self._applied.model)
+        paths = {id(m): path for path, m in self._applied.model.named_modules()}
         tensors = {}
-        for name in self.scales:
-            module, param = table.modules[name], table.sites[name].param
+        for module, param, _ in self._applied._saved:
             p = module.parametrizations[param].original if _parametrized(module, param) else getattr(module, param)
-            tensors[name] = p.detach().cpu().contiguous()
+            tensors[f"{paths[id(module)]}:{param}"] = p.detach().cpu().contiguous()
         part = Path(folder) / (WEIGHTS_FILE + ".part")
         save_file(tensors, str(part))
         part.replace(Path(folder) / WEIGHTS_FILE)
@@ -99,16 +111,18 @@ def load_solved(model, folder, record: dict) -> Solved:
 
     from safetensors.torch import load_file
 
-    from diffquant.taps import site_table
-
     solved = Solved(model, parse(record["weights"]))
     solved.record = record
-    table = site_table(model)
     with torch.no_grad():
-        for name, value in load_file(str(Path(folder) / WEIGHTS_FILE)).items():
-            module = table.modules[name]
-            solved._applied.set(module, table.sites[name].param, value.to(getattr(module, table.sites[name].param).device))
+        for key, value in load_file(str(Path(folder) / WEIGHTS_FILE)).items():
+            path, _, param = key.rpartition(":")
+            module = model.get_submodule(path)
+            solved._applied.set(module, param, value.to(getattr(module, param).device))
     return solved
+
+
+def _uses_gptq(solver) -> bool:
+    return isinstance(solver, GPTQ) or (isinstance(solver, AWQ) and solver.gptq)
 
 
 def solve_weights_(model, solver: Solver | None, scheme, calibration: torch.Tensor | None,
@@ -126,8 +140,8 @@ def solve_weights_(model, solver: Solver | None, scheme, calibration: torch.Tens
     if calibration is None or calibration.numel() == 0:
         raise DiffquantError(f"{solver.label()} needs calibration data")
     table = site_table(model)
-    configs = {name: c for name, c in plan(model, solved.scheme(scheme)).items() if table.sites[name].is_weight}
-    by_layer: dict[int, list[str]] = {}
+    configs = {name: c for name, c in plan(model, scheme).items() if table.sites[name].is_weight}
+    by_layer: dict[int, dict[str, torch.nn.Module]] = {}
     for name in configs:
         site = table.sites[name]
         if site.layer is None:
@@ -136,55 +150,123 @@ def solve_weights_(model, solver: Solver | None, scheme, calibration: torch.Tens
         if site.layout not in ("linear", "conv1d"):
             raise DiffquantError(f"{solver.label()} does not support fused MoE expert weights ({name}): their "
                                  "Hessians need each expert's routed tokens; use --weights rtn")
-        by_layer.setdefault(site.layer, []).append(name)
+        by_layer.setdefault(site.layer, {})[name] = table.modules[name]
     if not configs:
         return solved
+    steps = []
+    if isinstance(solver, AWQ):
+        from diffquant.quant.mitigate import _layers
+
+        _layers(model)  # AWQ folds its scales like SmoothQuant: the same layouts, or a clear refusal
+        steps.append(_awq_step(table, configs, solver, solved))
+    if _uses_gptq(solver):
+        steps.append(_gptq_step(table, configs, by_layer, solver if isinstance(solver, GPTQ) else GPTQ(), solved))
     with torch.no_grad():
-        _sequential(model, table, configs, by_layer, solver, calibration, solved, progress)
+        _layer_by_layer(model, table, calibration, steps, max(by_layer), solver.label(), progress)
     solved.record.update(calibration_tokens=int(calibration.numel()), sites=len(configs))
     return solved
 
 
-def _sequential(model, table, configs, by_layer, solver, calibration, solved: Solved, progress: bool) -> None:
+def _layer_by_layer(model, table, calibration, steps, last: int, desc: str, progress: bool) -> None:
+    """Each step of each layer in turn: the step names the modules whose inputs it needs ({key: module});
+    one pass of the layer over the calibration inputs gathers them, then the step changes the layer. The
+    next layer's inputs come from this layer as changed."""
     from tqdm.auto import tqdm
-
-    from diffquant.quant import gptq
-    from diffquant.taps.tap import canonical_weight, stored_weight
 
     layers = table.layers
     inputs = _first_layer_inputs(model, layers[0], calibration)
-    last = max(by_layer)
-    for i in tqdm(range(last + 1), desc=solver.label(), unit="layer", disable=not progress):
-        layer, names = layers[i], by_layer.get(i, [])
-        modules = {name: table.modules[name] for name in names}
-        hess: dict[str, list] = {}
-        handles = [m.register_forward_pre_hook(_accumulate(hess, name)) for name, m in modules.items()]
-        try:
-            for args, kwargs in inputs:
-                layer(*args, **kwargs)
-        finally:
-            for h in handles:
-                h.remove()
-        for name, module in modules.items():
-            site = table.sites[name]
-            total, n = hess.pop(name)
-            w = canonical_weight(getattr(module, site.param).detach(), site.layout)
-            wq, scale, zero = gptq.solve(w, total / n, configs[name], solver)
-            solved._applied.set(module, site.param, stored_weight(wq, site.layout, getattr(module, site.param).shape))
-            solved.scales[name] = (scale.cpu(), zero.cpu())
+    for i in tqdm(range(last + 1), desc=desc, unit="layer", disable=not progress):
+        layer = layers[i]
+        for modules, apply in steps:
+            wanted = modules(i)
+            if wanted:
+                apply(i, _input_stats(layer, inputs, wanted))
         if i < last:
             inputs = [_with_hidden(args, kwargs, _hidden(layer(*args, **kwargs))) for args, kwargs in inputs]
 
 
-def _accumulate(hess: dict, name: str):
-    """A pre-hook adding 2·xᵀx of the module's input (float64) and the token count to hess[name]."""
+def _gptq_step(table, configs, by_layer, gptq: GPTQ, solved: Solved):
+    from diffquant.quant import gptq as G
+    from diffquant.taps.tap import canonical_weight, stored_weight
 
-    def hook(module, args):
-        x = args[0].reshape(-1, args[0].shape[-1]).double()
-        total, n = hess.get(name, (0, 0))
-        hess[name] = (total + 2 * x.T @ x, n + x.shape[0])
+    def apply(i, stats):
+        for name, (h, _) in stats.items():
+            module, site = table.modules[name], table.sites[name]
+            w = getattr(module, site.param)
+            wq, scale, zero = G.solve(canonical_weight(w.detach(), site.layout), h, configs[name], gptq)
+            solved._applied.set(module, site.param, stored_weight(wq, site.layout, w.shape))
+            solved.scales[name] = (scale.cpu(), zero.cpu())
 
-    return hook
+    return (lambda i: by_layer.get(i, {})), apply
+
+
+def _awq_step(table, configs, awq: AWQ, solved: Solved):
+    """Per layer: scales for the attention input (q/k/v), the MLP input (gate/up) and the down-projection
+    input, folded as SmoothQuant's; then the clip search on every quantized reader but q_proj and k_proj."""
+    import torch
+
+    from diffquant.quant import awq as A
+    from diffquant.quant.mitigate import _fold_smoothing, _readers
+
+    layers = table.layers
+    names = {id(m): n for n, m in table.modules.items() if n in configs}
+    alphas: dict[str, list] = {}
+
+    def readers(i):
+        attn, mlp = _readers(layers[i])
+        return {"attn_in": attn, "mlp_in": mlp, "down_in": [layers[i].mlp.down_proj]}
+
+    def modules(i):
+        return {point: rs[0] for point, rs in readers(i).items()}
+
+    def apply(i, stats):
+        scales = {}
+        for point, rs in readers(i).items():
+            h, mean_abs = stats[point]
+            ws = [(r.weight.detach(), configs[names[id(r)]]) for r in rs if id(r) in names]
+            if point == "down_in" and rs[0]._forward_pre_hooks:  # rotate's online Hadamard: scales would not commute
+                s, alpha = torch.ones_like(mean_abs), None
+            else:
+                s, alpha, _ = A.search_scale(ws, h, mean_abs) if ws else (torch.ones_like(mean_abs), None, None)
+            scales[point] = s
+            alphas.setdefault(point, []).append(alpha)
+        _fold_smoothing(layers[i], scales, solved._applied)
+        solved.record["alphas"] = alphas
+        if not awq.clip:
+            return
+        for point, rs in readers(i).items():
+            s = scales[point].to(stats[point][0].dtype)
+            hs = stats[point][0] / s[:, None] / s[None, :]  # the Hessian of the scaled input X / s
+            for r in rs:
+                name = names.get(id(r))
+                if name is None or name.endswith(("q_proj.weight", "k_proj.weight")):
+                    continue
+                solved._applied.set(r, "weight", A.search_clip(r.weight.detach(), hs, configs[name]))
+
+    return modules, apply
+
+
+def _input_stats(layer, inputs, modules: dict) -> dict:
+    """{key: (H = 2·XᵀX / tokens, mean |x| per channel)} of each module's input (float64) over one pass of
+    the layer."""
+    sums: dict = {}
+
+    def hook_for(key):
+        def hook(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            xx, ax, n = sums.get(key, (0, 0, 0))
+            sums[key] = (xx + x.T @ x, ax + x.abs().sum(dim=0), n + x.shape[0])
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(key)) for key, m in modules.items()]
+    try:
+        for args, kwargs in inputs:
+            layer(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return {key: (2 * xx / n, ax / n) for key, (xx, ax, n) in sums.items()}
 
 
 class _Caught(Exception):

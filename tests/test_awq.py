@@ -1,0 +1,80 @@
+"""AWQ: the scale and clip searches against brute force written here; scales fold exactly into the model."""
+
+import torch
+
+from diffquant.quant.awq import search_clip, search_scale
+from diffquant.quant.config import int_config
+from diffquant.quant.granularity import PerChannel, PerGroup
+
+
+def rtn_rows(w, bits=4, group=None):
+    """Symmetric absmax round to nearest per row (or per group of `group` columns)."""
+    qmax = 2 ** (bits - 1) - 1
+    cols = w.shape[1]
+    out = torch.empty_like(w)
+    for g0 in range(0, cols, group or cols):
+        blk = w[:, g0:g0 + (group or cols)]
+        s = blk.abs().amax(dim=1, keepdim=True) / qmax
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        out[:, g0:g0 + (group or cols)] = torch.clamp(torch.round(blk / s), -qmax, qmax) * s
+    return out
+
+
+def test_scale_search_picks_the_alpha_of_least_output_error():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(256, 8, generator=g, dtype=torch.float64)
+    X[:, 0] *= 50  # a salient channel
+    W = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    W[:, 0] *= 0.02  # ... whose small weights RTN rounds to zero
+    H = 2 * X.T @ X / X.shape[0]
+    mean_abs = X.abs().mean(dim=0)
+    s, alpha, errors = search_scale([(W, int_config(4, PerChannel(0)))], H, mean_abs)
+    want = []
+    for i in range(20):  # brute force: the output error of each α, from the tokens themselves
+        sc = mean_abs.pow(i / 20).clamp_min(1e-4)
+        sc = sc / (sc.max() * sc.min()).sqrt()
+        wq = rtn_rows(W * sc) / sc
+        want.append((2 * ((X @ (W - wq).T) ** 2).sum(dim=1).mean()).item())
+    torch.testing.assert_close(torch.tensor(errors, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=0)
+    best = min(range(20), key=want.__getitem__)
+    assert alpha == best / 20 and best > 0  # the salient channel is worth protecting
+    assert want[best] < 0.5 * want[0]  # α = 0 is plain RTN
+
+
+def test_clip_search_matches_brute_force():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(300, 12, generator=g, dtype=torch.float64)
+    W = torch.randn(5, 12, generator=g, dtype=torch.float64)
+    W[0, 3] = 6.0  # an outlier weight that widens its group's range
+    H = 2 * X.T @ X / X.shape[0]
+    got = search_clip(W, H, int_config(3, PerGroup(5)))  # groups of 5, 5 and a ragged 2
+    want = W.clone()
+    for r in range(5):
+        for g0 in range(0, 12, 5):
+            w = W[r, g0:g0 + 5]
+            best = None
+            for i in range(10):
+                m = w.abs().max() * (1 - i / 20)
+                c = w.clamp(-m, m)
+                err = ((X[:, g0:g0 + 5] @ (w - rtn_rows(c[None], 3)[0])) ** 2).mean().item()
+                if best is None or err < best[0]:
+                    best = (err, c)
+            want[r, g0:g0 + 5] = best[1]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_awq_scales_fold_exactly(micro_pair):
+    from diffquant.quant.scheme import get_scheme
+    from diffquant.quant.solvers import parse, solve_weights_
+
+    for model in micro_pair:  # Llama and DiffLlama
+        ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            ref = model(ids).logits
+        solved = solve_weights_(model, parse("awq:no-clip"), get_scheme("w4a16-g32"), ids, progress=False)
+        assert solved.changed and set(solved.record["alphas"]) == {"attn_in", "mlp_in", "down_in"}
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, ref, atol=1e-5, rtol=0)
+        solved.remove()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
