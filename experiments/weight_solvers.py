@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
 
 SCHEME = "w4a16"  # int4 symmetric, groups of 128, activations in float: the setting GPTQ/AWQ papers quote
-SOLVERS = ("rtn", "gptq", "gptq:act-order", "awq", "awq+gptq")
+SOLVERS = ("rtn", "gptq", "awq", "awq+gptq", "gptq:act-order")
 
 
 def _data(quick: bool):
@@ -59,7 +59,6 @@ def main(argv=None) -> None:
     from diffquant.quant import solvers
     from diffquant.quant.scheme import get_scheme, quantize_
     from diffquant.runs import start_run
-    from diffquant.stats.intervals import paired
     from diffquant.sweep import versus_float
 
     out = start_run(a.out, vars(a), "cpu")
@@ -80,25 +79,34 @@ def main(argv=None) -> None:
             solved.remove()
         rows.append({"weights": name, "solve_seconds": seconds, "loss": r["loss"], "loss_se": r["loss_se"],
                      "ppl": r["ppl"], "ppl_ci95": r["ppl_ci95"], "per_sequence_loss": r["per_sequence_loss"],
-                     **versus_float(fp, r)})
+                     "record": {k: v for k, v in solved.record.items() if k != "weights"}, **versus_float(fp, r)})
+        result = {"model": label, "scheme": scheme.to_dict(),
+                  "float": {k: fp[k] for k in ("loss", "loss_se", "ppl", "ppl_ci95", "tokens")},
+                  "evaluation": {"sequences": len(seqs), "seq_len": seqs.shape[1], "predicted_tokens": fp["tokens"],
+                                 "corpus": "random ids" if a.quick else "kjv (validation split)"},
+                  "calibration": {"sequences": len(calib), "tokens": int(calib.numel()),
+                                  "corpus": "random ids" if a.quick else "kjv (training split)"},
+                  "rows": versus_rtn(rows)}
+        atomic_write_json(out / "results.json", result)  # after each solver: a partial run keeps its rows
+        atomic_write_text(out / "results.md", report(result))
+    print(report(result))
+
+
+def versus_rtn(rows: list[dict]) -> list[dict]:
+    """Rows without per-sequence losses, each with its paired change from RTN and the share of RTN's loss
+    increase it recovers."""
+    from diffquant.stats.intervals import paired
+
     rtn = next((r for r in rows if r["weights"] == "rtn"), None)
+    out = []
     for r in rows:
+        row = {k: v for k, v in r.items() if k != "per_sequence_loss"}
         if rtn is not None and r is not rtn:
             d = paired(rtn["per_sequence_loss"], r["per_sequence_loss"])
-            r["delta_loss_vs_rtn"], r["delta_loss_vs_rtn_ci95"] = d["mean"], d["ci95"]
-            r["rtn_cost_recovered"] = 1 - r["delta_loss"] / rtn["delta_loss"] if rtn["delta_loss"] > 0 else None
-    for r in rows:
-        r.pop("per_sequence_loss")
-    result = {"model": label, "scheme": scheme.to_dict(), "float": {k: fp[k] for k in ("loss", "loss_se", "ppl",
-                                                                                       "ppl_ci95", "tokens")},
-              "evaluation": {"sequences": len(seqs), "seq_len": seqs.shape[1], "predicted_tokens": fp["tokens"],
-                             "corpus": "random ids" if a.quick else "kjv (validation split)"},
-              "calibration": {"sequences": len(calib), "tokens": int(calib.numel()),
-                              "corpus": "random ids" if a.quick else "kjv (training split)"},
-              "rows": rows}
-    atomic_write_json(out / "results.json", result)
-    atomic_write_text(out / "results.md", report(result))
-    print(report(result))
+            row["delta_loss_vs_rtn"], row["delta_loss_vs_rtn_ci95"] = d["mean"], d["ci95"]
+            row["rtn_cost_recovered"] = 1 - r["delta_loss"] / rtn["delta_loss"] if rtn["delta_loss"] > 0 else None
+        out.append(row)
+    return out
 
 
 def report(r: dict) -> str:

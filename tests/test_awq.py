@@ -78,3 +78,49 @@ def test_awq_scales_fold_exactly(micro_pair):
             torch.testing.assert_close(model(ids).logits, ref, atol=1e-5, rtol=0)
         solved.remove()
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_protected_super_weight_is_never_clipped():
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(300, 16, generator=g, dtype=torch.float64)
+    X[:, 2] *= 0.001  # the outlier weight's input is small on these tokens: clipping it looks cheap
+    W = torch.randn(4, 16, generator=g, dtype=torch.float64) * 0.5
+    W[1, 2] = 5.0
+    H = 2 * X.T @ X / X.shape[0]
+    config = int_config(4, PerGroup(8))
+    assert search_clip(W, H, config)[1, 2] < 5.0  # the output-error search clips it...
+    kept = search_clip(W, H, config, protect=((1, 2),))
+    assert kept[1, 2] == 5.0 and torch.equal(kept[1, :8], W[1, :8])  # ... unless it is protected
+    assert torch.equal(kept[0], search_clip(W, H, config)[0])  # other groups are searched as before
+
+
+def test_super_weight_found_and_kept_by_clip_output(micro_pair):
+    from diffquant.quant import superweights
+    from diffquant.quant.scheme import get_scheme
+    from diffquant.quant.solvers import parse, solve_weights_
+
+    model = micro_pair[0]
+    down = model.model.layers[0].mlp.down_proj
+    ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(5))
+    original = down.weight.data.clone()
+    down.weight.data[5, 7] = 40.0  # a planted super-weight: output channel 5 spikes wherever input 7 is large
+    try:
+        found = superweights.find(model, ids)
+        supers = [(o["layer"], o["row"], o["col"]) for o in found if o["super"]]
+        assert supers == [(0, 5, 7)]
+        with torch.no_grad():  # independent check of the spike: the largest |output| of layer 0's down_proj
+            seen = []
+            h = down.register_forward_hook(lambda m, a, out: seen.append(out.abs().amax().item()))
+            model(ids)
+            h.remove()
+        assert found[0]["peak"] == max(seen)
+        assert "layer 0 down_proj [5, 7]" in superweights.text(found)
+        solved = solve_weights_(model, parse("clip:output"), get_scheme("w4a16-g32"), ids, progress=False)
+        try:
+            assert down.weight[5, 7] == 40.0 and solved.record["super_weights"][0]["col"] == 7
+            assert not torch.equal(down.weight.data, original)  # the others were searched (and some clipped)
+        finally:
+            solved.remove()
+        assert down.weight[5, 7] == 40.0
+    finally:
+        down.weight.data = original

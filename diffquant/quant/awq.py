@@ -11,7 +11,8 @@ error wins (α = 0 is plain RTN, so the search never does worse on calibration d
 what produces X (see `quant/mitigate.py`'s `_fold_smoothing`). The clip search then tries, per output row
 and scale group, max|w| × (1 − i/20) for i = 0..9 and keeps the one of least error of that group's own
 output contribution, Δw_g · H_gg · Δw_gᵀ (the reference's criterion); q_proj and k_proj are not clipped
-(the reference skips them: their error passes through the Q·K product).
+(the reference skips them: their error passes through the Q·K product), nor is any group holding a
+super-weight (`quant/superweights.py`).
 
 Two differences from the reference code, both stated in results: the scale search measures the output of
 the Linears themselves, not of the whole attention or MLP block; and o_proj's input is not scaled through
@@ -35,11 +36,16 @@ CLIP_STEPS = 10  # shrink = 1 − i / GRID for i < CLIP_STEPS (the reference's m
 
 @dataclass(frozen=True)
 class AWQ:
+    """`scale=False, clip=True` is the clip search alone: `clip:output`, the range search on the layer's
+    output error (where `clip:mse` minimises each weight tensor's own error)."""
+
+    scale: bool = True  # the activation-aware scale search
     clip: bool = True  # the output-error clip search after the scales
     gptq: bool = False  # GPTQ the scaled and clipped weights instead of rounding them to nearest
 
     def label(self) -> str:
-        return "awq" + ("" if self.clip else ":no-clip") + ("+gptq" if self.gptq else "")
+        base = ("awq" + ("" if self.clip else ":no-clip")) if self.scale else "clip:output"
+        return base + ("+gptq" if self.gptq else "")
 
 
 def rtn(w: torch.Tensor, config: QuantConfig) -> torch.Tensor:
@@ -72,8 +78,10 @@ def search_scale(weights: list[tuple[torch.Tensor, QuantConfig]], h: torch.Tenso
     return best[1], best[2], errors
 
 
-def search_clip(w: torch.Tensor, h: torch.Tensor, config: QuantConfig) -> torch.Tensor:
-    """w with each (row, scale group) clamped to the shrink of least output error of that group."""
+def search_clip(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, protect: tuple[tuple[int, int], ...] = ()
+                ) -> torch.Tensor:
+    """w with each (row, scale group) clamped to the shrink of least output error of that group; the groups
+    holding a `protect`ed (row, col) weight (super-weights) keep their full range."""
     gran = config.granularity
     rows, cols = w.shape
     size = gran.size if isinstance(gran, PerGroup) else cols
@@ -99,6 +107,8 @@ def search_clip(w: torch.Tensor, h: torch.Tensor, config: QuantConfig) -> torch.
         else:
             better = err < best_err
             best_err, best_max = torch.where(better, err, best_err), torch.where(better, m, best_max)
+    for r, c in protect:
+        best_max[r, c // size] = org[r, c // size]
     clipped = torch.maximum(torch.minimum(wg, best_max), -best_max)
     return clipped.flatten(1)[:, :cols].to(w.dtype)
 

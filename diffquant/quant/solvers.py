@@ -31,21 +31,25 @@ DOCS = {"rtn": "round to nearest (the scheme's own quantizer)",
                             "calibration data; act-order: columns by decreasing activation energy",
         "awq[:no-clip][+gptq]": "AWQ (Lin et al. 2023): activation-aware per-channel scales searched on the output "
                                 "error and folded into the norms/up_proj, then an output-error clip search; "
-                                "+gptq: GPTQ instead of RTN on the result"}
+                                "+gptq: GPTQ instead of RTN on the result",
+        "clip:output[+gptq]": "weight ranges clipped where that lowers each layer's output error (AWQ's clip "
+                              "search alone), super-weights never clipped; clip:mse is the tensor-MSE search"}
 CHUNK = 8  # calibration windows per forward pass
 WEIGHTS_FILE = "diffquant_solved_weights.safetensors"  # beside a saved scheme: the solved weights, by site
 
 
 def parse(text: str) -> Solver | None:
-    """`rtn` (None: nothing to solve), `gptq`, `gptq:act-order`, `awq`, `awq:no-clip`, `awq+gptq`."""
+    """`rtn` (None: nothing to solve), `gptq`, `gptq:act-order`, `awq`, `awq:no-clip`, `clip:output`, each
+    AWQ-kind one with `+gptq`."""
     t = text.strip().lower()
     kind, _, arg = t.partition(":")
     if t == "rtn":
         return None
     if kind == "gptq" and arg in ("", "act-order"):
         return GPTQ(act_order=arg == "act-order")
-    if t in ("awq", "awq:no-clip", "awq+gptq", "awq:no-clip+gptq"):
-        return AWQ(clip="no-clip" not in t, gptq=t.endswith("+gptq"))
+    base = t.removesuffix("+gptq")
+    if base in ("awq", "awq:no-clip", "clip:output"):
+        return AWQ(scale=base != "clip:output", clip=base != "awq:no-clip", gptq=t.endswith("+gptq"))
     raise DiffquantError(f"unknown weight solver {text!r}; choose one of: {', '.join(DOCS)}")
 
 
@@ -157,8 +161,12 @@ def solve_weights_(model, solver: Solver | None, scheme, calibration: torch.Tens
     if isinstance(solver, AWQ):
         from diffquant.quant.mitigate import _layers
 
+        from diffquant.quant import superweights
+
         _layers(model)  # AWQ folds its scales like SmoothQuant: the same layouts, or a clear refusal
-        steps.append(_awq_step(table, configs, solver, solved))
+        supers = [o for o in superweights.find(model, calibration) if o["super"]] if solver.clip else []
+        solved.record["super_weights"] = [{k: o[k] for k in ("layer", "row", "col", "weight")} for o in supers]
+        steps.append(_awq_step(table, configs, solver, solved, supers))
     if _uses_gptq(solver):
         steps.append(_gptq_step(table, configs, by_layer, solver if isinstance(solver, GPTQ) else GPTQ(), solved))
     with torch.no_grad():
@@ -200,7 +208,7 @@ def _gptq_step(table, configs, by_layer, gptq: GPTQ, solved: Solved):
     return (lambda i: by_layer.get(i, {})), apply
 
 
-def _awq_step(table, configs, awq: AWQ, solved: Solved):
+def _awq_step(table, configs, awq: AWQ, solved: Solved, supers: list[dict]):
     """Per layer: scales for the attention input (q/k/v), the MLP input (gate/up) and the down-projection
     input, folded as SmoothQuant's; then the clip search on every quantized reader but q_proj and k_proj."""
     import torch
@@ -224,14 +232,17 @@ def _awq_step(table, configs, awq: AWQ, solved: Solved):
         for point, rs in readers(i).items():
             h, mean_abs = stats[point]
             ws = [(r.weight.detach(), configs[names[id(r)]]) for r in rs if id(r) in names]
-            if point == "down_in" and rs[0]._forward_pre_hooks:  # rotate's online Hadamard: scales would not commute
+            if not awq.scale:
+                s, alpha = torch.ones_like(mean_abs), None
+            elif point == "down_in" and rs[0]._forward_pre_hooks:  # rotate's online Hadamard: scales would not commute
                 s, alpha = torch.ones_like(mean_abs), None
             else:
                 s, alpha, _ = A.search_scale(ws, h, mean_abs) if ws else (torch.ones_like(mean_abs), None, None)
             scales[point] = s
             alphas.setdefault(point, []).append(alpha)
-        _fold_smoothing(layers[i], scales, solved._applied)
-        solved.record["alphas"] = alphas
+        if awq.scale:
+            _fold_smoothing(layers[i], scales, solved._applied)
+            solved.record["alphas"] = alphas
         if not awq.clip:
             return
         for point, rs in readers(i).items():
@@ -241,7 +252,9 @@ def _awq_step(table, configs, awq: AWQ, solved: Solved):
                 name = names.get(id(r))
                 if name is None or name.endswith(("q_proj.weight", "k_proj.weight")):
                     continue
-                solved._applied.set(r, "weight", A.search_clip(r.weight.detach(), hs, configs[name]))
+                protect = tuple((o["row"], o["col"]) for o in supers
+                                if o["layer"] == i and r is layers[i].mlp.down_proj)
+                solved._applied.set(r, "weight", A.search_clip(r.weight.detach(), hs, configs[name], protect))
 
     return modules, apply
 
