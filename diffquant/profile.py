@@ -228,6 +228,9 @@ def run_cli(args) -> None:
                              compile=args.compile, sinks=not args.no_sinks)
         prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,
                                 "device": str(input_device(model))})
+        from diffquant.quant.superweights import profile_entry  # noqa: E402 - lazy: profile loads no quant code
+
+        prof.provenance["super_weights"] = profile_entry(model, seqs, label)
         profiles.append(prof)
         del model
     if _rank()[0] == 0:

@@ -115,6 +115,7 @@ def test_super_weight_found_and_kept_by_clip_output(micro_pair):
             h.remove()
         assert found[0]["peak"] == max(seen)
         assert "layer 0 down_proj [5, 7]" in superweights.text(found)
+        assert superweights.profile_entry(model, ids, "m") == found  # what `diffquant profile` records
         solved = solve_weights_(model, parse("clip:output"), get_scheme("w4a16-g32"), ids, progress=False)
         try:
             assert down.weight[5, 7] == 40.0 and solved.record["super_weights"][0]["col"] == 7

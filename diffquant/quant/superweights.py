@@ -78,3 +78,15 @@ def text(found: list[dict]) -> str:
     lines += [f"  layer {o['layer']} down_proj [{o['row']}, {o['col']}] = {o['weight']:+.4g}: input {o['input']:+.4g} "
               f"→ output {o['output']:+.4g} ({100 * o['share']:.0f}% of it)" for o in rows]
     return "\n".join(lines)
+
+
+def profile_entry(model, sequences: torch.Tensor, label: str) -> list[dict]:
+    """What `diffquant profile` records and prints: the spikes found on the first 8 profiled sequences
+    (none for a model without down_proj Linears)."""
+    try:
+        found = find(model, sequences[:CHUNK])
+    except DiffquantError as e:
+        print(f"{label}: {e}")
+        return []
+    print(f"{label}: {text(found)}")
+    return found
