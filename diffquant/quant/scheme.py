@@ -185,7 +185,7 @@ def calibrate(model, attachment, batches, device=None) -> None:
     """Run calibration batches through the model to fix the static scales of `attachment`'s quantizers."""
     import torch
 
-    static = [q for q in attachment.quantizers.values() if not q.config.dynamic]
+    static = [q for q in attachment.quantizers.values() if not q.config.dynamic and not q.fixed]
     if not static:
         return
     for q in static:

@@ -1,16 +1,21 @@
 """Weight solvers: how a scheme's weights reach their grid. `rtn` rounds each weight to nearest (the
 scheme's own fake quantizer, nothing done here); `gptq` (see `quant/gptq.py`) chooses the rounding that
-keeps each layer's output on calibration data.
+keeps each layer's output on calibration data; `awq` (see `quant/awq.py`) rescales salient input channels
+and clips weight ranges on the same objective, then rounds to nearest (or `awq+gptq`: solves by GPTQ);
+`clip:output` is AWQ's clip search alone.
 
 A solver runs after any mitigation and before the scheme's quantizers: `solve_weights_` replaces the weights
-it solves by their quantized values (reversibly: `remove()` restores them bit-exactly) and fixes the weight
-quantizers' scales to those the solver used (`install`), so the scheme's fake quantizer returns the solved
-weights unchanged and every scheme, sweep and export works as with RTN.
+it changes (reversibly: `remove()` restores them bit-exactly). GPTQ's weights lie on a grid of scales it
+chose: `install` fixes the weight quantizers' scales to those, so the scheme's fake quantizer returns the
+solved weights unchanged and every scheme, sweep and export works as with RTN. AWQ's weights are float
+weights that the scheme's own quantizer then rounds (as the reference code does).
 
 Layers are solved one at a time in the model's order, the calibration inputs of each computed by the layers
-before it with their weights already solved (the reference implementation's sequential mode; activations
-stay in float while weights are solved). Within a layer every Linear sees the layer's float computation
-(the reference's default; its `--true-sequential` is not implemented). Memory: one layer's Hessians.
+before it as already solved (the reference GPTQ's sequential mode; activations stay in float while weights
+are solved). Within a layer every Linear sees the layer's float computation (the reference's default; its
+`--true-sequential` is not implemented). Memory: one layer's Hessians. Fused MoE experts and weights outside
+the decoder layers are refused (their Hessians need each expert's routed tokens; lm_head is not in the
+presets' weights).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ DOCS = {"rtn": "round to nearest (the scheme's own quantizer)",
         "clip:output[+gptq]": "weight ranges clipped where that lowers each layer's output error (AWQ's clip "
                               "search alone), super-weights never clipped; clip:mse is the tensor-MSE search"}
 CHUNK = 8  # calibration windows per forward pass
-WEIGHTS_FILE = "diffquant_solved_weights.safetensors"  # beside a saved scheme: the solved weights, by site
+WEIGHTS_FILE = "diffquant_solved_weights.safetensors"  # beside a saved scheme: what a solver changed
 
 
 def parse(text: str) -> Solver | None:
@@ -70,7 +75,7 @@ class Solved:
         if self.solver is None:
             return scheme
         weights = scheme.weights
-        if self.scales or _uses_gptq(self.solver):
+        if _uses_gptq(self.solver):
             weights = tuple((p, replace(c, dynamic=False)) for p, c in scheme.weights)
         return replace(scheme, name=f"{scheme.name}+{self.solver.label()}", weights=weights)
 
