@@ -21,8 +21,6 @@ v_proj (DIFF's per-head norm sits between them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from diffquant.quant import math as Q
@@ -32,20 +30,6 @@ from diffquant.taps.sites import WEIGHT_DIMS
 
 GRID = 20  # α = i / GRID for i < GRID (the reference's n_grid)
 CLIP_STEPS = 10  # shrink = 1 − i / GRID for i < CLIP_STEPS (the reference's max_shrink 0.5)
-
-
-@dataclass(frozen=True)
-class AWQ:
-    """`scale=False, clip=True` is the clip search alone: `clip:output`, the range search on the layer's
-    output error (where `clip:mse` minimises each weight tensor's own error)."""
-
-    scale: bool = True  # the activation-aware scale search
-    clip: bool = True  # the output-error clip search after the scales
-    gptq: bool = False  # GPTQ the scaled and clipped weights instead of rounding them to nearest
-
-    def label(self) -> str:
-        base = ("awq" + ("" if self.clip else ":no-clip")) if self.scale else "clip:output"
-        return base + ("+gptq" if self.gptq else "")
 
 
 def rtn(w: torch.Tensor, config: QuantConfig) -> torch.Tensor:

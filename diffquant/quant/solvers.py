@@ -20,15 +20,44 @@ presets' weights).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from diffquant import DiffquantError
-from diffquant.quant.awq import AWQ
-from diffquant.quant.gptq import GPTQ
 
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass(frozen=True)
+class GPTQ:
+    damp: float = 0.01  # fraction of mean diag H added to the diagonal (the paper's 1%)
+    block: int = 128  # columns per lazy batch (the paper's B = 128)
+    act_order: bool = False  # columns in order of decreasing diag H (the reference's --act-order)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.damp < 1:
+            raise DiffquantError(f"GPTQ dampening must be in [0, 1), got {self.damp}")
+        if self.block < 1:
+            raise DiffquantError(f"GPTQ block size must be positive, got {self.block}")
+
+    def label(self) -> str:
+        return "gptq" + (":act-order" if self.act_order else "")
+
+
+@dataclass(frozen=True)
+class AWQ:
+    """`scale=False, clip=True` is the clip search alone: `clip:output`, the range search on the layer's
+    output error (where `clip:mse` minimises each weight tensor's own error)."""
+
+    scale: bool = True  # the activation-aware scale search
+    clip: bool = True  # the output-error clip search after the scales
+    gptq: bool = False  # GPTQ the scaled and clipped weights instead of rounding them to nearest
+
+    def label(self) -> str:
+        base = ("awq" + ("" if self.clip else ":no-clip")) if self.scale else "clip:output"
+        return base + ("+gptq" if self.gptq else "")
+
 
 Solver = GPTQ | AWQ
 DOCS = {"rtn": "round to nearest (the scheme's own quantizer)",
