@@ -115,7 +115,7 @@ def report(r: dict) -> str:
     def ci(x):
         return f"[{x[0]:+.4f}, {x[1]:+.4f}]" if x else ""
 
-    lines = [[f"float", f"{r['float']['ppl']:.3f}", "", "", "", ""]]
+    lines = [["float", f"{r['float']['ppl']:.3f}", "", "", "", ""]]
     for row in r["rows"]:
         rec = row.get("rtn_cost_recovered")
         lines.append([row["weights"], f"{row['ppl']:.3f} [{row['ppl_ci95'][0]:.3f}, {row['ppl_ci95'][1]:.3f}]",
