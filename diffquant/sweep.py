@@ -32,13 +32,18 @@ class Cell:
     wbits: int = NATIVE
     layer: int | None = None
     mitigate: str = "none"  # a function-preserving transform applied before the scheme (quant/mitigate.py)
+    weights: str = "rtn"  # how the weights reach their grid (quant/solvers.py)
 
     def key(self) -> str:
-        return "|".join(str(v) for v in asdict(self).values())
+        values = asdict(self)
+        if values["weights"] == "rtn":  # the keys of sweeps made before the weights axis existed
+            del values["weights"]
+        return "|".join(str(v) for v in values.values())
 
     def label(self) -> str:
         """How a progress bar names the cell."""
-        fix = "" if self.mitigate == "none" else f" + {self.mitigate}"
+        fix = ("" if self.mitigate == "none" else f" + {self.mitigate}") + (
+            "" if self.weights == "rtn" else f" + {self.weights}")
         if self.kind == "scheme":
             return f"{self.model} {self.site}{fix}"
         if self.kind == "wa":
@@ -76,9 +81,11 @@ def parse_bits(text: str) -> list[int]:
 
 def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: list[str], wa: list[int] | None,
                 layer_bits: int | None, layers: dict[str, int], mitigations: list[str] = ("none",),
-                schemes: list[str] = ()) -> list[Cell]:
+                schemes: list[str] = (), solvers: list[str] = ("rtn",)) -> list[Cell]:
     """Every cell of the sweep, the float reference first; `schemes` (presets or files, such as w8a8-static
-    and w4a16) add one whole-model cell each, beside the one-site bit-width cells."""
+    and w4a16) add one whole-model cell each, beside the one-site bit-width cells; the weight solvers vary the
+    weight × activation grid only (the other cells quantize no weights, or name their own)."""
+    from diffquant.quant import solvers as S
     from diffquant.quant.mitigate import parse
     from diffquant.quant.scheme import get_scheme
 
@@ -88,6 +95,8 @@ def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: lis
         parse(m)
     for name in schemes:
         get_scheme(name)
+    for s in solvers:
+        S.parse(s)
     cells = []
     for label in labels:
         cells.append(Cell(label, "act", sites[0] if sites else "attn_logits", NATIVE, grans[0]))  # the float reference
@@ -96,7 +105,8 @@ def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: lis
                 for g in grans:
                     cells += [Cell(label, "act", site, b, g, mitigate=fix) for b in bits]
             if wa:
-                cells += [Cell(label, "wa", "linear", a, "token", w, mitigate=fix) for w in wa for a in wa]
+                cells += [Cell(label, "wa", "linear", a, "token", w, mitigate=fix, weights=s)
+                          for s in solvers for w in wa for a in wa]
             cells += [Cell(label, "scheme", name, mitigate=fix) for name in schemes]
             if layer_bits:
                 for site in sites:
@@ -207,6 +217,7 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
     mitigations that calibrate (smoothquant) and static scales."""
     from tqdm.auto import tqdm
 
+    from diffquant.quant import solvers
     from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse
     from diffquant.quant.scheme import calibrate, quantize_
 
@@ -225,9 +236,12 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
             metrics = fp_cache[cell.model]
         else:
             applied = mitigate_(model, fix, calib)
-            attachment = None
+            attachment = solved = None
             try:
+                solved = solvers.solve_weights_(model, solvers.parse(cell.weights), scheme, calib, progress=False)
+                scheme = solved.scheme(scheme)
                 attachment = quantize_(model, scheme, compile)
+                solved.install(attachment)
                 if any(not q.config.dynamic for q in attachment.quantizers.values()):
                     if calib is None:
                         raise DiffquantError(f"{cell.label()}: static scales need calibration data")
@@ -236,6 +250,8 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
             finally:
                 if attachment is not None:
                     attachment.remove()
+                if solved is not None:
+                    solved.remove()
                 applied.remove()
             if scheme.is_identity and fix is None:
                 fp_cache[cell.model] = metrics

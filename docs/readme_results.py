@@ -6,7 +6,8 @@
                                                   # into docs/demo, then rewrite
 
 Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/rivals/*/results.json,
-docs/mitigations/results.json, docs/fig8_real/results.md, docs/kv_cache/{results,decode,parity}.md and benchmarks/results-cpu.json. A missing source leaves its part out.
+docs/mitigations/results.json, docs/weights/results.md, docs/fig8_real/results.md,
+docs/kv_cache/{results,decode,parity}.md and benchmarks/results-cpu.json. A missing source leaves its part out.
 """
 
 from __future__ import annotations
@@ -256,6 +257,13 @@ def kv_cache_part() -> list[str]:
     return lines
 
 
+def weights_part() -> list[str]:
+    if not (ROOT / "docs/weights/results.md").is_file():
+        return []
+    return ["### Weight solvers: RTN, GPTQ, AWQ (`experiments/weight_solvers.py`)", "",
+            *_md("docs/weights/results.md")]
+
+
 def _history(n: int = 3) -> list[dict]:
     """The last n full (not --quick) benchmark runs, oldest first."""
     p = ROOT / "benchmarks/history-cpu.jsonl"
@@ -342,7 +350,7 @@ def benchmark_part() -> list[str]:
 
 
 def results_block() -> str:
-    parts = (demo_part() + emergence_part() + rivals_part() + mitigations_part() + fig8_real_part()
+    parts = (demo_part() + emergence_part() + rivals_part() + mitigations_part() + weights_part() + fig8_real_part()
              + kv_cache_part() + benchmark_part())
     return "\n".join(parts).strip()
 

@@ -52,6 +52,11 @@ def validate(args) -> None:
             from diffquant.stats.metric_sets import parse
 
             parse(getattr(args, key))
+    for text in (getattr(args, "weights", None) or "").split(","):
+        if text.strip():
+            from diffquant.quant.solvers import parse as parse_solver
+
+            parse_solver(text)
     for key in ("bits", "wa_grid"):
         if getattr(args, key, None):
             from diffquant.sweep import parse_bits
@@ -138,6 +143,9 @@ def _quantize(sub) -> None:
     p.add_argument("--mitigate", default="none",
                    help="a function-preserving fix applied first: none, smoothquant[:ALPHA], rotate[:SEED], clip:mse, "
                         "clip:percentile:P (see --list)")
+    p.add_argument("--weights", default="rtn",
+                   help="how the weights reach their grid, after the mitigation: rtn (round to nearest), gptq, "
+                        "gptq:act-order (calibrated on --calib-batches windows of the training split; see --list)")
     p.add_argument("--save-weights", action="store_true",
                    help="simulated schemes: also save a full copy of the float weights (default: the scheme and a "
                         "reference to --model, a few kB)")
@@ -200,6 +208,9 @@ def _sweep(sub) -> None:
                    help="comma-separated fixes applied before each scheme, one more sweep axis: none, "
                         "smoothquant[:ALPHA], rotate[:SEED], clip:mse, clip:percentile:P (calibrated on the training "
                         "split)")
+    p.add_argument("--weights", default="rtn",
+                   help="comma-separated weight solvers for the --wa-grid cells, one more axis: rtn, gptq, "
+                        "gptq:act-order (calibrated on 16 windows of the training split)")
     p.add_argument("--data", default="kjv", help=CORPUS_HELP)
     p.add_argument("--tokens", type=int, default=16384, help="held-out tokens for ppl (default 16384)")
     p.add_argument("--seq-len", type=int, default=256)

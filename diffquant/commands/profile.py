@@ -10,6 +10,7 @@ from diffquant.commands.common import parse_model_args, prepare_out
 from diffquant.errors import DiffquantError
 from diffquant.memory import check_fits
 from diffquant.profile import input_device, profile_model
+from diffquant.quant.superweights import profile_entry
 from diffquant.stats.distributed import finish_distributed, init_distributed, rank_world
 
 
@@ -39,6 +40,7 @@ def run_cli(args) -> None:
         check_fits(model, min(args.batch_size, len(seqs)), args.seq_len, f"profiling {label}")
         prof = profile_model(model, seqs, args.sites, batch_size=args.batch_size, k=args.k, label=label,
                              compile=args.compile, sinks=not args.no_sinks, metrics=args.metrics.split(","))
+        prof.provenance["super_weights"] = profile_entry(model, seqs, label)
         prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,
                                 "device": str(input_device(model))})
         profiles.append(prof)

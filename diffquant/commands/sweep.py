@@ -53,7 +53,8 @@ def run_cli(args) -> None:
     layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
     mitigations = [m.strip() for m in args.mitigate.split(",") if m.strip()]
     cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers, mitigations,
-                        [x.strip() for x in args.schemes.split(",") if x.strip()])
+                        [x.strip() for x in args.schemes.split(",") if x.strip()],
+                        [x.strip() for x in args.weights.split(",") if x.strip()])
     if args.kurtosis_tokens:
         save_layer_kurtosis(models, val, args.seq_len, args.kurtosis_tokens, out)
     rows = run_cells(models, cells, evaluators, out, compile=args.compile, calibration=calibration)

@@ -90,7 +90,7 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
 
 
 def _apply_scheme(model, folder: Path):
-    from diffquant.quant.scheme import load_saved_scheme
+    from diffquant.quant.saved import load_saved_scheme
 
     return load_saved_scheme(model, folder)
 

@@ -12,11 +12,14 @@ def list_text() -> str:
     from diffquant.quant.backends import BACKENDS, backend_status
     from diffquant.quant.mitigate import DOCS
     from diffquant.quant.scheme import PRESETS
+    from diffquant.quant.solvers import DOCS as SOLVERS
 
     lines = ["schemes:"]
     lines += [f"  {s.name:<12} {s.description}" for s in PRESETS.values()]
     lines.append("mitigations (--mitigate, applied before the scheme, preserving the float model):")
     lines += [f"  {k:<28} {v}" for k, v in DOCS.items()]
+    lines.append("weight solvers (--weights, after the mitigation, on calibration windows of the training split):")
+    lines += [f"  {k:<28} {v}" for k, v in SOLVERS.items()]
     lines.append("backends:")
     lines.append(f"  {'fake':<15} diffquant's exact simulation of any scheme (always available)")
     status = backend_status()
@@ -55,17 +58,20 @@ def run_cli(args) -> None:
     from diffquant.paths import fix_modes
     from diffquant.commands.common import prepare_out
     from diffquant.quant import backends
-    from diffquant.quant.scheme import calibrate, get_scheme, quantize_, save_scheme
+    from diffquant.quant.saved import save_scheme
+    from diffquant.quant.scheme import calibrate, get_scheme, quantize_
     from diffquant.stats.intervals import paired
 
     from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse
+    from diffquant.quant import solvers
 
     real = args.backend != "fake"
     backend = backends.require(args.backend) if real else None
     mitigation = parse(args.mitigate)
-    if real and mitigation is not None:
-        raise DiffquantError("--mitigate applies to simulated schemes (--backend fake); real backends quantize the "
-                             "float weights as they are")
+    solver = solvers.parse(args.weights)
+    if real and (mitigation is not None or solver is not None):
+        raise DiffquantError("--mitigate and --weights apply to simulated schemes (--backend fake); real backends "
+                             "quantize the float weights as they are")
     scheme = adjust_scheme(get_scheme(args.scheme or (backend.simulated_by if real else "w8a8")), mitigation)
     out = prepare_out(args.out, args.force, "quantize.json")
     model, tokenizer = load_model(args.model, hub=args.hub, cache=args.cache_dir)
@@ -75,7 +81,8 @@ def run_cli(args) -> None:
                            args.cache_dir, chars=200_000)
     evalset = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.tokens, args.cache_dir)
     result = {"model": args.model, "scheme": scheme.to_dict(), "backend": args.backend, "data": args.data,
-              "mitigation": args.mitigate}
+              "mitigation": args.mitigate, "weights": args.weights,
+              "calibration": {"split": "train", "sequences": len(calib), "tokens": int(calib.numel())}}
     quantize_(model, scheme).remove()  # a scheme that cannot apply is refused here, before any evaluation
     if not real and args.save_weights:
         model.save_pretrained(out)
@@ -85,14 +92,17 @@ def run_cli(args) -> None:
     result["fp_bytes"] = backends.serialized_bytes(model)
     applied = mitigate_(model, mitigation, calib)
     result["mitigation_record"] = {k: v for k, v in applied.record.items() if k != "scales"}
-    attachment = quantize_(model, scheme)
+    solved = solvers.solve_weights_(model, solver, scheme, calib)
+    result["weights_record"] = solved.record
+    attachment = quantize_(model, solved.scheme(scheme))
+    solved.install(attachment)
     calibrate(model, attachment, calib.split(8))
     result["simulated"] = _evaluate(model, evalset, scheme.name)
     result["simulated"]["paired_loss_change"] = paired(result["fp"].pop("per_sequence_loss"),
                                                        result["simulated"].pop("per_sequence_loss"))
     if not real:  # the scheme, and a reference to the float model unless its weights were copied
         save_scheme(attachment, out, None if args.save_weights else _source_reference(args.model, args.hub),
-                    applied.record)
+                    applied.record, solved)
     else:
         attachment.remove()
         with tempfile.TemporaryDirectory() as tmp:

@@ -31,6 +31,7 @@ class FakeQuant:
         self._mse_err: torch.Tensor | None = None
         self._hist = None
         self._range = None  # (lo, hi) of all query blocks of one attention call, see taps/attention.py
+        self.fixed = False  # static scales given by a weight solver: calibration leaves them
 
     def __repr__(self) -> str:
         return f"FakeQuant({self.config.label()})"
@@ -142,6 +143,8 @@ class FakeQuant:
     def finish_calibration(self) -> None:
         cfg = self.config
         self.calibrating = False
+        if self.fixed:
+            return
         if cfg.calibration == "percentile":
             if self._hist is None:
                 raise DiffquantError("calibration saw no data")
@@ -157,10 +160,17 @@ class FakeQuant:
         self.scale, self.zero = Q.qparams(lo, hi, cfg.format)
 
     def start_calibration(self) -> None:
-        if self.config.dynamic:
+        if self.config.dynamic or self.fixed:
             return
         self.calibrating = True
         self.scale = self.zero = self._lo = self._hi = self._mse_err = self._hist = None
+
+    def fix(self, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Static scales a weight solver chose (GPTQ): the weight it solved lies on their grid, so a
+        scale calibrated from that weight's own range could move it off. Calibration leaves them."""
+        if self.config.dynamic:
+            raise DiffquantError("fixed scales need a static quantizer")
+        self.scale, self.zero, self.fixed = scale, zero, True
 
     def state(self) -> dict:
         """Static scales as lists (saved with a quantized checkpoint)."""

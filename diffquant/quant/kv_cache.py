@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from diffquant import DiffquantError
+from diffquant.errors import DiffquantError
 from diffquant.quant.granularity import KVChannel
 from diffquant.taps.attention import CACHE_POINTS
 

@@ -65,6 +65,9 @@ class Clip:
     percentile: float = 99.99
 
     def __post_init__(self) -> None:
+        if self.method == "output":
+            raise DiffquantError("clip:output needs the scheme's weight formats: it is a weight solver, "
+                                 "--weights clip:output")
         if self.method not in ("mse", "percentile"):
             raise DiffquantError(f"clip takes mse or percentile:P, got {self.method!r}")
         if not 0 < self.percentile <= 100:
@@ -77,7 +80,8 @@ class Clip:
 Mitigation = SmoothQuant | Rotate | Clip
 DOCS = {"none": "no transform", "smoothquant:ALPHA": "SmoothQuant scales (default α 0.5) folded into norms and up_proj",
         "rotate[:SEED]": "QuaRot: fused norms, Hadamard-rotated residual stream, online Hadamard before down_proj",
-        "clip:mse | clip:percentile:P": "MSE-optimal (or percentile) ranges for static activations and for weights"}
+        "clip:mse | clip:percentile:P": "MSE-optimal (or percentile) ranges for static activations and for weights "
+                                        "(each tensor's own error; the layer-output search is --weights clip:output)"}
 
 
 def parse(text: str) -> Mitigation | None:

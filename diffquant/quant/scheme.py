@@ -220,7 +220,7 @@ def calibrate(model, attachment, batches, device=None) -> None:
     """Run calibration batches through the model to fix the static scales of `attachment`'s quantizers."""
     import torch
 
-    static = [q for q in attachment.quantizers.values() if not q.config.dynamic]
+    static = [q for q in attachment.quantizers.values() if not q.config.dynamic and not q.fixed]
     if not static:
         return
     for q in static:
@@ -237,35 +237,3 @@ def calibrate(model, attachment, batches, device=None) -> None:
 
 
 SCHEME_FILE = "diffquant_scheme.json"
-
-
-def save_scheme(attachment, folder, source: str | None = None, mitigation: dict | None = None) -> dict:
-    """Write `attachment`'s scheme (with static scales) to folder/diffquant_scheme.json; `source` names the
-    float model it applies to, for a folder that holds no weights of its own; `mitigation` is the record of
-    a transform applied before the scheme (replayed on load). Returns what was written."""
-    from diffquant.paths import atomic_write_json
-
-    scales = {name: q.state() for name, q in attachment.quantizers.items() if q.state()}
-    doc = {"scheme": attachment.scheme.to_dict(), "scales": scales}
-    if source is not None:
-        doc["source"] = source
-    if mitigation is not None and mitigation.get("mitigation"):
-        doc["mitigation"] = mitigation
-    atomic_write_json(Path(folder) / SCHEME_FILE, doc)
-    return doc
-
-
-def load_saved_scheme(model, folder):
-    """Re-attach a scheme saved by `save_scheme` to `model` (after replaying its mitigation); returns the
-    attachment (with `.mitigation`, the applied transform, whose `remove()` restores the float weights)."""
-    data = json.loads((Path(folder) / SCHEME_FILE).read_text())
-    mitigation = None
-    if data.get("mitigation"):
-        from diffquant.quant.mitigate import apply_record
-
-        mitigation = apply_record(model, data["mitigation"])
-    attachment = quantize_(model, QuantScheme.from_dict(data["scheme"]))
-    attachment.mitigation = mitigation
-    for name, state in data.get("scales", {}).items():
-        attachment.quantizers[name].load_state(state)
-    return attachment

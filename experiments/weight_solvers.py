@@ -1,0 +1,138 @@
+"""How much of round-to-nearest's 4-bit cost do the weight solvers practitioners use recover? W4A16 with
+int4 groups of 128 (the `w4a16` preset) on SmolLM2-135M-Instruct, weights by RTN, GPTQ and AWQ.
+
+    python experiments/weight_solvers.py [--quick] [--out docs/weights]
+
+The held-out and calibration tokens are the mitigations experiment's (experiments/mitigations.py): KJV's
+validation split, 32 windows of 256 (8,160 predicted tokens), and 16 windows of 256 from the training split
+for calibration, never the evaluation text. Per solver: perplexity with its 95% interval over sequences,
+the paired change from float and from RTN (95% paired intervals over the same sequences), the share of
+RTN's loss increase it recovers, and the solver's wall time. SmolLM2's published weights here are a Q4_1
+GGUF dequantized to fp32: every weight-quantization result on it is on weights that were 4-bit once.
+`--quick` runs the same on a random micro Llama and a byte tokenizer in seconds (a test of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
+
+SCHEME = "w4a16"  # int4 symmetric, groups of 128, activations in float: the setting GPTQ/AWQ papers quote
+SOLVERS = ("rtn", "gptq", "awq", "awq+gptq", "gptq:act-order")
+
+
+def _data(quick: bool):
+    """(model, tokenizer, evaluation windows, calibration windows, model label)."""
+    if quick:
+        import torch
+
+        from diffquant.data.tokens import byte_tokenizer
+        from diffquant.models.presets import PRESETS, build_pair
+
+        torch.manual_seed(0)
+        model = build_pair(PRESETS["micro"], seed=0)[0]
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 256, (12, 64), generator=g)
+        return model, byte_tokenizer(), ids[:8], ids[8:], "micro Llama (random weights)"
+    from mitigations import EVAL_TOKENS, held_out_and_calibration
+
+    from diffquant.models.load import load_model
+
+    model, tok = load_model("smollm2-135m")
+    seqs, calib, _, _ = held_out_and_calibration(tok, None, EVAL_TOKENS)
+    return model, tok, seqs, calib, "SmolLM2-135M-Instruct (dequantized from Q4_1)"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--solvers", nargs="+", default=list(SOLVERS))
+    p.add_argument("--out", default="docs/weights")
+    a = p.parse_args(argv)
+    from diffquant.evaluate import language_modeling
+    from diffquant.quant import solvers
+    from diffquant.quant.scheme import get_scheme, quantize_
+    from diffquant.runs import start_run
+    from diffquant.sweep import versus_float
+
+    out = start_run(a.out, vars(a), "cpu")
+    model, _, seqs, calib, label = _data(a.quick)
+    scheme = get_scheme(SCHEME)
+    fp = language_modeling(model, seqs)
+    rows = []
+    for name in a.solvers:
+        t0 = time.perf_counter()
+        solved = solvers.solve_weights_(model, solvers.parse(name), scheme, calib, progress=not a.quick)
+        seconds = time.perf_counter() - t0
+        attachment = quantize_(model, solved.scheme(scheme))
+        solved.install(attachment)
+        try:
+            r = language_modeling(model, seqs)
+        finally:
+            attachment.remove()
+            solved.remove()
+        rows.append({"weights": name, "solve_seconds": seconds, "loss": r["loss"], "loss_se": r["loss_se"],
+                     "ppl": r["ppl"], "ppl_ci95": r["ppl_ci95"], "per_sequence_loss": r["per_sequence_loss"],
+                     "record": {k: v for k, v in solved.record.items() if k != "weights"}, **versus_float(fp, r)})
+        result = {"model": label, "scheme": scheme.to_dict(),
+                  "float": {k: fp[k] for k in ("loss", "loss_se", "ppl", "ppl_ci95", "tokens")},
+                  "evaluation": {"sequences": len(seqs), "seq_len": seqs.shape[1], "predicted_tokens": fp["tokens"],
+                                 "corpus": "random ids" if a.quick else "kjv (validation split)"},
+                  "calibration": {"sequences": len(calib), "tokens": int(calib.numel()),
+                                  "corpus": "random ids" if a.quick else "kjv (training split)"},
+                  "rows": versus_rtn(rows)}
+        atomic_write_json(out / "results.json", result)  # after each solver: a partial run keeps its rows
+        atomic_write_text(out / "results.md", report(result))
+    print(report(result))
+
+
+def versus_rtn(rows: list[dict]) -> list[dict]:
+    """Rows without per-sequence losses, each with its paired change from RTN and the share of RTN's loss
+    increase it recovers."""
+    from diffquant.stats.intervals import paired
+
+    rtn = next((r for r in rows if r["weights"] == "rtn"), None)
+    out = []
+    for r in rows:
+        row = {k: v for k, v in r.items() if k != "per_sequence_loss"}
+        if rtn is not None and r is not rtn:
+            d = paired(rtn["per_sequence_loss"], r["per_sequence_loss"])
+            row["delta_loss_vs_rtn"], row["delta_loss_vs_rtn_ci95"] = d["mean"], d["ci95"]
+            row["rtn_cost_recovered"] = 1 - r["delta_loss"] / rtn["delta_loss"] if rtn["delta_loss"] > 0 else None
+        out.append(row)
+    return out
+
+
+def report(r: dict) -> str:
+    from diffquant.report.tables import markdown
+
+    def ci(x):
+        return f"[{x[0]:+.4f}, {x[1]:+.4f}]" if x else ""
+
+    lines = [["float", f"{r['float']['ppl']:.3f}", "", "", "", ""]]
+    for row in r["rows"]:
+        rec = row.get("rtn_cost_recovered")
+        lines.append([row["weights"], f"{row['ppl']:.3f} [{row['ppl_ci95'][0]:.3f}, {row['ppl_ci95'][1]:.3f}]",
+                      f"{row['delta_loss']:+.4f} {ci(row.get('delta_loss_ci95'))}",
+                      f"{row['delta_loss_vs_rtn']:+.4f} {ci(row['delta_loss_vs_rtn_ci95'])}"
+                      if "delta_loss_vs_rtn" in row else "-",
+                      f"{100 * rec:.0f}%" if rec is not None else "-", f"{row['solve_seconds']:.0f} s"])
+    e, c = r["evaluation"], r["calibration"]
+    head = (f"{r['model']}, scheme {r['scheme']['name']} (int4 symmetric, groups of 128, activations in float). "
+            f"Held-out: {e['corpus']}, {e['predicted_tokens']:,} predicted tokens ({e['sequences']} × {e['seq_len']}); "
+            f"calibration: {c['corpus']}, {c['sequences']} windows ({c['tokens']:,} tokens). Brackets: 95% intervals "
+            "(perplexity: over sequences; Δloss: paired over the same sequences). Recovered: 1 − Δloss(solver) / "
+            "Δloss(RTN). Solve time: wall clock on this machine's CPU, beside other jobs (a benchmark note, not a "
+            "controlled timing).\n\n")
+    return head + markdown(["weights", "perplexity [95%]", "Δloss vs float", "Δloss vs RTN", "RTN cost recovered",
+                            "solve time"], lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""GPTQ against a column-by-column transcription of the paper's algorithm written here, and on a model."""
+
+import pytest
+import torch
+
+from diffquant.quant import math as Q
+from diffquant.quant.config import QuantConfig, int_config
+from diffquant.quant.formats import Format
+from diffquant.quant.gptq import GPTQ, solve
+from diffquant.quant.granularity import PerChannel, PerGroup
+
+
+def reference_gptq(W, H, bits, group=None, act_order=False, damp=0.01):
+    """Frantar et al. 2022, Algorithm 1 without lazy batches: symmetric absmax int grid; U = Cholesky of H⁻¹
+    (upper); after rounding column j, the later columns absorb (w_j − q_j) / U_jj · U[j, j:]. Group scales
+    from the group's columns when its first column is reached, or (act-order) from the original weight."""
+    W, H = W.double().clone(), H.double().clone()
+    rows, cols = W.shape
+    qmax = 2 ** (bits - 1) - 1
+
+    def absmax_scale(block):
+        s = block.abs().amax(dim=1) / qmax
+        return torch.where(s > 0, s, torch.ones_like(s))
+
+    static = None
+    if group is None:
+        static = absmax_scale(W)[:, None].expand(rows, cols)
+    elif act_order:
+        static = torch.stack([absmax_scale(W[:, c - c % group: c - c % group + group]) for c in range(cols)], dim=1)
+    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(cols)
+    W, H = W[:, perm], H[perm][:, perm]
+    if static is not None:
+        static = static[:, perm]
+    H = H + damp * torch.diagonal(H).mean() * torch.eye(cols, dtype=H.dtype)
+    U = torch.linalg.cholesky(torch.linalg.inv(H)).T  # H⁻¹ = UᵀU
+    out = torch.zeros_like(W)
+    s = None
+    for j in range(cols):
+        if static is not None:
+            s = static[:, j]
+        elif j % group == 0:
+            s = absmax_scale(W[:, j:j + group])
+        q = torch.clamp(torch.round(W[:, j] / s), -qmax, qmax) * s
+        err = (W[:, j] - q) / U[j, j]
+        W[:, j:] -= torch.outer(err, U[j, j:])
+        out[:, j] = q
+    return out[:, torch.argsort(perm)]
+
+
+def _data(rows=24, cols=44, tokens=400, outliers=(3, 17), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(tokens, cols // 2, generator=g) @ torch.randn(cols // 2, cols, generator=g)  # correlated inputs
+    X[:, list(outliers)] *= 20  # outlier input channels, as LLM activations have
+    W = torch.randn(rows, cols, generator=g) * 0.1
+    return W, X, 2 * X.double().T @ X.double() / tokens
+
+
+@pytest.mark.parametrize("gran,act_order", [(PerChannel(0), False), (PerGroup(16), False), (PerChannel(0), True),
+                                            (PerGroup(16), True), (PerGroup(8), False)])
+def test_gptq_equals_the_papers_algorithm(gran, act_order):
+    W, _, H = _data()  # 44 inputs: groups of 16 end with a ragged group of 12
+    got, _, _ = solve(W, H, int_config(4, gran), GPTQ(block=16, act_order=act_order))  # several lazy blocks
+    want = reference_gptq(W, H, 4, gran.size if isinstance(gran, PerGroup) else None, act_order)
+    assert got.dtype == W.dtype
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("config", [int_config(4, PerChannel(0)), int_config(3, PerGroup(16)),
+                                    QuantConfig(Format("int", 4, symmetric=False), PerGroup(16)),
+                                    QuantConfig(Format("nf4"), PerGroup(16)),
+                                    QuantConfig(Format("fp4_e2m1"), PerChannel(0)),
+                                    QuantConfig(Format("fp8_e4m3"), PerChannel(0))])
+def test_gptq_result_lies_on_the_grid(config):
+    W, _, H = _data()
+    wq, scale, zero = solve(W, H, config, GPTQ(act_order=True))
+    again = Q.fake_quantize(wq, scale, zero, config.format, config.granularity)
+    assert torch.equal(again, wq)  # a static fake quantizer with these scales keeps it bit-exactly
+    if config.format.name == "int" and config.format.symmetric and isinstance(config.granularity, PerGroup):
+        s = scale.squeeze(-1).repeat_interleave(16, dim=1)[:, :W.shape[1]]
+        c = wq / s
+        assert torch.allclose(c, c.round(), atol=1e-4) and c.abs().max() <= config.format.qmax
+
+
+def test_gptq_beats_rtn_on_outlier_columns():
+    W, X, H = _data(rows=32, cols=64, tokens=800)
+    qmax = 7
+    s = W.abs().amax(dim=1, keepdim=True) / qmax
+    rtn = torch.clamp(torch.round(W / s), -qmax, qmax) * s
+    wq, _, _ = solve(W, H, int_config(4, PerChannel(0)))
+    err = lambda w: ((X @ (W - w).T) ** 2).mean().item()  # noqa: E731
+    assert err(wq) < 0.5 * err(rtn)
+
+
+def test_act_order_is_gptq_on_the_permuted_columns():
+    W, _, H = _data()
+    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
+    assert perm[:2].tolist() == [3, 17] or perm[:2].tolist() == [17, 3]  # the outlier columns go first
+    config = int_config(4, PerChannel(0))
+    got, _, _ = solve(W, H, config, GPTQ(act_order=True))
+    plain, _, _ = solve(W[:, perm], H[perm][:, perm], config, GPTQ())
+    torch.testing.assert_close(got, plain[:, torch.argsort(perm)], atol=0, rtol=0)
+
+
+def test_gptq_on_a_model_installs_reversibly(micro_pair):
+    from diffquant.quant.scheme import get_scheme, quantize_
+    from diffquant.quant.solvers import parse, solve_weights_
+
+    for model in micro_pair:  # Llama and DiffLlama
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+        scheme = get_scheme("w4a16-g32")
+        solved = solve_weights_(model, parse("gptq"), scheme, calib, progress=False)
+        solved_weights = {k: v.clone() for k, v in model.state_dict().items()}
+        assert any(not torch.equal(solved_weights[k], before[k]) for k in before)
+        attachment = quantize_(model, solved.scheme(scheme))
+        solved.install(attachment)
+        for name, q in attachment.quantizers.items():
+            module = attachment.table.modules[name]
+            assert torch.equal(module.weight, solved_weights[module_key(model, module)]), name  # on the grid
+        attachment.remove()
+        solved.remove()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def module_key(model, module) -> str:
+    return next(f"{n}.weight" for n, m in model.named_modules() if m is module)
+
+
+def test_gptq_layer_zero_solves_its_own_inputs(micro_pair):
+    """Layer 0's q_proj is solved on the Hessian of its real input (the first norm's output)."""
+    from diffquant.quant.scheme import get_scheme
+    from diffquant.quant.solvers import parse, solve_weights_
+
+    model = micro_pair[0]
+    calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
+    layer = model.model.layers[0]
+    seen = []
+    h = layer.input_layernorm.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    with torch.no_grad():
+        model(calib, use_cache=False)
+    h.remove()
+    x = torch.cat(seen).reshape(-1, model.config.hidden_size).double()
+    H = 2 * x.T @ x / x.shape[0]
+    w = layer.self_attn.q_proj.weight.detach().clone()
+    want = reference_gptq(w, H, 4, 32)
+    solved = solve_weights_(model, parse("gptq"), get_scheme("w4a16-g32"), calib, progress=False)
+    try:
+        torch.testing.assert_close(layer.self_attn.q_proj.weight.detach().double(), want, atol=1e-5, rtol=0)
+    finally:
+        solved.remove()
+
+
+def test_quantize_cli_with_gptq_round_trip(micro_pair, tmp_path):
+    """`quantize --weights awq+gptq` on a DiffLlama with rotate: the saved folder (AWQ's folded norms, GPTQ's
+    weights and scales) reloads to the same loss, and `remove()` gives back the float model."""
+    import json
+
+    from diffquant.cli import main
+    from diffquant.data.corpora import split
+    from diffquant.data.tokens import byte_tokenizer, encode, sequences
+    from diffquant.evaluate import language_modeling
+    from diffquant.models.load import load_model
+
+    micro_pair[1].save_pretrained(tmp_path / "m")
+    byte_tokenizer().save_pretrained(tmp_path / "m")
+    (tmp_path / "c.txt").write_text("\n".join(f"line {i}: and the lord spake unto moses" for i in range(2000)))
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(tmp_path / "m"), "--scheme", "w4a8", "--mitigate", "rotate",
+                 "--weights", "awq+gptq", "--data", str(tmp_path / "c.txt"), "--tokens", "256", "--seq-len", "32",
+                 "--calib-batches", "4", "--out", str(out)]) == 0
+    result = json.loads((out / "quantize.json").read_text())
+    assert result["weights_record"]["weights"] == "awq+gptq" and result["calibration"]["tokens"] == 4 * 32
+    loaded, tok = load_model(str(out))
+    evalset = sequences(encode(tok, split((tmp_path / "c.txt").read_text())[1]), 32, 256)
+    assert language_modeling(loaded, evalset)["loss"] == pytest.approx(result["simulated"]["loss"], rel=1e-6)
+    loaded._diffquant_quant.remove()
+    loaded._diffquant_quant.solved.remove()
+    loaded._diffquant_quant.mitigation.remove()
+    float_model, _ = load_model(str(tmp_path / "m"))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), float_model.state_dict().values()))
+
+
+def test_sweep_weights_axis(micro_pair, tmp_path):
+    from diffquant.sweep import Cell, build_cells, run_cells
+
+    cells = build_cells(["m"], [], [16], ["tensor"], [4], None, {"m": 2}, ["none"], ["rtn", "gptq"])
+    assert [c.weights for c in cells if c.kind == "wa"] == ["rtn", "gptq"]
+    assert Cell("m", "wa").key() == "m|wa|attn_logits|16|tensor|16|None|none"  # keys of older sweeps still resume
+    model = micro_pair[0]
+    seqs = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(2))
+
+    def evaluator(m):
+        with torch.no_grad():
+            return {"loss": m(seqs, labels=seqs).loss.item()}
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rows = run_cells({"m": (model, None)}, cells, {"m": evaluator}, tmp_path, progress=False,
+                     calibration={"m": seqs})
+    by = {r["weights"]: r for r in rows if r["kind"] == "wa"}
+    assert by["gptq"]["scheme"] == "w4a4+gptq" and by["gptq"]["loss"] != by["rtn"]["loss"]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
