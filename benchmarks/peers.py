@@ -41,10 +41,12 @@ MODEL_DIR = SCRATCH / "smollm2-135m"
 RESULTS = HERE / "peers.json"
 MODEL_LABEL = "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)"
 
-TORCH_PIN = "torch==2.13.0"
-PEERS = {  # pins of each peer's venv; transformers is whatever version the peer's own requirements resolve
-    "transformer_lens": (TORCH_PIN, "transformer-lens==4.3.0"),
-    "nnsight": (TORCH_PIN, "nnsight==0.8.1"),
+# diffquant's torch and transformers in every venv, so that the peers run the same Hugging Face modules and any
+# difference is theirs (both peers accept transformers 5.24; left to themselves they resolve 5.25)
+SHARED_PINS = ("torch==2.13.0", "transformers==5.24.0", "numpy")
+PEERS = {
+    "transformer_lens": (*SHARED_PINS, "transformer-lens==4.3.0"),
+    "nnsight": (*SHARED_PINS, "nnsight==0.8.1"),
 }
 PEER_LABELS = {"diffquant": "diffquant profile (streaming)", "transformer_lens": "TransformerLens 4.3 TransformerBridge",
                "nnsight": "nnsight 0.8 LanguageModel"}
@@ -70,7 +72,7 @@ def _peak_kib():
 
 ids = np.load(ARGS["ids"])
 model = load(ARGS["model_dir"], ARGS["attention"])
-t = time.perf_counter()
+t, cpu = time.perf_counter(), time.process_time()
 kept = {s: [] for s in ARGS["sites"]}
 for start in range(0, len(ids), ARGS["batch_size"]):
     for site, v in capture(model, ids[start:start + ARGS["batch_size"]], ARGS["sites"]).items():
@@ -78,8 +80,8 @@ for start in range(0, len(ids), ARGS["batch_size"]):
 stats = {}
 for site in ARGS["sites"]:
     stats[site] = exact_stats(np.concatenate(kept.pop(site)))
-seconds = time.perf_counter() - t
-print("RESULT " + json.dumps({"seconds": seconds, "peak_kib": _peak_kib(), "stats": stats, "versions": VERSIONS()}))
+seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib": _peak_kib(), "stats": stats, "versions": VERSIONS()}))
 '''
 
 TRANSFORMER_LENS = r'''
@@ -128,8 +130,8 @@ def VERSIONS():
 
 def load(model_dir, attention):
     # eager attention where the scores are asked for: sdpa never forms them
-    return LanguageModel(model_dir, device_map="cpu", dtype=torch.float32, dispatch=True,
-                         attn_implementation="eager" if attention else None)
+    extra = {"attn_implementation": "eager"} if attention else {}
+    return LanguageModel(model_dir, dtype=torch.float32, dispatch=True, **extra)
 
 def _proxy(model, site):
     _, i, point = site.split(".")
@@ -144,13 +146,20 @@ def _proxy(model, site):
         return layer.post_attention_layernorm.output
     if point == "down_in":
         return layer.mlp.down_proj.input
-    # attn_logits: q·kᵀ inside transformers' eager attention function, times its scaling
-    return layer.self_attn.source.attention_interface_0.source.torch_matmul_0.output * layer.self_attn.scaling
+    # attn_logits: `attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling` inside transformers'
+    # eager attention function (called by the attention module's second `attention_interface` line), before the mask
+    return layer.self_attn.source.attention_interface_1.source.attn_weights_0.output
+
+ORDER = ("attn_in", "attn_logits", "attn_out", "mlp_in", "down_in", "hidden")
+
+def _in_execution_order(site):  # nnsight 0.5+ requires the proxies to be asked for in the order they run
+    _, i, point = site.split(".")
+    return int(i), ORDER.index(point)
 
 def capture(model, ids, sites):
     saved = {}
     with model.trace(torch.from_numpy(ids)):
-        for site in sites:
+        for site in sorted(sites, key=_in_execution_order):
             saved[site] = _proxy(model, site).save()
     out = {}
     for site, v in saved.items():
@@ -175,15 +184,15 @@ def _peak_kib():
 
 ids = torch.from_numpy(np.load(ARGS["ids"]))
 model, _ = load_model(ARGS["model_dir"])
-t = time.perf_counter()
+t, cpu = time.perf_counter(), time.process_time()
 prof = profile_model(model, ids, ARGS["sites"], batch_size=ARGS["batch_size"], k=100, progress=False)
 stats = {}
 for site in ARGS["sites"]:
     s = prof.sites[site].summary(full=False)
     stats[site] = {"count": s["count"], **{r: s["top"].get(r) for r in ("top1", "top10", "top100")},
                    "median": s["quantiles"]["median"], "kurtosis": s["kurtosis"]}
-seconds = time.perf_counter() - t
-print("RESULT " + json.dumps({"seconds": seconds, "peak_kib": _peak_kib(), "stats": stats,
+seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib": _peak_kib(), "stats": stats,
                               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}))
 '''
 
@@ -326,6 +335,8 @@ def run_parity(tokenizer, layers: int, peers: list[str]) -> dict:
 # ---- cost -------------------------------------------------------------------------------------------------
 
 def cost_case(tokenizer, cfg, points, tokens: int, seq_len: int, batch_size: int, peers, run: bool) -> dict:
+    import numpy as np
+
     layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
     need = cache_bytes(points, layers, hidden, cfg.intermediate_size, cfg.num_attention_heads, tokens, seq_len)
     case = {"tokens": tokens, "seq_len": seq_len, "batch_size": batch_size, "points": list(points),
@@ -343,7 +354,9 @@ def cost_case(tokenizer, cfg, points, tokens: int, seq_len: int, batch_size: int
             continue
         r = run_child(workflow, args)
         if "error" not in r:
-            r = {"tokens_per_s": tokens / r["seconds"], "seconds": r["seconds"], "peak_mib": r["peak_kib"] / 1024,
+            n = int(np.load(ids).size)
+            r = {"tokens": n, "tokens_per_s": n / r["seconds"], "tokens_per_cpu_s": n / r["cpu_seconds"],
+                 "seconds": r["seconds"], "cpu_seconds": r["cpu_seconds"], "peak_mib": r["peak_kib"] / 1024,
                  "versions": r["versions"]}
         case["workflows"][workflow] = r
     return case
