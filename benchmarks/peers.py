@@ -48,15 +48,15 @@ PEERS = {
     "transformer_lens": (*SHARED_PINS, "transformer-lens==4.3.0"),
     "nnsight": (*SHARED_PINS, "nnsight==0.8.1"),
 }
-PEER_LABELS = {"diffquant": "diffquant profile (streaming)", "transformer_lens": "TransformerLens 4.3 TransformerBridge",
-               "nnsight": "nnsight 0.8 LanguageModel"}
+PEER_LABELS = {"diffquant": "diffquant profile (streaming)",
+               "transformer_lens": "TransformerLens 4.3 TransformerBridge", "nnsight": "nnsight 0.8 LanguageModel"}
 LINEAR_POINTS = ("attn_in", "attn_out", "mlp_in", "down_in")
 TOKEN_POINTS = ("hidden", *LINEAR_POINTS)
 PARITY = {"seq_len": 256, "tokens": 1024, "batch_size": 4}
 COST = {"seq_len": 256, "batch_size": 8}
 SIZES = (8192, 65536, 262144)
 ATTN_CONTEXTS = (2048, 8192)
-BATCH_WAIT_NOTE = "not run in this session"
+NOT_RUN = "not run in this session"
 
 # The child every workflow runs: load, capture the sites batch by batch, reduce, report. `capture(model,
 # ids, sites)` returns {site: float32 numpy array of its valid values} for one batch; each peer's snippet
@@ -81,7 +81,8 @@ stats = {}
 for site in ARGS["sites"]:
     stats[site] = exact_stats(np.concatenate(kept.pop(site)))
 seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
-print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib": _peak_kib(), "stats": stats, "versions": VERSIONS()}))
+print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib": _peak_kib(), "stats": stats,
+                              "versions": VERSIONS()}))
 '''
 
 TRANSFORMER_LENS = r'''
@@ -342,7 +343,7 @@ def cost_case(tokenizer, cfg, points, tokens: int, seq_len: int, batch_size: int
     case = {"tokens": tokens, "seq_len": seq_len, "batch_size": batch_size, "points": list(points),
             "peer_cache_gib": need / 2**30, "workflows": {}}
     if not run:
-        case["not_run"] = BATCH_WAIT_NOTE
+        case["not_run"] = NOT_RUN
         return case
     ids = windows(tokenizer, seq_len, tokens, part="all")
     args = {"ids": str(ids), "sites": site_names(points, layers), "batch_size": batch_size,
@@ -382,15 +383,16 @@ def main(argv=None) -> None:
     SCRATCH.mkdir(exist_ok=True)
     model_dir, tokenizer = export_model()
     cfg = AutoConfig.from_pretrained(model_dir)
-    old = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     results = {"model": MODEL_LABEL, "corpus": "KJV validation split", "started": time.strftime("%Y-%m-%d %H:%M"),
                "load_average": os.getloadavg()[0], "cpu": platform.processor() or platform.machine(),
                "cores": os.cpu_count(), "pins": {k: list(v) for k, v in PEERS.items()}}
-    results["parity"] = old.get("parity") if a.no_parity else run_parity(tokenizer, cfg.num_hidden_layers, a.peers)
+    results["parity"] = None if a.no_parity else run_parity(tokenizer, cfg.num_hidden_layers, a.peers)
     results["cost"] = [cost_case(tokenizer, cfg, TOKEN_POINTS, n, COST["seq_len"], COST["batch_size"], a.peers,
                                  n in a.sizes) for n in SIZES]
     results["attention_cost"] = [cost_case(tokenizer, cfg, ("attn_logits",), c, c, 1, a.peers, c in a.attn)
                                  for c in ATTN_CONTEXTS]
+    if a.no_parity:  # read only now: a parity run may have finished meanwhile
+        results["parity"] = (json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}).get("parity")
     atomic_write_json(RESULTS, results)
     print("\n".join(markdown_part(results)))
 

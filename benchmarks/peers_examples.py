@@ -41,7 +41,8 @@ a, b = prof.sites["layers.0.attn_logits"], quantized.sites["layers.0.attn_logits
 print(f"3. layers.0.attn_logits kurtosis float {a.summary(False)['kurtosis']:.3f}, "
       f"under logits-int4 {b.summary(False)['kurtosis']:.3f}")
 
-# 4. two shards profiled apart and merged: the statistics of all the tokens (top-k exactly; kurtosis to ~1e-8, the float32 rounding of each batch's deviations)
+# 4. two shards profiled apart and merged: the statistics of all the tokens (top-k exactly; kurtosis to ~1e-8,
+#    the float32 rounding of each batch's deviations)
 whole = profile_model(model, ids, ["*.hidden"], progress=False)
 first = profile_model(model, ids[:2], ["*.hidden"], progress=False)
 second = profile_model(model, ids[2:], ["*.hidden"], progress=False)
