@@ -424,7 +424,8 @@ def _cell(w: dict | None) -> str:
         return f"not started ({w['refused']})"
     if "error" in w:
         return w["error"]
-    return f"{w['tokens_per_s']:,.0f} tok/s, {w['peak_mib']:,.0f} MiB"
+    cpu = f" ({w['tokens_per_cpu_s']:,.0f} per CPU-s)" if "tokens_per_cpu_s" in w else ""
+    return f"{w['tokens_per_s']:,.0f} tok/s{cpu}, {w['peak_mib']:,.0f} MiB"
 
 
 def cost_rows(results: dict) -> list[list[str]]:
@@ -459,9 +460,12 @@ def markdown_part(results: dict) -> list[str]:
                   "the median 2⁻⁸ (diffquant's median is a histogram bin's midpoint).", "",
                   markdown(["peer", "site", "top-1", "top-10", "top-100", "median", "kurtosis", "count"],
                            parity_rows(parity))]
-    lines += [f"Cost: fresh process per workflow, seconds after loading the model, peak resident memory (VmHWM) "
-              f"of the whole process; {results.get('cores')} cores, load average {results.get('load_average', 0):.1f} "
-              "from other work when the run started.", "",
+    lines += [f"Cost: fresh process per workflow; tokens per second of wall time after loading the model (and per "
+              "second of the process's CPU time, steadier on a shared machine), and the peak resident memory "
+              f"(VmHWM) of the whole process; {results.get('cores')} cores, load average "
+              f"{results.get('load_average', 0):.1f} from other work when the run started. The peers keep each "
+              "batch's activations (their cache-then-compute: an exact median needs every value) and reduce them at "
+              "the end; diffquant keeps nothing per token.", "",
               markdown(["case", *(PEER_LABELS[k] for k in ("diffquant", *PEERS))], cost_rows(results))]
     return lines
 

@@ -75,7 +75,7 @@ def test_rendering_from_a_small_fixture():
                                                       "attn_logits": {**stats, "kurtosis": off}}},
                              "transformer_lens": {"error": "exit 1: boom"}}},
         "cost": [{"tokens": 8192, "seq_len": 256, "workflows": {
-                      "diffquant": {"tokens_per_s": 1000.0, "peak_mib": 900.0},
+                      "diffquant": {"tokens_per_s": 1000.0, "tokens_per_cpu_s": 600.0, "peak_mib": 900.0},
                       "transformer_lens": {"refused": "its cache would hold 9.0 GiB; 4.0 GiB available"},
                       "nnsight": {"error": "killed by signal 9"}}},
                  {"tokens": 65536, "seq_len": 256, "not_run": "not run in this session", "workflows": {}}],
@@ -86,7 +86,7 @@ def test_rendering_from_a_small_fixture():
     assert "torch 2.13.0" in text and "nnsight 0.8.1" in text
     assert "| nnsight 0.8 LanguageModel | attn_logits | 0 | 0 | 0 | 0 | 2.0e-02 (2 sites outside) | 0 |" in text
     assert "| TransformerLens 4.3 TransformerBridge | all | exit 1: boom |" in text
-    assert "| hidden + Linear inputs, all layers: 8,192 tokens | 1,000 tok/s, 900 MiB | not started (its cache" in text
+    assert "| hidden + Linear inputs, all layers: 8,192 tokens | 1,000 tok/s (600 per CPU-s), 900 MiB | not started (its cache" in text
     assert "killed by signal 9 |" in text
     assert "| hidden + Linear inputs, all layers: 65,536 tokens | not run in this session |" in text
     assert "| attention scores, all layers: one window of 2,048 | 50 tok/s, 1,200 MiB | – | – |" in text
