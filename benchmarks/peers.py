@@ -345,6 +345,7 @@ def cost_case(tokenizer, cfg, points, tokens: int, seq_len: int, batch_size: int
     if not run:
         case["not_run"] = NOT_RUN
         return case
+    case.update(started=time.strftime("%Y-%m-%d %H:%M"), load_average=os.getloadavg()[0])
     ids = windows(tokenizer, seq_len, tokens, part="all")
     args = {"ids": str(ids), "sites": site_names(points, layers), "batch_size": batch_size,
             "attention": "attn_logits" in points}
@@ -391,16 +392,23 @@ def main(argv=None) -> None:
     SCRATCH.mkdir(exist_ok=True)
     model_dir, tokenizer = export_model()
     cfg = AutoConfig.from_pretrained(model_dir)
-    results = {"model": MODEL_LABEL, "corpus": "KJV validation split", "started": time.strftime("%Y-%m-%d %H:%M"),
-               "load_average": os.getloadavg()[0], "cpu": platform.processor() or platform.machine(),
+    results = {"model": MODEL_LABEL,
+               "corpus": "KJV (parity: the validation split; cost: the whole text, validation split first)",
+               "started": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg()[0], "cpu": platform.processor() or platform.machine(),
                "cores": os.cpu_count(), "pins": {k: list(v) for k, v in PEERS.items()}}
     results["parity"] = None if a.no_parity else run_parity(tokenizer, cfg.num_hidden_layers, a.peers)
     results["cost"] = [cost_case(tokenizer, cfg, TOKEN_POINTS, n, COST["seq_len"], COST["batch_size"], a.peers,
                                  n in a.sizes) for n in SIZES]
     results["attention_cost"] = [cost_case(tokenizer, cfg, ("attn_logits",), c, c, 1, a.peers, c in a.attn)
                                  for c in ATTN_CONTEXTS]
-    if a.no_parity:  # read only now: a parity run may have finished meanwhile
-        results["parity"] = (json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}).get("parity")
+    # read only now, as another invocation (other cases) may have finished meanwhile: its parity result and the
+    # cases this one did not run are kept
+    disk = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    if a.no_parity:
+        results["parity"] = disk.get("parity")
+    for key in ("cost", "attention_cost"):
+        kept = {(c["tokens"], c["seq_len"]): c for c in disk.get(key, []) if "not_run" not in c}
+        results[key] = [kept.get((c["tokens"], c["seq_len"]), c) if "not_run" in c else c for c in results[key]]
     atomic_write_json(RESULTS, results)
     print("\n".join(markdown_part(results)))
 
@@ -443,6 +451,8 @@ def cost_rows(results: dict) -> list[list[str]]:
         for c in cases:
             what = (f"{label}: {c['tokens']:,} tokens" if c["tokens"] != c["seq_len"]
                     else f"{label}: one window of {c['seq_len']:,}")
+            if "load_average" in c:
+                what += f" (load {c['load_average']:.0f})"
             if "not_run" in c:
                 rows.append([what, c["not_run"], "", ""])
                 continue
@@ -470,8 +480,8 @@ def markdown_part(results: dict) -> list[str]:
                            parity_rows(parity))]
     lines += [f"Cost: fresh process per workflow; tokens per second of wall time after loading the model (and per "
               "second of the process's CPU time, steadier on a shared machine), and the peak resident memory "
-              f"(VmHWM) of the whole process; {results.get('cores')} cores, load average "
-              f"{results.get('load_average', 0):.1f} from other work when the run started. The peers keep each "
+              f"(VmHWM) of the whole process; {results.get('cores')} cores, in brackets the load average from "
+              "other work when the case started. The peers keep each "
               "batch's activations (their cache-then-compute: an exact median needs every value) and reduce them at "
               "the end; diffquant keeps nothing per token.", "",
               markdown(["case", *(PEER_LABELS[k] for k in ("diffquant", *PEERS))], cost_rows(results)),
