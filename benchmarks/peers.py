@@ -394,8 +394,8 @@ def main(argv=None) -> None:
     cfg = AutoConfig.from_pretrained(model_dir)
     results = {"model": MODEL_LABEL,
                "corpus": "KJV (parity: the validation split; cost: the whole text, validation split first)",
-               "started": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg()[0], "cpu": platform.processor() or platform.machine(),
-               "cores": os.cpu_count(), "pins": {k: list(v) for k, v in PEERS.items()}}
+               "started": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg()[0],
+               "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "pins": {k: list(v) for k, v in PEERS.items()}}
     results["parity"] = None if a.no_parity else run_parity(tokenizer, cfg.num_hidden_layers, a.peers)
     results["cost"] = [cost_case(tokenizer, cfg, TOKEN_POINTS, n, COST["seq_len"], COST["batch_size"], a.peers,
                                  n in a.sizes) for n in SIZES]
