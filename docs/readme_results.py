@@ -7,7 +7,8 @@
 
 Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/rivals/*/results.json,
 docs/mitigations/results.json, docs/weights/results.md, docs/fig8_real/results.md,
-docs/kv_cache/{results,decode,parity}.md and benchmarks/results-cpu.json. A missing source leaves its part out.
+docs/kv_cache/{results,decode,parity}.md, benchmarks/results-cpu.json and benchmarks/peers.json. A missing source leaves its
+part out.
 """
 
 from __future__ import annotations
@@ -349,9 +350,26 @@ def benchmark_part() -> list[str]:
     return lines
 
 
+def peers_part() -> list[str]:
+    """The parity and cost tables against TransformerLens and nnsight (benchmarks/peers.py), and the examples."""
+    import importlib.util
+
+    results = _load("benchmarks/peers.json")
+    if results is None:
+        return []
+    spec = importlib.util.spec_from_file_location("benchmarks_peers", ROOT / "benchmarks/peers.py")
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    return ["### diffquant and the tools you know (`python benchmarks/peers.py`)", "", *peers.markdown_part(results),
+            "What diffquant measures that these workflows do not give out of the box (DIFF's two maps and the "
+            "differential map, sinks per differential head, statistics under fake quantization, the merge of shards "
+            "that torchrun ranks use), each in a few lines: "
+            "[benchmarks/peers_examples.py](benchmarks/peers_examples.py).", ""]
+
+
 def results_block() -> str:
     parts = (demo_part() + emergence_part() + rivals_part() + mitigations_part() + weights_part() + fig8_real_part()
-             + kv_cache_part() + benchmark_part())
+             + kv_cache_part() + benchmark_part() + peers_part())
     return "\n".join(parts).strip()
 
 

@@ -1,0 +1,510 @@
+"""diffquant's streaming profile beside the tools researchers already use: TransformerLens and nnsight.
+
+    python benchmarks/peers.py                           # everything: parity, then every cost case
+    python benchmarks/peers.py --sizes 8192 --attn 2048  # only these cost cases (others recorded as not run)
+    python benchmarks/peers.py --render                  # print the README tables from benchmarks/peers.json
+
+Each peer runs in its own virtual environment, benchmarks/.peers/<peer>-venv (created on first use, pinned
+below; the project's own dependencies do not change), and every workflow — diffquant's included — runs as
+a fresh subprocess that loads the same SmolLM2-135M-Instruct folder (the zoo's Q4_1 GGUF dequantized to
+fp32 by transformers, saved once with `save_pretrained` so the peers can load it offline), reads the same
+KJV validation windows (tokenized by the model's tokenizer), and reports its statistics, its seconds
+after loading, and its peak resident memory (VmHWM at the end of the process).
+
+- Parity: the values each peer returns for every decoder layer's output (`hidden`), the inputs of its
+  Linear layers (`attn_in`, `attn_out`, `mlp_in`, `down_in`) and its pre-softmax attention scores on
+  causal positions (`attn_logits`), reduced by benchmarks/peer_stats.py's `exact_stats`, against the
+  same statistics of diffquant's `profile_model`.
+- Cost: each peer's cache-then-compute workflow as its docs show it (a names filter / `.save()` on the
+  sites, activations kept per batch, the statistics computed at the end, as an exact median needs every
+  value) against diffquant's streaming profile of the same statistics.
+
+A case whose cached activations would need more than half of the memory available is not started; it is
+recorded as refused with the estimate. Results: benchmarks/peers.json, written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SCRATCH = HERE / ".peers"
+MODEL_DIR = SCRATCH / "smollm2-135m"
+RESULTS = HERE / "peers.json"
+MODEL_LABEL = "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)"
+
+# diffquant's torch and transformers in every venv, so that the peers run the same Hugging Face modules and any
+# difference is theirs (both peers accept transformers 5.24; left to themselves they resolve 5.25)
+SHARED_PINS = ("torch==2.13.0", "transformers==5.24.0", "numpy")
+PEERS = {
+    "transformer_lens": (*SHARED_PINS, "transformer-lens==4.3.0"),
+    "nnsight": (*SHARED_PINS, "nnsight==0.8.1"),
+}
+PEER_LABELS = {"diffquant": "diffquant profile (streaming)",
+               "transformer_lens": "TransformerLens 4.3 TransformerBridge", "nnsight": "nnsight 0.8 LanguageModel"}
+LINEAR_POINTS = ("attn_in", "attn_out", "mlp_in", "down_in")
+TOKEN_POINTS = ("hidden", *LINEAR_POINTS)
+PARITY = {"seq_len": 256, "tokens": 1024, "batch_size": 4}
+COST = {"seq_len": 256, "batch_size": 8}
+SIZES = (8192, 65536, 262144)
+ATTN_CONTEXTS = (2048, 8192)
+NOT_RUN = "not run in this session"
+
+# The child every workflow runs: load, capture the sites batch by batch, reduce, report. `capture(model,
+# ids, sites)` returns {site: float32 numpy array of its valid values} for one batch; each peer's snippet
+# defines `load` and `capture` and is pasted above this.
+CHILD_MAIN = r'''
+import json, sys, time
+import numpy as np
+sys.path.insert(0, ARGS["bench_dir"])
+from peer_stats import exact_stats
+
+def _peak_kib():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
+
+ids = np.load(ARGS["ids"])
+model = load(ARGS["model_dir"], ARGS["attention"])
+t, cpu = time.perf_counter(), time.process_time()
+kept = {s: [] for s in ARGS["sites"]}
+for start in range(0, len(ids), ARGS["batch_size"]):
+    for site, v in capture(model, ids[start:start + ARGS["batch_size"]], ARGS["sites"]).items():
+        kept[site].append(v)
+stats = {}
+for site in ARGS["sites"]:
+    stats[site] = exact_stats(np.concatenate(kept.pop(site)))
+seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib": _peak_kib(), "stats": stats,
+                              "versions": VERSIONS()}))
+'''
+
+TRANSFORMER_LENS = r'''
+import torch, transformers, transformer_lens
+from importlib.metadata import version
+from transformer_lens.model_bridge import TransformerBridge
+torch.set_grad_enabled(False)
+
+def VERSIONS():
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "transformer_lens": version("transformer-lens")}
+
+HOOKS = {"hidden": "blocks.{i}.hook_out", "attn_in": "blocks.{i}.ln1.hook_out", "attn_out": "blocks.{i}.attn.o.hook_in",
+         "mlp_in": "blocks.{i}.ln2.hook_out", "down_in": "blocks.{i}.mlp.out.hook_in",
+         "attn_logits": "blocks.{i}.attn.hook_attn_scores"}
+
+def load(model_dir, attention):
+    # the bridge wraps the Hugging Face modules themselves; no weight processing is applied unless asked
+    return TransformerBridge.boot_transformers(model_dir, device="cpu", dtype=torch.float32)
+
+def _hook(site):
+    _, i, point = site.split(".")
+    return HOOKS[point].format(i=i)
+
+def capture(model, ids, sites):
+    names = {_hook(s): s for s in sites}
+    _, cache = model.run_with_cache(torch.from_numpy(ids), names_filter=lambda n: n in names)
+    out = {}
+    for name, site in names.items():
+        x = cache[name]
+        if site.endswith("attn_logits"):  # [batch, head, q, k]: the causal positions only
+            q = x.shape[-1]
+            x = x[..., torch.ones(q, q, dtype=torch.bool).tril()]
+        out[site] = x.float().numpy().reshape(-1).copy()
+    return out
+'''
+
+NNSIGHT = r'''
+import torch, transformers, nnsight
+from importlib.metadata import version
+from nnsight import LanguageModel
+torch.set_grad_enabled(False)
+
+def VERSIONS():
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "nnsight": version("nnsight")}
+
+def load(model_dir, attention):
+    # eager attention where the scores are asked for: sdpa never forms them
+    extra = {"attn_implementation": "eager"} if attention else {}
+    return LanguageModel(model_dir, dtype=torch.float32, dispatch=True, **extra)
+
+def _proxy(model, site):
+    _, i, point = site.split(".")
+    layer = model.model.layers[int(i)]
+    if point == "hidden":
+        return layer.output
+    if point == "attn_in":
+        return layer.input_layernorm.output
+    if point == "attn_out":
+        return layer.self_attn.o_proj.input
+    if point == "mlp_in":
+        return layer.post_attention_layernorm.output
+    if point == "down_in":
+        return layer.mlp.down_proj.input
+    # attn_logits: `attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling` inside transformers'
+    # eager attention function (called by the attention module's second `attention_interface` line), before the mask
+    return layer.self_attn.source.attention_interface_1.source.attn_weights_0.output
+
+ORDER = ("attn_in", "attn_logits", "attn_out", "mlp_in", "down_in", "hidden")
+
+def _in_execution_order(site):  # nnsight 0.5+ requires the proxies to be asked for in the order they run
+    _, i, point = site.split(".")
+    return int(i), ORDER.index(point)
+
+def capture(model, ids, sites):
+    saved = {}
+    with model.trace(torch.from_numpy(ids)):
+        for site in sorted(sites, key=_in_execution_order):
+            saved[site] = _proxy(model, site).save()
+    out = {}
+    for site, v in saved.items():
+        x = v[0] if isinstance(v, tuple) else v
+        if site.endswith("attn_logits"):
+            q = x.shape[-1]
+            x = x[..., torch.ones(q, q, dtype=torch.bool).tril()]
+        out[site] = x.float().numpy().reshape(-1).copy()
+    return out
+'''
+
+# diffquant's own workflow: the streaming profile, nothing per token kept.
+DIFFQUANT = r'''
+import json, sys, time
+import numpy as np
+import torch, transformers
+from diffquant.models.load import load_model
+from diffquant.profile import profile_model
+
+def _peak_kib():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
+
+ids = torch.from_numpy(np.load(ARGS["ids"]))
+model, _ = load_model(ARGS["model_dir"])
+t, cpu = time.perf_counter(), time.process_time()
+prof = profile_model(model, ids, ARGS["sites"], batch_size=ARGS["batch_size"], k=100, progress=False)
+stats = {}
+for site in ARGS["sites"]:
+    s = prof.sites[site].summary(full=False)
+    stats[site] = {"count": s["count"], **{r: s["top"].get(r) for r in ("top1", "top10", "top100")},
+                   "median": s["quantiles"]["median"], "kurtosis": s["kurtosis"]}
+seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib": _peak_kib(), "stats": stats,
+                              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}))
+'''
+
+
+def venv_python(peer: str) -> Path:
+    """The peer's venv interpreter, created and installed with its pins on first use."""
+    venv = SCRATCH / f"{peer}-venv"
+    python = venv / "bin" / "python"
+    stamp = venv / "diffquant-pins.txt"
+    pins = "\n".join(PEERS[peer])
+    if python.is_file() and stamp.is_file() and stamp.read_text() == pins:
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *PEERS[peer]], check=True)
+    stamp.write_text(pins)
+    return python
+
+
+def export_model() -> tuple[Path, object]:
+    """SmolLM2-135M-Instruct saved once as a plain fp32 transformers folder; returns (folder, tokenizer)."""
+    from diffquant.models.load import load_model
+
+    if not (MODEL_DIR / "config.json").is_file():
+        model, tokenizer = load_model("smollm2-135m")
+        part = MODEL_DIR.with_name(MODEL_DIR.name + ".part")
+        model.save_pretrained(part)
+        tokenizer.save_pretrained(part)
+        part.rename(MODEL_DIR)
+    from transformers import AutoTokenizer
+
+    return MODEL_DIR, AutoTokenizer.from_pretrained(MODEL_DIR)
+
+
+def windows(tokenizer, seq_len: int, tokens: int, part: str = "validation") -> Path:
+    """The first `tokens` tokens of KJV's validation split (`part="all"`: of the whole text, validation
+    split first, which the cost cases need: the split holds 51,712 tokens of SmolLM2's tokenizer) in
+    windows of `seq_len`, saved for the children."""
+    import numpy as np
+
+    from diffquant.data.corpora import load_text, split
+    from diffquant.data.tokens import encode, sequences
+
+    path = SCRATCH / f"kjv-{part}-{seq_len}x{tokens}.npy"
+    if not path.is_file():
+        train, val = split(load_text("kjv")[0])
+        text = val if part == "validation" else val + "\n" + train
+        ids = sequences(encode(tokenizer, text), seq_len, tokens).numpy()
+        if ids.size < tokens:
+            raise SystemExit(f"KJV ({part}) holds {ids.size:,} tokens in windows of {seq_len}, fewer than {tokens:,}")
+        np.save(path, ids)
+    return path
+
+
+def site_names(points, layers: int) -> list[str]:
+    return [f"layers.{i}.{p}" for i in range(layers) for p in points]
+
+
+def run_child(workflow: str, args: dict) -> dict:
+    """One workflow in a fresh process; its RESULT line, or {"error": ...} with the last line of its stderr."""
+    if workflow == "diffquant":
+        python, code = sys.executable, DIFFQUANT
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    else:
+        python, code = str(venv_python(workflow)), (TRANSFORMER_LENS if workflow == "transformer_lens" else NNSIGHT)
+        code += CHILD_MAIN
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
+    args = {**args, "bench_dir": str(HERE), "model_dir": str(MODEL_DIR)}
+    out = subprocess.run([python, "-c", f"ARGS = {json.dumps(args)!r}\nimport json\nARGS = json.loads(ARGS)\n" + code],
+                         capture_output=True, text=True, env=env)
+    line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("RESULT ")), None)
+    if out.returncode or line is None:
+        lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
+        why = f"killed by signal {-out.returncode}" if out.returncode < 0 else f"exit {out.returncode}"
+        return {"error": f"{why}: {lines[-1][:300]}" if lines else why}
+    return json.loads(line[len("RESULT "):])
+
+
+def available_bytes() -> int:
+    return int(next(ln for ln in open("/proc/meminfo") if ln.startswith("MemAvailable")).split()[1]) * 1024
+
+
+def cache_bytes(points, layers: int, hidden: int, intermediate: int, heads: int, tokens: int, seq_len: int) -> int:
+    """float32 bytes a cache-then-compute workflow keeps for `points` over `tokens` tokens."""
+    width = {"hidden": hidden, "attn_in": hidden, "attn_out": hidden, "mlp_in": hidden, "down_in": intermediate}
+    per_layer = sum(tokens * width[p] for p in points if p != "attn_logits")
+    if "attn_logits" in points:
+        per_layer += (tokens // seq_len) * heads * seq_len * (seq_len + 1) // 2
+    return 4 * layers * per_layer
+
+
+# ---- parity -----------------------------------------------------------------------------------------------
+
+RTOL = 1e-5  # fp32
+
+
+def magnitude_bin(v: float) -> int:
+    """The bin of diffquant's |x| histogram holding v: the upper 16 bits of its float32 pattern, sign cleared
+    (diffquant/stats/histogram.py; each bin is 2^-7 wide relative to its lower edge)."""
+    return (struct.unpack("<I", struct.pack("<f", v))[0] >> 16) & 0x7FFF
+
+
+def compare(ours: dict, theirs: dict) -> dict:
+    """Per statistic, the largest relative difference over sites, and the sites outside tolerance: fp32 for
+    top-k and kurtosis, none for the count, and for the median the same histogram bin (diffquant's median is
+    the midpoint of the bin the exact median falls in, within 0.4% of it)."""
+    out = {}
+    for stat in ("top1", "top10", "top100", "median", "kurtosis", "count"):
+        worst, where, failing = 0.0, None, []
+        for site, mine in ours.items():
+            a, b = mine.get(stat), theirs.get(site, {}).get(stat)
+            if a is None or b is None:
+                continue
+            rel = abs(a - b) / max(abs(a), 1e-30)
+            if stat == "median":
+                outside = magnitude_bin(a) != magnitude_bin(b)
+            else:
+                outside = rel > (0.0 if stat == "count" else RTOL)
+            if outside:
+                failing.append(site)
+            if rel >= worst:
+                worst, where = rel, site
+        out[stat] = {"max_rel_diff": worst, "at": where, "outside_tolerance": len(failing),
+                     "first_outside": failing[:3]}
+    return out
+
+
+def run_parity(tokenizer, layers: int, peers: list[str]) -> dict:
+    ids = windows(tokenizer, PARITY["seq_len"], PARITY["tokens"])
+    sites = site_names(("hidden", *LINEAR_POINTS, "attn_logits"), layers)
+    base = {"ids": str(ids), "sites": sites, "batch_size": PARITY["batch_size"], "attention": True}
+    ours = run_child("diffquant", base)
+    result = {**PARITY, "sites": len(sites), "diffquant": ours, "peers": {}}
+    if "error" in ours:
+        return result
+    for peer in peers:
+        theirs = run_child(peer, base)
+        if "error" in theirs:
+            result["peers"][peer] = theirs
+            continue
+        by_point = {}
+        for point in ("hidden", *LINEAR_POINTS, "attn_logits"):
+            mine = {s: v for s, v in ours["stats"].items() if s.endswith("." + point)}
+            by_point[point] = compare(mine, theirs["stats"])
+        result["peers"][peer] = {"versions": theirs["versions"], "by_point": by_point,
+                                 "stats": theirs["stats"]}
+    done = [r["stats"] for r in result["peers"].values() if "stats" in r]
+    if len(done) > 1:  # the peers' own values, reduced by the same function, against each other
+        result["peers_identical"] = all(d == done[0] for d in done[1:])
+    return result
+
+
+# ---- cost -------------------------------------------------------------------------------------------------
+
+def cost_case(tokenizer, cfg, points, tokens: int, seq_len: int, batch_size: int, peers, run: bool) -> dict:
+    import numpy as np
+
+    layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    need = cache_bytes(points, layers, hidden, cfg.intermediate_size, cfg.num_attention_heads, tokens, seq_len)
+    case = {"tokens": tokens, "seq_len": seq_len, "batch_size": batch_size, "points": list(points),
+            "peer_cache_gib": need / 2**30, "workflows": {}}
+    if not run:
+        case["not_run"] = NOT_RUN
+        return case
+    case.update(started=time.strftime("%Y-%m-%d %H:%M"), load_average=os.getloadavg()[0])
+    ids = windows(tokenizer, seq_len, tokens, part="all")
+    args = {"ids": str(ids), "sites": site_names(points, layers), "batch_size": batch_size,
+            "attention": "attn_logits" in points}
+    for workflow in ("diffquant", *peers):
+        if workflow != "diffquant" and need > available_bytes() / 2:
+            case["workflows"][workflow] = {"refused": f"its cache would hold {need / 2**30:.1f} GiB; "
+                                                      f"{available_bytes() / 2**30:.1f} GiB available"}
+            continue
+        r = run_child(workflow, args)
+        if "error" not in r:
+            n = int(np.load(ids).size)
+            r = {"tokens": n, "tokens_per_s": n / r["seconds"], "tokens_per_cpu_s": n / r["cpu_seconds"],
+                 "seconds": r["seconds"], "cpu_seconds": r["cpu_seconds"], "peak_mib": r["peak_kib"] / 1024,
+                 "versions": r["versions"]}
+        case["workflows"][workflow] = r
+    return case
+
+
+# Not measured, and why (rendered under the tables)
+NOT_COVERED = (
+    "The demo pair (DIFF and its baseline) is not in these tables: its checkpoints are not on the machine these "
+    "figures come from, and TransformerLens 4.3 has no DiffLlama adapter (none among "
+    "transformer_lens/model_bridge/supported_architectures), so only nnsight could be compared on it.",
+)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="*", default=list(SIZES), help="token counts of the cost cases to run")
+    p.add_argument("--attn", type=int, nargs="*", default=list(ATTN_CONTEXTS),
+                   help="contexts of the attention-score cost cases to run (one window each)")
+    p.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    p.add_argument("--no-parity", action="store_true", help="keep the parity result already in peers.json")
+    p.add_argument("--render", action="store_true", help="only print the markdown tables from peers.json")
+    a = p.parse_args(argv)
+    if a.render:
+        print("\n".join(markdown_part(json.loads(RESULTS.read_text()))))
+        return
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoConfig
+
+    from diffquant.paths import atomic_write_json
+
+    SCRATCH.mkdir(exist_ok=True)
+    model_dir, tokenizer = export_model()
+    cfg = AutoConfig.from_pretrained(model_dir)
+    results = {"model": MODEL_LABEL,
+               "corpus": "KJV (parity: the validation split; cost: the whole text, validation split first)",
+               "started": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg()[0],
+               "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "pins": {k: list(v) for k, v in PEERS.items()}}
+    results["parity"] = None if a.no_parity else run_parity(tokenizer, cfg.num_hidden_layers, a.peers)
+    results["cost"] = [cost_case(tokenizer, cfg, TOKEN_POINTS, n, COST["seq_len"], COST["batch_size"], a.peers,
+                                 n in a.sizes) for n in SIZES]
+    results["attention_cost"] = [cost_case(tokenizer, cfg, ("attn_logits",), c, c, 1, a.peers, c in a.attn)
+                                 for c in ATTN_CONTEXTS]
+    # read only now, as another invocation (other cases) may have finished meanwhile: its parity result and the
+    # cases this one did not run are kept
+    disk = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    if a.no_parity:
+        results["parity"] = disk.get("parity")
+    for key in ("cost", "attention_cost"):
+        kept = {(c["tokens"], c["seq_len"]): c for c in disk.get(key, []) if "not_run" not in c}
+        results[key] = [kept.get((c["tokens"], c["seq_len"]), c) if "not_run" in c else c for c in results[key]]
+    atomic_write_json(RESULTS, results)
+    print("\n".join(markdown_part(results)))
+
+
+# ---- rendering (the README's "diffquant and the tools you know") ----------------------------------------
+
+def _fmt_rel(d: dict) -> str:
+    if d["outside_tolerance"]:
+        return f"{d['max_rel_diff']:.1e} ({d['outside_tolerance']} sites outside)"
+    return "0" if d["max_rel_diff"] == 0 else f"{d['max_rel_diff']:.1e}"
+
+
+def parity_rows(parity: dict) -> list[list[str]]:
+    rows = []
+    for peer, r in parity.get("peers", {}).items():
+        if "error" in r:
+            rows.append([PEER_LABELS[peer], "all", r["error"], "", "", "", "", ""])
+            continue
+        for point, stats in r["by_point"].items():
+            rows.append([PEER_LABELS[peer], point] + [_fmt_rel(stats[s]) for s in
+                                                      ("top1", "top10", "top100", "median", "kurtosis", "count")])
+    return rows
+
+
+def _cell(w: dict | None) -> str:
+    if w is None:
+        return "–"
+    if "refused" in w:
+        return f"not started ({w['refused']})"
+    if "error" in w:
+        return w["error"]
+    cpu = f" ({w['tokens_per_cpu_s']:,.0f} per CPU-s)" if "tokens_per_cpu_s" in w else ""
+    return f"{w['tokens_per_s']:,.0f} tok/s{cpu}, {w['peak_mib']:,.0f} MiB"
+
+
+def cost_rows(results: dict) -> list[list[str]]:
+    rows = []
+    for label, cases in (("hidden + Linear inputs, all layers", results.get("cost", [])),
+                         ("attention scores, all layers", results.get("attention_cost", []))):
+        for c in cases:
+            what = (f"{label}: {c['tokens']:,} tokens" if c["tokens"] != c["seq_len"]
+                    else f"{label}: one window of {c['seq_len']:,}")
+            if "load_average" in c:
+                what += f" (load {c['load_average']:.0f})"
+            if "not_run" in c:
+                rows.append([what, c["not_run"], "", ""])
+                continue
+            w = c["workflows"]
+            rows.append([what] + [_cell(w.get(k)) for k in ("diffquant", *PEERS)])
+    return rows
+
+
+def markdown_part(results: dict) -> list[str]:
+    """The parity and cost tables as markdown lines, from a peers.json dict."""
+    from diffquant.report.tables import markdown
+
+    parity = results.get("parity") or {}
+    versions = {peer: r.get("versions") for peer, r in parity.get("peers", {}).items() if "versions" in r}
+    ours = (parity.get("diffquant") or {}).get("versions")
+    vtext = "; ".join(f"{PEER_LABELS[k]}: " + ", ".join(f"{n} {v}" for n, v in vs.items())
+                      for k, vs in {"diffquant": ours, **versions}.items() if vs)
+    lines = [f"Model: {results['model']}; tokens: {results['corpus']}; versions: {vtext}.", ""]
+    if parity:
+        lines += [f"Parity on {parity['tokens']:,} tokens (windows of {parity['seq_len']}), {parity['sites']} sites: "
+                  "the largest relative difference over the layers between each peer's values reduced exactly "
+                  "(benchmarks/peer_stats.py) and diffquant's streaming statistics; tolerance fp32 (1e-5) for top-k "
+                  "and kurtosis, exact for the count, and for the median the same bin of diffquant's |x| histogram "
+                  "(diffquant reports the bin's midpoint, within 0.4% of any value in it)"
+                  + ("; the peers' own values reduce to identical statistics at every site"
+                     if parity.get("peers_identical") else "") + ".", "",
+                  markdown(["peer", "site", "top-1", "top-10", "top-100", "median", "kurtosis", "count"],
+                           parity_rows(parity))]
+    lines += [f"Cost: fresh process per workflow; tokens per second of wall time after loading the model (and per "
+              "second of the process's CPU time, steadier on a shared machine), and the peak resident memory "
+              f"(VmHWM) of the whole process; {results.get('cores')} cores, in brackets the load average from "
+              "other work when the case started. The peers keep each "
+              "batch's activations (their cache-then-compute: an exact median needs every value) and reduce them at "
+              "the end; diffquant keeps nothing per token.", "",
+              markdown(["case", *(PEER_LABELS[k] for k in ("diffquant", *PEERS))], cost_rows(results)),
+              *NOT_COVERED, ""]
+    return lines
+
+
+if __name__ == "__main__":
+    main()

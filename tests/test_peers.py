@@ -1,0 +1,99 @@
+"""benchmarks/peers.py: the one statistics function every workflow is reduced with, checked by hand and
+against scipy, and the peers.json -> markdown rendering on a small fixture. No venv is created here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+peer_stats = _module("benchmarks/peer_stats.py", "peer_stats_under_test")
+peers = _module("benchmarks/peers.py", "peers_under_test")
+
+
+def test_exact_stats_on_a_hand_worked_case():
+    # |x| sorted: 1, 2, 3, 4, 4, so the median is 3; the mean is 2 / 5 = 0.4, so the deviations are:
+    x = np.array([1.0, -2.0, 3.0, -4.0, 4.0], dtype=np.float32)
+    d = np.array([0.6, -2.4, 2.6, -4.4, 3.6])
+    m2, m4 = (d**2).mean(), (d**4).mean()
+    s = peer_stats.exact_stats(x)
+    assert s["count"] == 5 and s["top1"] == 4.0 and s["median"] == 3.0
+    assert s["top10"] is None and s["top100"] is None  # fewer than 10 values
+    assert s["kurtosis"] == pytest.approx(m4 / m2**2, rel=1e-12)
+
+
+def test_exact_stats_against_scipy_and_sorting():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_t(3, size=(7, 300)) * 5).astype(np.float32)
+    s = peer_stats.exact_stats(x)
+    mags = np.sort(np.abs(x).ravel())[::-1]
+    assert [s["top1"], s["top10"], s["top100"]] == [float(mags[0]), float(mags[9]), float(mags[99])]
+    assert s["median"] == pytest.approx(float(np.quantile(np.abs(x.ravel()).astype(np.float64), 0.5)), rel=1e-7)
+    assert s["kurtosis"] == pytest.approx(sps.kurtosis(x.ravel().astype(np.float64), fisher=False), rel=1e-9)
+    assert s["count"] == x.size
+    assert peer_stats.exact_stats(np.zeros(0))["top1"] is None
+
+
+def test_magnitude_bin_by_hand():
+    # float32 1.0 is 0x3F800000; bins are the upper 16 bits, so [1, 1 + 2^-7) is bin 0x3F80, sign ignored
+    assert peers.magnitude_bin(1.0) == peers.magnitude_bin(-1.0) == peers.magnitude_bin(1.0077) == 0x3F80
+    assert peers.magnitude_bin(1.0 + 2**-7) == 0x3F81
+
+
+def test_compare_flags_sites_outside_tolerance():
+    ours = {"layers.0.hidden": {"top1": 10.0, "median": 1.0, "count": 4, "kurtosis": 3.0},
+            "layers.1.hidden": {"top1": 20.0, "median": 1.0, "count": 4, "kurtosis": 3.0}}
+    theirs = {"layers.0.hidden": {"top1": 10.0, "median": 1.003, "count": 4, "kurtosis": 3.0},
+              "layers.1.hidden": {"top1": 20.1, "median": 1.0, "count": 5, "kurtosis": 3.0}}
+    assert peers.compare(ours, {**theirs, "layers.0.hidden": {"median": 1.008}})["median"]["outside_tolerance"] == 1
+    c = peers.compare(ours, theirs)
+    assert c["top1"]["outside_tolerance"] == 1 and c["top1"]["at"] == "layers.1.hidden"
+    assert c["top1"]["max_rel_diff"] == pytest.approx(0.005)
+    assert c["median"]["outside_tolerance"] == 0  # 1.003 lies in 1.0's histogram bin [1, 1 + 2^-7)
+    assert c["count"]["first_outside"] == ["layers.1.hidden"]
+    assert c["kurtosis"]["max_rel_diff"] == 0
+
+
+def test_rendering_from_a_small_fixture():
+    same = {"max_rel_diff": 0.0, "at": "layers.0.hidden", "outside_tolerance": 0, "first_outside": []}
+    off = {"max_rel_diff": 0.02, "at": "layers.1.attn_logits", "outside_tolerance": 2, "first_outside": []}
+    stats = {s: same for s in ("top1", "top10", "top100", "median", "count")}
+    results = {
+        "model": "M", "corpus": "C", "cores": 2, "load_average": 3.0,
+        "parity": {"seq_len": 256, "tokens": 1024, "sites": 2,
+                   "diffquant": {"versions": {"torch": "2.13.0"}},
+                   "peers": {"nnsight": {"versions": {"nnsight": "0.8.1"},
+                                         "by_point": {"hidden": {**stats, "kurtosis": same},
+                                                      "attn_logits": {**stats, "kurtosis": off}}},
+                             "transformer_lens": {"error": "exit 1: boom"}}},
+        "cost": [{"tokens": 8192, "seq_len": 256, "workflows": {
+                      "diffquant": {"tokens_per_s": 1000.0, "tokens_per_cpu_s": 600.0, "peak_mib": 900.0},
+                      "transformer_lens": {"refused": "its cache would hold 9.0 GiB; 4.0 GiB available"},
+                      "nnsight": {"error": "killed by signal 9"}}},
+                 {"tokens": 65536, "seq_len": 256, "not_run": "not run in this session", "workflows": {}}],
+        "attention_cost": [{"tokens": 2048, "seq_len": 2048, "workflows": {
+            "diffquant": {"tokens_per_s": 50.0, "peak_mib": 1200.4}}}],
+    }
+    text = "\n".join(peers.markdown_part(results))
+    assert "torch 2.13.0" in text and "nnsight 0.8.1" in text
+    assert "| nnsight 0.8 LanguageModel | attn_logits | 0 | 0 | 0 | 0 | 2.0e-02 (2 sites outside) | 0 |" in text
+    assert "| TransformerLens 4.3 TransformerBridge | all | exit 1: boom |" in text
+    assert "| hidden + Linear inputs, all layers: 8,192 tokens | 1,000 tok/s (600 per CPU-s), 900 MiB | not started (its cache" in text
+    assert "killed by signal 9 |" in text
+    assert "| hidden + Linear inputs, all layers: 65,536 tokens | not run in this session |" in text
+    assert "| attention scores, all layers: one window of 2,048 | 50 tok/s, 1,200 MiB | – | – |" in text
