@@ -38,7 +38,8 @@ class TrainConfig:
     warmup_frac: float = 0.05
     schedule: str = "cosine"
     weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's; Guo et al.'s Bigram-Backcopy recipe uses (0.9, 0.99)
+    grad_clip: float = 1.0  # 0: no clipping
     seed: int = 0
     eval_every: int = 100
     eval_tokens: int = 32768
@@ -59,6 +60,8 @@ class TrainConfig:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.batch_size <= 0 or self.lr <= 0:
             raise ValueError("batch_size and lr must be positive")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas) or self.grad_clip < 0:
+            raise ValueError(f"betas must be two numbers in [0, 1) and grad_clip >= 0, got {self.betas}, {self.grad_clip}")
         if self.weight_decay < 0 or not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("weight_decay must be >= 0, warmup_frac in [0, 1), min_lr_ratio in [0, 1]")
         unknown = set(self.archs) - set(DESIGNS)
@@ -222,7 +225,7 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
 
     fuse(model)  # DIFF: one softmax per layer
     model.to(device).train()
-    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8)
     if state is not None:
         opt.load_state_dict(state["optimizer"])
     ddp_model = model
@@ -246,7 +249,8 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
             loss = ddp_model(batch, labels=batch, use_cache=False).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         tokens_done += batch.numel() * world
         if step % 10 == 0 or step == total - 1:
@@ -352,7 +356,8 @@ def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, res
     if resume and cfg_path.exists():
         saved = json.loads(cfg_path.read_text())
         saved_archs = tuple(saved.pop("archs"))
-        if saved != {k: v for k, v in asdict(cfg).items() if k != "archs"}:
+        saved.setdefault("betas", [0.9, 0.95])  # runs saved before betas was a setting used these
+        if saved != {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k != "archs"}:
             raise DiffquantError(f"{out} was trained with other settings ({cfg_path}); resume with the same settings "
                                  "(designs may be added: every design trains on the same data independently)")
     if force and not resume:
