@@ -23,15 +23,27 @@ METRICS = {  # key: (label, digits)
     "sink_rate": ("sink rate", 2),
     "massive_ratio": ("max‖h‖ / median‖h‖", 3),
     "logits_int4_cost": ("logits int4: Δppl %", 3),
-    "w8a8_cost": ("W8A8: Δppl %", 3),
+    "w8a8_cost": ("W8A8 per-token dynamic: Δppl %", 3),
+    "w8a8_static_cost": ("W8A8 static per-tensor: Δppl %", 3),
+    "w4a4_static_cost": ("W4A4 static per-tensor: Δppl %", 3),
+    "w4a4_cost": ("W4A4 per-token dynamic: Δppl %", 3),
 }
 
 
-def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme: str) -> dict:
+def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme: str,
+                      calibration: torch.Tensor | None = None) -> dict:
     """Perplexity change (%) under `scheme`, paired over the same sequences: exp(mean Δloss) − 1, with the
-    paired 95% interval of Δloss carried through the same map."""
+    paired 95% interval of Δloss carried through the same map. A scheme with static activation scales is
+    calibrated first on `calibration` (training sequences, never the held-out ones)."""
+    from diffquant.errors import DiffquantError
+    from diffquant.quant.scheme import calibrate
+
     handle = quantize_(model, get_scheme(scheme))
     try:
+        if any(not q.config.dynamic for q in handle.quantizers.values()):
+            if calibration is None:
+                raise DiffquantError(f"scheme {scheme} has static scales: pass calibration sequences")
+            calibrate(model, handle, calibration.split(8))
         q = language_modeling(model, seqs)["per_sequence_loss"]
     finally:
         handle.remove()
@@ -40,7 +52,7 @@ def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme:
     return {"pct": pct(d["mean"]), "ci95": [pct(x) for x in d["ci95"]] if d["ci95"] else None, "n": d["n"]}
 
 
-def measure(model, seqs: torch.Tensor, schemes=("logits-int4",)) -> dict:
+def measure(model, seqs: torch.Tensor, schemes=("logits-int4",), calibration: torch.Tensor | None = None) -> dict:
     """Loss, Table 5 analog (pooled logits and hidden states), sink rate, massive-activation ratio and the
     perplexity cost of each scheme, all on the same held-out sequences."""
     fp = language_modeling(model, seqs)
@@ -54,7 +66,7 @@ def measure(model, seqs: torch.Tensor, schemes=("logits-int4",)) -> dict:
            "massive_ratio": sinks.get("massive_ratio_max"), "sinks": sinks}
     out["hidden_ratio"] = out["hidden_top1"] / out["hidden_median"]
     for scheme in schemes:
-        cost = quantization_cost(model, seqs, fp["per_sequence_loss"], scheme)
+        cost = quantization_cost(model, seqs, fp["per_sequence_loss"], scheme, calibration)
         out[f"{scheme.replace('-', '_')}_cost"] = cost["pct"]
         out[f"{scheme.replace('-', '_')}_cost_ci95"] = cost["ci95"]
     return out

@@ -80,3 +80,17 @@ def welch(a: list[float], b: list[float]) -> dict | None:
     p = float(ttest_ind(a, b, equal_var=False).pvalue)
     d = fmean(a) - fmean(b)
     return {"diff": d, "p": p, "sign": ((d > 0) - (d < 0)) if p < 0.05 else 0}
+
+
+def holm_adjust(pvalues: list[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p-values for a family of tests (None entries are no test and stay None):
+    sort the m p-values ascending, multiply the i-th (0-based) by m − i, take the running maximum and cap at
+    1. Rejecting where the adjusted value is below α controls the family-wise error rate at α."""
+    present = [(p, i) for i, p in enumerate(pvalues) if p is not None]
+    m = len(present)
+    out: list[float | None] = [None] * len(pvalues)
+    running = 0.0
+    for rank, (p, i) in enumerate(sorted(present)):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out
