@@ -345,8 +345,9 @@ def environment_record(device: str) -> dict:
 
 
 def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, resume: bool = False,
-               force: bool = False, cache: str | None = None, progress: bool = True) -> dict:
-    """Train every arch of `cfg` into out/<arch>; writes out/metrics.json and returns it."""
+               force: bool = False, cache: str | None = None, progress: bool = True, figures: bool = True) -> dict:
+    """Train every arch of `cfg` into out/<arch>; writes out/metrics.json and returns it. With `track`, also
+    emergence.json and (`figures`) its plots; a caller that plots many runs together passes figures=False."""
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg_path = out / "train_config.json"
@@ -381,11 +382,11 @@ def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, res
         if rank == 0:
             atomic_write_json(metrics_path, results)
             if cfg.track:
-                write_emergence(results, out)
+                write_emergence(results, out, figures)
     return results
 
 
-def write_emergence(results: dict, out: Path) -> None:
+def write_emergence(results: dict, out: Path, figures: bool = True) -> None:
     """emergence.json (every snapshot of every model, with the run's scale) and its figures."""
     from diffquant.report.emergence_plots import plot_emergence
     from diffquant.report.style import display
@@ -397,4 +398,5 @@ def write_emergence(results: dict, out: Path) -> None:
            "track_sequences": cfg["track_sequences"], "models": {display(a): m.get("emergence", [])
                                                                  for a, m in results["models"].items()}}
     atomic_write_json(out / "emergence.json", doc)
-    plot_emergence(doc, out)
+    if figures:
+        plot_emergence(doc, out)

@@ -100,10 +100,10 @@ GUO_NOTES = {
 }
 EXPERIMENTS = {
     "guo": Experiment("guo", GUO_TRAIN, tokens=2_000_000_000, lrs=(3e-4, 1e-3, 3e-3), notes=GUO_NOTES),
+    # the whole pipeline in seconds: two designs, 8 steps, one checkpoint per run, 3 tracked points
     "quick": Experiment("quick", dict(GUO_TRAIN, preset="micro", corpus="synth:bb:vocab=32", seq_len=32, batch_size=8,
-                                      save_every=4), tokens=8 * 32 * 12, lrs=(1e-3, 3e-3, 1e-2), seeds=(0, 1),
-                        designs=("baseline", "diff", "gated-nobias"), eval_sequences=8, calibration_sequences=8,
-                        track_points=4),
+                                      save_every=10**9), tokens=8 * 32 * 8, lrs=(1e-3, 3e-3, 1e-2), seeds=(0, 1),
+                        designs=("baseline", "diff"), eval_sequences=8, calibration_sequences=8, track_points=3),
 }
 
 
@@ -200,13 +200,14 @@ def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs
     done = folder / "cell.json"
     if done.is_file():
         cell = json.loads(done.read_text())
-        if cell["tokens"] != tokens:
-            raise DiffquantError(f"{done} was trained for {cell['tokens']:,} tokens, this plan wants {tokens:,}: "
+        if cell["train_tokens"] != tokens:
+            raise DiffquantError(f"{done} was trained for {cell['train_tokens']:,} tokens, this plan wants {tokens:,}: "
                                  "use another --runs folder or the plan.json that made it")
         return cell
     cfg = train_config(e, design, lr, seed, tokens)
     t0 = time.perf_counter()
-    train_pair(cfg, folder, device=device, resume=(folder / "train_config.json").exists(), progress=False)
+    train_pair(cfg, folder, device=device, resume=(folder / "train_config.json").exists(), progress=False,
+               figures=False)
     train_s = time.perf_counter() - t0
     info = json.loads((folder / "metrics.json").read_text())["models"][design]
     model = AutoModelForCausalLM.from_pretrained(folder / design).to(device).eval()
@@ -214,9 +215,9 @@ def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs
 
     fuse(model)
     m = measure(model, seqs.to(device), e.schemes, calib.to(device))
-    cell = {"design": design, "lr": lr, "seed": seed, "tokens": tokens, "parameters": info["parameters"],
-            "train_seconds": train_s, "tokens_per_s": info.get("tokens_per_s"),
-            "curve": info.get("emergence", []), **{k: v for k, v in m.items() if k != "sinks"}}
+    cell = {**{k: v for k, v in m.items() if k != "sinks"}, "design": design, "lr": lr, "seed": seed,
+            "train_tokens": tokens, "parameters": info["parameters"], "train_seconds": train_s,
+            "tokens_per_s": info.get("tokens_per_s"), "curve": info.get("emergence", [])}
     atomic_write_json(done, cell)
     return cell
 

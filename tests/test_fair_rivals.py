@@ -53,7 +53,7 @@ def _curve(losses, sinks):
 
 
 def test_matched_loss_reads_the_first_point_at_or_below_the_worst_final_loss():
-    per = {"fast": [{"curve": _curve([3.0, 2.0, 1.0], [0.0, 0.5, 1.0])}, {"curve": _curve([3.0, 1.6, 1.0], [0.0, 0.25, 1.0])}],
+    per = {"fast": [{"curve": _curve([3.0, 2.0, 1.0], [0.0, 0.5, 1.0])}, {"curve": _curve([3.0, 1.4, 1.0], [0.0, 0.25, 1.0])}],
            "slow": [{"curve": _curve([3.0, 2.5, 1.5], [0.0, 0.0, 0.1])}, {"curve": _curve([3.0, 2.5, 1.5], [0.0, 0.0, 0.3])}]}
     ml = fr.matched_loss(per)
     assert ml["target_loss"] == 1.5  # the worse design's mean final loss
