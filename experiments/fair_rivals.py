@@ -28,7 +28,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -111,7 +111,7 @@ def train_config(e: Experiment, design: str, lr: float, seed: int, tokens: int):
     from diffquant.train import TrainConfig
 
     return TrainConfig(**{**e.train, "lr": lr, "seed": seed, "tokens": tokens, "archs": (design,), "track": True,
-                          "track_points": e.track_points})
+                          "track_points": e.track_points, "eval_tokens": e.eval_sequences * e.train["seq_len"]})
 
 
 def cell_folder(runs: Path, design: str, lr: float, seed: int) -> Path:
@@ -182,8 +182,7 @@ def held_out_and_calibration(e: Experiment, folder: Path) -> tuple[torch.Tensor,
     from diffquant.train import prepare_data
 
     seq_len = e.train["seq_len"]
-    cfg = replace(train_config(e, e.designs[0], e.lrs[0], 0, e.calibration_sequences * seq_len),
-                  eval_tokens=e.eval_sequences * seq_len)
+    cfg = train_config(e, e.designs[0], e.lrs[0], 0, e.calibration_sequences * seq_len)
     data = prepare_data(cfg, folder)
     return data.val[:e.eval_sequences], data.train[:e.calibration_sequences]
 
