@@ -77,15 +77,27 @@ def test_tests_against_diff_are_holm_adjusted_over_the_family():
     assert {r["design"]: r["verdict"] for r in rows}["x"] == "higher"
 
 
+def _offline_allowed() -> bool:
+    unshare = shutil.which("unshare")
+    return unshare is not None and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
+    """One quick comparison, run once for the module: the GPU script's `--quick` with networking disabled where
+    `unshare -n` is permitted (it runs fair_rivals' quick experiment into OUT/runs), else fair_rivals in-process."""
     out = tmp_path_factory.mktemp("fair")
-    doc = fr.main(["--quick", "--out", str(out)])
-    return out, doc
+    if _offline_allowed():
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+        r = subprocess.run(["unshare", "-n", sys.executable, str(ROOT / "experiments" / "gpu_fair.py"), "--quick",
+                            "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return out, json.loads((out / "results.json").read_text()), True
+    return out, fr.main(["--quick", "--out", str(out)]), False
 
 
 def test_quick_pipeline_end_to_end(quick_run):
-    out, doc = quick_run
+    out, doc, _ = quick_run
     e = fr.EXPERIMENTS["quick"]
     assert json.loads((out / "sweep.json").read_text())["rates"].keys() == set(e.designs)
     assert set(doc["aggregate"]) == set(e.designs)
@@ -99,20 +111,16 @@ def test_quick_pipeline_end_to_end(quick_run):
 
 
 def test_quick_resume_redoes_nothing(quick_run):
-    out, _ = quick_run
+    out, _, _ = quick_run
     before = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*") if p.is_file() and "data" not in p.parts}
     fr.main(["--quick", "--out", str(out)])
     after = {p: p.stat().st_mtime_ns for p in before}
     assert before == after  # no checkpoint or cell rewritten
 
 
-def test_gpu_script_runs_offline(tmp_path):
-    unshare = shutil.which("unshare")
-    if unshare is None or subprocess.run([unshare, "-n", "true"], capture_output=True).returncode != 0:
+def test_gpu_script_runs_offline(quick_run):
+    out, _, offline = quick_run
+    if not offline:
         pytest.skip("unshare -n is not permitted here (needs a user or network namespace); the GPU script's offline "
                     "run is not checked on this machine")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([unshare, "-n", sys.executable, str(ROOT / "experiments" / "gpu_fair.py"), "--quick", "--out",
-                        str(tmp_path / "g")], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (tmp_path / "g" / "results.json").is_file()
+    assert (out / "results.json").is_file() and (out / "sweep.json").is_file()
