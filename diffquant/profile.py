@@ -84,7 +84,9 @@ class ModelProfile:
 
     def sink_summary(self) -> dict:
         """{"layers": {layer: per-layer figures}, "model": sink rates and extremes} (see stats/sinks.py)."""
-        diff = self.info.get("model_type") == "diffllama"
+        from diffquant.taps.sites import DIFF_MODEL_TYPES
+
+        diff = self.info.get("model_type") in DIFF_MODEL_TYPES
         layers = {i: s.summary(diff) for i, s in sorted(self.sinks.items())}
         return {"epsilon": 0.3, "layers": layers, "model": model_sink_rates(layers)} if layers else {}
 

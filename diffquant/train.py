@@ -38,7 +38,8 @@ class TrainConfig:
     warmup_frac: float = 0.05
     schedule: str = "cosine"
     weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's; Guo et al.'s Bigram-Backcopy recipe uses (0.9, 0.99)
+    grad_clip: float = 1.0  # 0: no clipping
     seed: int = 0
     eval_every: int = 100
     eval_tokens: int = 32768
@@ -60,6 +61,8 @@ class TrainConfig:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.batch_size <= 0 or self.lr <= 0:
             raise ValueError("batch_size and lr must be positive")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas) or self.grad_clip < 0:
+            raise ValueError(f"betas must be two numbers in [0, 1) and grad_clip >= 0, got {self.betas}, {self.grad_clip}")
         if self.weight_decay < 0 or not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("weight_decay must be >= 0, warmup_frac in [0, 1), min_lr_ratio in [0, 1]")
         unknown = set(self.archs) - set(DESIGNS)
@@ -234,7 +237,7 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
 
     fuse(model)  # DIFF: one softmax per layer
     model.to(device).train()
-    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8)
     if state is not None:
         opt.load_state_dict(state["optimizer"])
     ddp_model = model
@@ -258,7 +261,8 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
             loss = ddp_model(batch, labels=batch, use_cache=False).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         tokens_done += batch.numel() * world
         if step % 10 == 0 or step == total - 1:
@@ -355,8 +359,9 @@ def environment_record(device: str) -> dict:
 
 
 def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, resume: bool = False,
-               force: bool = False, cache: str | None = None, progress: bool = True) -> dict:
-    """Train every arch of `cfg` into out/<arch>; writes out/metrics.json and returns it."""
+               force: bool = False, cache: str | None = None, progress: bool = True, figures: bool = True) -> dict:
+    """Train every arch of `cfg` into out/<arch>; writes out/metrics.json and returns it. With `track`, also
+    emergence.json and (`figures`) its plots; a caller that plots many runs together passes figures=False."""
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg_path = out / "train_config.json"
@@ -367,7 +372,8 @@ def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, res
         saved = json.loads(cfg_path.read_text())
         saved_archs = tuple(saved.pop("archs"))
         saved.setdefault("track_metrics", "")  # runs saved before metric sets existed
-        if saved != {k: v for k, v in asdict(cfg).items() if k != "archs"}:
+        saved.setdefault("betas", [0.9, 0.95])  # runs saved before betas was a setting used these
+        if saved != {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k != "archs"}:
             raise DiffquantError(f"{out} was trained with other settings ({cfg_path}); resume with the same settings "
                                  "(designs may be added: every design trains on the same data independently)")
     if force and not resume:
@@ -391,11 +397,11 @@ def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, res
         if rank == 0:
             atomic_write_json(metrics_path, results)
             if cfg.track:
-                write_emergence(results, out)
+                write_emergence(results, out, figures)
     return results
 
 
-def write_emergence(results: dict, out: Path) -> None:
+def write_emergence(results: dict, out: Path, figures: bool = True) -> None:
     """emergence.json (every snapshot of every model, with the run's scale) and its figures."""
     from diffquant.report.emergence_plots import plot_emergence
     from diffquant.report.style import display
@@ -407,4 +413,5 @@ def write_emergence(results: dict, out: Path) -> None:
            "track_sequences": cfg["track_sequences"], "models": {display(a): m.get("emergence", [])
                                                                  for a, m in results["models"].items()}}
     atomic_write_json(out / "emergence.json", doc)
-    plot_emergence(doc, out)
+    if figures:
+        plot_emergence(doc, out)

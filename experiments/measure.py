@@ -23,21 +23,33 @@ METRICS = {
     "sink_rate": ("sink rate", 2),
     "first_share_mean": ("first-token share", 3),
     "logits_int4_cost": ("logits int4: Δppl %", 3),
-    "w8a8_cost": ("W8A8: Δppl %", 3),
+    "w8a8_cost": ("W8A8 per-token dynamic: Δppl %", 3),
     "loss": ("held-out loss (nats)", 4),
     "logit_top1": ("attention-logit top-1", 3),
     "logit_median": ("attention-logit median", 3),
     "hidden_top1": ("hidden-state top-1", 4),
     "hidden_median": ("hidden-state median", 3),
+    "w8a8_static_cost": ("W8A8 static per-tensor: Δppl %", 3),
+    "w4a4_static_cost": ("W4A4 static per-tensor: Δppl %", 3),
+    "w4a4_cost": ("W4A4 per-token dynamic: Δppl %", 3),
 }
 SCALE_FREE = ("hidden_ratio", "logit_ratio", "massive_ratio", "hidden_kurtosis", "sink_rate")
 
 
-def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme) -> dict:
+def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme,
+                      calibration: torch.Tensor | None = None) -> dict:
     """Perplexity change (%) under `scheme` (a name or a QuantScheme), paired over the same sequences:
-    exp(mean Δloss) − 1, with the paired 95% t-interval of Δloss carried through the same map."""
+    exp(mean Δloss) − 1, with the paired 95% t-interval of Δloss carried through the same map. A scheme with
+    static activation scales is calibrated first on `calibration` (training sequences, never the held-out ones)."""
+    from diffquant.errors import DiffquantError
+    from diffquant.quant.scheme import calibrate
+
     handle = quantize_(model, get_scheme(scheme) if isinstance(scheme, str) else scheme)
     try:
+        if any(not q.config.dynamic for q in handle.quantizers.values()):
+            if calibration is None:
+                raise DiffquantError(f"scheme {scheme} has static scales: pass calibration sequences")
+            calibrate(model, handle, calibration.split(8))
         q = language_modeling(model, seqs)["per_sequence_loss"]
     finally:
         handle.remove()
@@ -46,7 +58,7 @@ def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme)
     return {"pct": pct(d["mean"]), "ci95": [pct(x) for x in d["ci95"]] if d["ci95"] else None, "n": d["n"]}
 
 
-def measure(model, seqs: torch.Tensor, schemes=("logits-int4",)) -> dict:
+def measure(model, seqs: torch.Tensor, schemes=("logits-int4",), calibration: torch.Tensor | None = None) -> dict:
     """Loss, Table 5 analog (pooled logits and hidden states), sink rate (DIFF: over differential heads by
     their share of A1 − λ·A2 on token 0, stats/sinks.py), the mean first-token share, λ per layer (DIFF),
     massive-activation ratio and the perplexity cost of each scheme, all on the same held-out sequences."""
@@ -63,7 +75,7 @@ def measure(model, seqs: torch.Tensor, schemes=("logits-int4",)) -> dict:
     out["hidden_ratio"] = out["hidden_top1"] / out["hidden_median"]
     out["logit_ratio"] = out["logit_top1"] / out["logit_median"]
     for scheme in schemes:
-        cost = quantization_cost(model, seqs, fp["per_sequence_loss"], scheme)
+        cost = quantization_cost(model, seqs, fp["per_sequence_loss"], scheme, calibration)
         out[f"{scheme.replace('-', '_')}_cost"] = cost["pct"]
         out[f"{scheme.replace('-', '_')}_cost_ci95"] = cost["ci95"]
     return out

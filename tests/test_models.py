@@ -24,7 +24,8 @@ def test_presets_are_matched(name):
     assert nb == expected_params(spec, diff=False)
     assert nd == expected_params(spec, diff=True)
     assert abs(nd - nb) / nb < 1e-3
-    assert diff.config.num_attention_heads == baseline.config.num_attention_heads  # softmax maps match
+    # softmax maps match; with Guo et al.'s one head, heads of full width match (one differential head of 2 maps)
+    assert diff.config.num_attention_heads == baseline.config.num_attention_heads * (2 if spec.one_head else 1)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "rope_parameters"):
         assert getattr(diff.config, key) == getattr(baseline.config, key)
 

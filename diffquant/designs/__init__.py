@@ -28,6 +28,7 @@ class Design:
     doc: str
     added: Callable[[int, int], int] = lambda hidden, heads: 0  # parameters a layer adds to Llama's
     narrow_mlp: bool = False  # absorbs `added` by narrowing the SwiGLU width (see mlp_narrowing)
+    maps_per_head: int = 1  # softmax maps a head combines: 2 for differential heads (presets' one_head reads it)
 
 
 def _llama(common: dict, seq_len: int):
@@ -60,9 +61,27 @@ def _sink(common: dict, seq_len: int):
     return sink.config(common)
 
 
+def _gated_nobias(common: dict, seq_len: int):
+    from diffquant.designs import gated
+
+    return gated.config(common, bias=False)
+
+
+def _headnorm(common: dict, seq_len: int):
+    from diffquant.designs import headnorm
+
+    return headnorm.config(common)
+
+
+def _diff_gain(common: dict, seq_len: int):
+    from diffquant.designs import diffgain
+
+    return diffgain.config(common)
+
+
 def register_auto_classes() -> None:
     """Register the rival designs with transformers' Auto classes (imports transformers)."""
-    from diffquant.designs import clipsoftmax, gated, sink  # noqa: F401 - each registers itself
+    from diffquant.designs import clipsoftmax, diffgain, gated, headnorm, sink  # noqa: F401 - each registers itself
 
 
 DESIGNS: dict[str, Design] = {}
@@ -84,7 +103,7 @@ def get(key: str) -> Design:
 register(Design("baseline", "Transformer", "#1f77b4", _llama, "Llama: softmax attention"))
 register(Design("diff", "DIFF", "#d62728", _diffllama,
                 "DiffLlama: (softmax(Q1K1ᵀ) − λ·softmax(Q2K2ᵀ))·V, heads/2 differential heads of width 2d",
-                added=lambda h, heads: 4 * (h // heads)))
+                added=lambda h, heads: 4 * (h // heads), maps_per_head=2))
 register(Design("gated", "Gated", "#2ca02c", _gated,
                 "softmax attention, output gated per element by σ(X·W_g + b) (Qiu et al. 2025, G1); MLP narrowed",
                 added=gate_parameters, narrow_mlp=True))
@@ -92,3 +111,12 @@ register(Design("clipsoftmax", "ClipSoftmax", "#9467bd", _clipsoftmax,
                 "clip((ζ−γ)·softmax + γ, 0, 1), ζ = 1, γ = −12/T (Bondarenko et al. 2023)"))
 register(Design("sink", "Sink", "#ff7f0e", _sink, "a learned per-head sink logit in the softmax denominator (gpt-oss)",
                 added=lambda h, heads: heads))
+# Ablations that isolate DIFF's parts and the gate's bias (issue 27).
+register(Design("baseline-headnorm", "Transformer + head norm", "#17becf", _headnorm,
+                "Llama with DIFF's head norm alone: (1 − λ_init)·RMSNorm(head output), no gain, no second map"))
+register(Design("diff-gain", "DIFF + norm gain", "#8c564b", _diff_gain,
+                "DiffLlama with a learnable gain on its head RMSNorm (as Microsoft's reference code)",
+                added=lambda h, heads: 4 * (h // heads) + 2 * (h // heads), maps_per_head=2))
+register(Design("gated-nobias", "Gated, no bias", "#bcbd22", _gated_nobias,
+                "Qiu et al.'s G1 gate without bias: output ⊙ σ(X·W_g); MLP narrowed",
+                added=lambda h, heads: gate_parameters(h, heads, bias=False), narrow_mlp=True))

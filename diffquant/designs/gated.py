@@ -26,10 +26,11 @@ GATES = ("elementwise", "headwise")
 class GatedConfig(LlamaConfig):
     model_type = "diffquant_gated"
 
-    def __init__(self, gate: str = "elementwise", **kwargs):
+    def __init__(self, gate: str = "elementwise", gate_bias: bool = True, **kwargs):
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         self.gate = gate
+        self.gate_bias = gate_bias
         super().__init__(**kwargs)
 
 
@@ -38,7 +39,7 @@ class GatedAttention(VariantAttention):
         super().__init__(config, layer_idx)
         heads = config.num_attention_heads
         width = heads * self.head_dim if config.gate == "elementwise" else heads
-        self.gate = torch.nn.Linear(config.hidden_size, width, bias=True)
+        self.gate = torch.nn.Linear(config.hidden_size, width, bias=getattr(config, "gate_bias", True))
 
     def gate_output(self, output, hidden_states):
         g = torch.sigmoid(self.gate(hidden_states))  # [batch, pos, H·d] or [batch, pos, H]
@@ -49,8 +50,10 @@ GatedForCausalLM = llama_variant(GatedConfig, GatedAttention)
 register(GatedConfig, GatedForCausalLM)
 
 
-def config(common: dict, gate: str = "elementwise") -> GatedConfig:
-    """The preset's config with the MLP narrowed to absorb the gate (see the module docstring)."""
+def config(common: dict, gate: str = "elementwise", bias: bool = True) -> GatedConfig:
+    """The preset's config with the MLP narrowed to absorb the gate (see the module docstring). `bias=False`
+    is the `gated-nobias` ablation: σ(X·W_g), Qiu et al.'s G1 gate without a bias (no exactly-open neutral
+    value; with the bias at 0 the two designs compute the same)."""
     h = common["hidden_size"]
-    narrow = mlp_narrowing(gate_parameters(h, common["num_attention_heads"], gate), h)
-    return GatedConfig(gate=gate, **{**common, "intermediate_size": common["intermediate_size"] - narrow})
+    narrow = mlp_narrowing(gate_parameters(h, common["num_attention_heads"], gate, bias), h)
+    return GatedConfig(gate=gate, gate_bias=bias, **{**common, "intermediate_size": common["intermediate_size"] - narrow})

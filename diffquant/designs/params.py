@@ -9,7 +9,7 @@ def mlp_narrowing(added: int, hidden: int) -> int:
     return round(added / (3 * hidden))
 
 
-def gate_parameters(hidden: int, heads: int, gate: str = "elementwise") -> int:
-    """The gate projection of `gated`: hidden → H·d (= hidden) or → H, with a bias."""
+def gate_parameters(hidden: int, heads: int, gate: str = "elementwise", bias: bool = True) -> int:
+    """The gate projection of `gated`: hidden → H·d (= hidden) or → H, with a bias (or without: gated-nobias)."""
     width = hidden if gate == "elementwise" else heads
-    return hidden * width + width
+    return hidden * width + (width if bias else 0)

@@ -26,11 +26,12 @@ class Family:
         import torch
         import transformers
 
-        if not self.config:  # a diffquant design at the `micro` preset (the same widths as the rest)
-            from diffquant.models.presets import PRESETS, build
-
-            return build(PRESETS["micro"], self.model, seed)
         torch.manual_seed(seed)
+        if not self.config:  # a diffquant design at the `micro` preset (the same widths as the rest); DIFF-like
+            # designs keep transformers' two-call forward, as the `diffllama` family does (not models/fused.py)
+            from diffquant.models.presets import PRESETS
+
+            return transformers.AutoModelForCausalLM.from_config(PRESETS["micro"].config(self.model)).eval()
         config = getattr(transformers, self.config)(**{**_COMMON, **self.extra})
         return getattr(transformers, self.model)(config).eval()
 
@@ -74,5 +75,8 @@ FAMILIES: dict[str, Family] = {
         Family("gated", "", "gated", note="diffquant design: output gate σ(X·W_g + b)"),
         Family("clipsoftmax", "", "clipsoftmax", note="diffquant design: clipped softmax"),
         Family("sink", "", "sink", note="diffquant design: learned sink logit"),
+        Family("baseline-headnorm", "", "baseline-headnorm", note="diffquant ablation: DIFF's head norm on softmax heads"),
+        Family("diff-gain", "", "diff-gain", note="diffquant ablation: DIFF with a learnable head-norm gain"),
+        Family("gated-nobias", "", "gated-nobias", note="diffquant ablation: output gate σ(X·W_g), no bias"),
     )
 }

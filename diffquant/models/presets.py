@@ -26,21 +26,34 @@ class ModelSpec:
     seq_len: int
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    one_head: bool = False  # Guo et al.'s one head per layer (see `heads_of`); needs heads == 2
+
+    def heads_of(self, arch: str) -> int:
+        """Softmax maps per layer of design `arch` (its `num_attention_heads`). Normally `heads` for every
+        design. With `one_head`, every design has one head of width `hidden` per layer: a softmax design
+        gets heads / 2 = 1 head, a differential design (two maps per head) one differential head of two
+        maps of width hidden / 2 each, so both attend with one head whose output is `hidden` wide."""
+        from diffquant.designs import get
+
+        return self.heads // (2 // get(arch).maps_per_head) if self.one_head else self.heads
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
         if self.heads % 2:
             raise ValueError(f"heads must be even (DIFF pairs softmax maps), got {self.heads}")
+        if self.one_head and self.heads != 2:
+            raise ValueError(f"one_head counts DIFF's two softmax maps: heads must be 2, got {self.heads}")
 
-    def _common(self, vocab: int | None = None) -> dict:
+    def _common(self, vocab: int | None = None, heads: int | None = None) -> dict:
+        heads = heads or self.heads
         return dict(
             vocab_size=vocab or self.vocab,
             hidden_size=self.hidden,
             intermediate_size=self.ffn,
             num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.heads,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
             max_position_embeddings=self.context,
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             tie_word_embeddings=self.tie_embeddings,
@@ -55,7 +68,7 @@ class ModelSpec:
         designs depend on it; default the preset's)."""
         from diffquant.designs import get
 
-        return get(arch).config(self._common(vocab), seq_len or self.seq_len)
+        return get(arch).config(self._common(vocab, self.heads_of(arch)), seq_len or self.seq_len)
 
     @property
     def context(self) -> int:
@@ -72,7 +85,7 @@ class ModelSpec:
         from diffquant.designs import get, mlp_narrowing
 
         design, h = get(arch), self.hidden
-        added = design.added(h, self.heads)
+        added = design.added(h, self.heads_of(arch))
         ffn = self.ffn - (mlp_narrowing(added, h) if design.narrow_mlp else 0)
         per_layer = 4 * h * h + 3 * h * ffn + 2 * h + added
         return (vocab or self.vocab) * h * (1 if self.tie_embeddings else 2) + self.layers * per_layer + h
@@ -88,6 +101,12 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("tiny", hidden=256, layers=4, heads=8, ffn=688, vocab=4096, seq_len=256),
         ModelSpec("small", hidden=512, layers=8, heads=8, ffn=1376, vocab=8192, seq_len=512),
         ModelSpec("base", hidden=768, layers=12, heads=12, ffn=2048, vocab=24576, seq_len=1024),
+        # Guo et al. 2024's Bigram-Backcopy model (arXiv 2410.13835, their scripts/dynamics.sh): width 256,
+        # 3 layers, one head per layer, 256 predicted tokens after BOS (a 257-token window); their ReLU MLP of
+        # 4·256 = 1024 units has 2·256·1024 parameters, matched by a SwiGLU of 683 (3·256·683 ≈ 2·256·1024).
+        # The vocabulary comes from the corpus (synth:bb, 65 symbols + BOS like their 65 characters).
+        ModelSpec("guo", hidden=256, layers=3, heads=2, ffn=683, vocab=66, seq_len=257, one_head=True),
+        ModelSpec("guo1", hidden=256, layers=1, heads=2, ffn=683, vocab=66, seq_len=257, one_head=True),
     )
 }
 

@@ -95,6 +95,10 @@ def _presets() -> dict[str, QuantScheme]:
         "w8a8-static", tuple((p, int_config(8, G.PerTensor(), dynamic=False)) for p in LINEAR_INPUTS),
         ((LAYER_WEIGHTS, _w(8)),), "int8 weights, int8 per-tensor static activations (min-max calibration, "
                                    "Bondarenko et al.'s W8A8)")
+    out["w4a4-static"] = QuantScheme(
+        "w4a4-static", tuple((p, int_config(4, G.PerTensor(), dynamic=False)) for p in LINEAR_INPUTS),
+        ((LAYER_WEIGHTS, _w(4)),), "int4 per-channel weights, int4 per-tensor static activations (min-max "
+                                   "calibration; Bondarenko et al.'s setting at 4 bits)")
     out["fp8"] = QuantScheme("fp8", tuple((p, QuantConfig(Format("fp8_e4m3"), G.PerToken())) for p in LINEAR_INPUTS),
                              ((LAYER_WEIGHTS, QuantConfig(Format("fp8_e4m3"), G.PerChannel(0))),),
                              "fp8 e4m3 weights (per channel) and Linear inputs (per token)")

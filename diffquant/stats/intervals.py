@@ -179,3 +179,13 @@ def mcnemar_exact(a: list[bool], b: list[bool]) -> dict:
     tail = sum(math.comb(m, i) for i in range(min(gained, lost) + 1)) / 2 ** m  # exact integers, then one division
     return {"gained": gained, "lost": lost, "discordant": m, "p": min(1.0, 2 * tail),
             "delta": (gained - lost) / len(a)}
+
+
+def holm_adjust(pvalues: list[float | None]) -> list[float | None]:
+    """`holm` over the entries that are tests; None entries (no test) stay None and do not count in m."""
+    present = [i for i, p in enumerate(pvalues) if p is not None]
+    adjusted = holm([pvalues[i] for i in present])
+    out: list[float | None] = [None] * len(pvalues)
+    for i, a in zip(present, adjusted):
+        out[i] = a
+    return out

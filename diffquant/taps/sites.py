@@ -147,8 +147,11 @@ def _decoder_layers(model):
     return best
 
 
+DIFF_MODEL_TYPES = ("diffllama", "diffquant_diff_gain")  # DiffLlama and its subclasses (designs/diffgain.py)
+
+
 def is_diff(model) -> bool:
-    return getattr(model.config, "model_type", "") == "diffllama"
+    return getattr(model.config, "model_type", "") in DIFF_MODEL_TYPES
 
 
 def supports_attention_interface(model) -> bool:

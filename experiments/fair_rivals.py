@@ -1,0 +1,385 @@
+"""Every attention design compared fairly in Guo et al.'s Bigram-Backcopy setting: each design at its own
+learning rate, several seeds, results at matched tokens and at matched held-out loss, Holm-corrected tests.
+
+1. Learning-rate sweep: every design at each rate of `lrs`, seed `seeds[0]`; each design's rate is the one
+   with the lowest held-out loss of its own (sweep.json holds every loss and every choice).
+2. Seeds: every design at its chosen rate for each seed of `seeds` (the sweep's run is seed 0's).
+3. Matched tokens: held-out loss, outlier statistics (Table 5 analog, sink rate, max‖h‖/median) and the
+   perplexity cost of the headline schemes (W8A8 and W4A4 with static per-tensor activations, int4 attention
+   logits per tensor) and of the secondary ones (per-token dynamic W8A8 and W4A4), mean ± 95% t over seeds.
+   Welch's test of every design against DIFF per metric, Holm-adjusted over the whole family of tests.
+4. Matched loss: the tracked curves (`--track`) give each run's outlier statistics at the first snapshot whose
+   held-out loss is at or below the worst design's final mean loss (quantization costs need weights, so
+   they are reported at matched tokens only).
+
+Every cell (design, rate, seed) trains with resume and writes cell.json atomically when measured: an
+interrupted run continues where it stopped and finished cells are never redone. The token budget per model
+is fixed once in plan.json from a measured tokens/s and `--budget-hours` (later runs reuse it).
+
+    python experiments/fair_rivals.py --plan-only                 # what it would run, and how long
+    nice -n 19 python experiments/fair_rivals.py --budget-hours 6 # the comparison (resumable)
+    python experiments/fair_rivals.py --quick --out /tmp/fr       # the whole pipeline in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+
+from diffquant.errors import DiffquantError  # noqa: E402
+from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
+
+DESIGNS = ("baseline", "diff", "gated", "clipsoftmax", "sink", "baseline-headnorm", "diff-gain", "gated-nobias")
+HEADLINE = ("w8a8-static", "w4a4-static", "logits-int4")  # what outliers affect (Bondarenko et al.'s static W8A8)
+SECONDARY = ("w8a8", "w4a4")  # per-token dynamic: outliers barely matter
+OUTLIER_METRICS = ("hidden_ratio", "hidden_top1", "logit_top1", "hidden_kurtosis", "sink_rate", "massive_ratio")
+CURVE_METRICS = {  # snapshot "model" key: label (read off the tracked curves at matched loss)
+    "sink_rate": "sink rate", "massive_ratio_max": "max‖h‖ / median‖h‖", "value_ratio_min": "value-norm ratio (min)",
+    "hidden_ratio_max": "hidden top-1 / median (max over layers)", "attn_logits_top1_max": "attention-logit top-1"}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One comparison: the training setting (TrainConfig fields) and what is swept."""
+
+    name: str
+    train: dict  # TrainConfig overrides shared by every run (not lr, seed, tokens, archs)
+    tokens: int  # the most tokens per model wanted; the plan may cut it to fit the budget
+    lrs: tuple[float, ...]
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    designs: tuple[str, ...] = DESIGNS
+    eval_sequences: int = 64
+    calibration_sequences: int = 32
+    track_points: int = 16
+    schemes: tuple[str, ...] = HEADLINE + SECONDARY
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.lrs) < 3 and self.name != "quick":
+            raise ValueError("a learning-rate sweep needs at least 3 rates")
+        if len(self.seeds) < 2:
+            raise ValueError("tests over seeds need at least 2 seeds")
+
+
+# Guo et al. 2024 (arXiv 2410.13835; their BBM/train_main.py and scripts/dynamics.sh, read at
+# GuoTianYu2000/Active-Dormant-Attention): Bigram-Backcopy, 3 triggers (the most frequent tokens), BOS first,
+# 256 predicted tokens, one head per layer, width 256, 3 layers, AdamW lr 3e-4, weight decay 1e-4, betas
+# (0.9, 0.99), eps 1e-8, constant rate (no warm-up, no schedule), no gradient clipping, batch 512, 10k steps.
+GUO_TRAIN = dict(preset="guo", corpus="synth:bb:vocab=65,triggers=3", seq_len=257, batch_size=32,
+                 weight_decay=1e-4, betas=(0.9, 0.99), schedule="constant", warmup_frac=0.0, grad_clip=0.0,
+                 eval_every=10**9, save_every=50)
+GUO_NOTES = {
+    "reproduced": ["task: Bigram-Backcopy (after a trigger the next token copies the token before it; the first "
+                   "token after BOS is never a trigger), as their `bbm` class", "3 triggers = the most frequent tokens",
+                   "one BOS per sequence, 256 predicted tokens (a 257-token window)", "one head per layer, width 256",
+                   "3 layers (their 3L runs; `guo1` preset for 1 layer)", "AdamW lr 3e-4 (in the sweep), weight decay 1e-4, "
+                   "betas (0.9, 0.99), eps 1e-8", "constant learning rate, no warm-up, no gradient clipping",
+                   "untied input and output embeddings"],
+    "differs": ["bigram chain: a Dirichlet(0.2) chain over 65 symbols (diffquant's synth:bb) instead of tiny "
+                "Shakespeare's character bigrams (their 65 characters): no corpus download, and synth:bb is what the "
+                "rest of diffquant trains on", "architecture: diffquant's Llama layout (pre-RMSNorm, RoPE, SwiGLU of 683 "
+                "units = their ReLU MLP's 2·256·1024 parameters) instead of LayerNorm, learned absolute positions and a "
+                "ReLU MLP: the designs compared are all Llama variants, so the baseline must be one",
+                "weight decay on matrices only (norms and λ vectors undecayed) instead of on every parameter",
+                "batch 32 sequences instead of 512 on 2 CPU cores (more updates per token at a budget of minutes per "
+                "model); gpu_fair.py uses 64 × 512 tokens at the small preset",
+                "tokens: cut to the budget (their 10k steps × 512 × 256 = 1.3B tokens per model)",
+                "learning rate swept per design (their 3e-4 is one of the rates)"],
+    "heads": "one head of width 256 per layer for every design; DIFF (and diff-gain) has one differential head: two "
+             "softmax maps of width 128 (q, k) over a value of width 256, as DIFF halves the head count to keep "
+             "the parameters; its count is the baseline's + 4·128 λ parameters per layer",
+}
+EXPERIMENTS = {
+    "guo": Experiment("guo", GUO_TRAIN, tokens=2_000_000_000, lrs=(3e-4, 1e-3, 3e-3), notes=GUO_NOTES),
+    # the whole pipeline in seconds: two designs, 8 steps, one checkpoint per run, 3 tracked points
+    "quick": Experiment("quick", dict(GUO_TRAIN, preset="micro", corpus="synth:bb:vocab=32", seq_len=32, batch_size=8,
+                                      save_every=10**9), tokens=8 * 32 * 8, lrs=(1e-3, 3e-3, 1e-2), seeds=(0, 1),
+                        designs=("baseline", "diff"), eval_sequences=8, calibration_sequences=8, track_points=3),
+}
+
+
+def train_config(e: Experiment, design: str, lr: float, seed: int, tokens: int):
+    from diffquant.train import TrainConfig
+
+    return TrainConfig(**{**e.train, "lr": lr, "seed": seed, "tokens": tokens, "archs": (design,), "track": True,
+                          "track_points": e.track_points, "eval_tokens": e.eval_sequences * e.train["seq_len"]})
+
+
+def cell_folder(runs: Path, design: str, lr: float, seed: int) -> Path:
+    return runs / design / f"lr{lr:g}" / f"s{seed}"
+
+
+# ---------------------------------------------------------------- plan
+
+
+def throughput(e: Experiment, device: str, steps: int = 2) -> float:
+    """Training tokens/s of the slowest of baseline and DIFF at this setting (forward, backward, AdamW step),
+    measured over `steps` steps after one warm-up step."""
+    from diffquant.models.presets import build, get_preset
+    from diffquant.data.synthetic import is_synthetic, parse
+
+    spec = get_preset(e.train["preset"])
+    seq_len = e.train.get("seq_len") or spec.seq_len
+    vocab = parse(e.train["corpus"]).vocab + 1 if is_synthetic(e.train["corpus"]) else None
+    rates = []
+    for arch in ("baseline", "diff"):
+        model = build(spec, arch, vocab=vocab, seq_len=seq_len).to(device).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, vocab or spec.vocab, (e.train["batch_size"], seq_len), device=device)
+        for i in range(steps + 1):
+            if i == 1:
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+                loss = model(ids, labels=ids, use_cache=False).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        rates.append(ids.numel() * steps / (time.perf_counter() - t0))
+    return min(rates)
+
+
+def make_plan(e: Experiment, budget_hours: float, tokens_per_s: float, overhead: float = 0.25) -> dict:
+    """Runs to do and the tokens per model that fit `budget_hours`: the budget, less `overhead` (tracking and
+    measurement), divided by the number of runs at `tokens_per_s`, in whole steps; never more than e.tokens."""
+    runs = len(e.designs) * (len(e.lrs) + len(e.seeds) - 1)  # the sweep's run is the first seed's
+    step_tokens = e.train["batch_size"] * e.train["seq_len"]
+    fit = budget_hours * 3600 * (1 - overhead) * tokens_per_s / runs
+    tokens = int(min(e.tokens, fit) // step_tokens * step_tokens)
+    if tokens < step_tokens:
+        raise DiffquantError(f"{budget_hours} h fit {fit:.0f} tokens per model, less than one step of {step_tokens}")
+    return {"experiment": e.name, "runs": runs, "designs": list(e.designs), "lrs": list(e.lrs), "seeds": list(e.seeds),
+            "tokens_per_model": tokens, "wanted_tokens": e.tokens, "cut": tokens < e.tokens, "steps": tokens // step_tokens,
+            "tokens_per_s": tokens_per_s, "budget_hours": budget_hours, "overhead": overhead,
+            "train_hours": runs * tokens / tokens_per_s / 3600}
+
+
+def describe_plan(plan: dict) -> str:
+    cut = (f"cut from {plan['wanted_tokens']:,} to fit {plan['budget_hours']} h" if plan["cut"] else "not cut")
+    return (f"{plan['experiment']}: {plan['runs']} runs ({len(plan['designs'])} designs × ({len(plan['lrs'])} rates + "
+            f"{len(plan['seeds']) - 1} more seeds)), {plan['tokens_per_model']:,} tokens per model ({plan['steps']} steps; "
+            f"{cut}), {plan['tokens_per_s']:,.0f} tokens/s measured: about {plan['train_hours']:.2f} h of training "
+            f"+ {plan['overhead']:.0%} for tracking and measurement")
+
+
+# ---------------------------------------------------------------- cells
+
+
+def held_out_and_calibration(e: Experiment, folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Held-out sequences (the validation split) and calibration sequences (the training split's first)."""
+    from diffquant.train import prepare_data
+
+    seq_len = e.train["seq_len"]
+    cfg = train_config(e, e.designs[0], e.lrs[0], 0, e.calibration_sequences * seq_len)
+    data = prepare_data(cfg, folder)
+    return data.val[:e.eval_sequences], data.train[:e.calibration_sequences]
+
+
+def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs: Path, device: str,
+             seqs: torch.Tensor, calib: torch.Tensor) -> dict:
+    """Train (resuming) and measure one cell, or read its cell.json when it is finished."""
+    from transformers import AutoModelForCausalLM
+
+    from diffquant.train import train_pair
+    from measure import measure
+
+    folder = cell_folder(runs, design, lr, seed)
+    done = folder / "cell.json"
+    if done.is_file():
+        cell = json.loads(done.read_text())
+        if cell["train_tokens"] != tokens:
+            raise DiffquantError(f"{done} was trained for {cell['train_tokens']:,} tokens, this plan wants {tokens:,}: "
+                                 "use another --runs folder or the plan.json that made it")
+        return cell
+    cfg = train_config(e, design, lr, seed, tokens)
+    t0 = time.perf_counter()
+    train_pair(cfg, folder, device=device, resume=(folder / "train_config.json").exists(), progress=False,
+               figures=False)
+    train_s = time.perf_counter() - t0
+    info = json.loads((folder / "metrics.json").read_text())["models"][design]
+    model = AutoModelForCausalLM.from_pretrained(folder / design).to(device).eval()
+    from diffquant.models.fused import fuse
+
+    fuse(model)
+    m = measure(model, seqs.to(device), e.schemes, calib.to(device))
+    cell = {**{k: v for k, v in m.items() if k != "sinks"}, "design": design, "lr": lr, "seed": seed,
+            "train_tokens": tokens, "parameters": info["parameters"], "train_seconds": train_s,
+            "tokens_per_s": info.get("tokens_per_s"), "curve": info.get("emergence", [])}
+    atomic_write_json(done, cell)
+    return cell
+
+
+# ---------------------------------------------------------------- analysis
+
+
+def choose_rates(sweep: dict[str, dict[float, dict]]) -> dict:
+    """{design: {"losses": {lr: held-out loss}, "chosen": lr}}: each design's own lowest held-out loss."""
+    out = {}
+    for design, cells in sweep.items():
+        losses = {lr: c["loss"] for lr, c in cells.items()}
+        out[design] = {"losses": {f"{lr:g}": v for lr, v in losses.items()}, "chosen": min(losses, key=losses.get)}
+    return out
+
+
+def at_loss(curve: list[dict], target: float) -> dict | None:
+    """The first tracked snapshot whose held-out loss is at or below `target` (None if the run never got there)."""
+    for point in curve:
+        if point["loss"] is not None and point["loss"] <= target:
+            return point
+    return None
+
+
+def matched_loss(per_design: dict[str, list[dict]]) -> dict:
+    """Outlier statistics at the loss every design reaches: the worst design's mean final tracked loss."""
+    from diffquant.stats.intervals import t_interval
+
+    finals = {d: sum(c["curve"][-1]["loss"] for c in cells) / len(cells) for d, cells in per_design.items()}
+    target = max(finals.values())
+    out = {"target_loss": target, "final_loss": finals, "designs": {}}
+    for design, cells in per_design.items():
+        points = [at_loss(c["curve"], target) for c in cells]
+        reached = [p for p in points if p is not None]
+        row = {"reached": len(reached), "seeds": len(cells), "tokens": t_interval([p["tokens"] for p in reached])}
+        for key in CURVE_METRICS:
+            row[key] = t_interval([p["model"].get(key) for p in reached])
+        out["designs"][design] = row
+    return out
+
+
+def tests_against(per_design: dict[str, list[dict]], metrics, reference: str = "diff") -> list[dict]:
+    """Welch's test of each design against `reference` per metric, Holm-adjusted over the whole family."""
+    from diffquant.stats.intervals import holm_adjust, welch
+
+    rows = []
+    for metric in metrics:
+        ref = [c.get(metric) for c in per_design.get(reference, [])]
+        for design, cells in per_design.items():
+            if design == reference:
+                continue
+            w = welch([c.get(metric) for c in cells], ref)
+            rows.append({"metric": metric, "design": design, "reference": reference,
+                         "diff": w["diff"] if w else None, "p": w["p"] if w else None})
+    for row, adj in zip(rows, holm_adjust([r["p"] for r in rows])):
+        row["p_holm"] = adj
+        row["verdict"] = ("n/a" if adj is None else "≈ (no difference detected)" if adj >= 0.05
+                          else "higher" if row["diff"] > 0 else "lower")
+    return rows
+
+
+def render(doc: dict) -> str:
+    from diffquant.report.style import display
+    from diffquant.report.tables import markdown
+    from diffquant.stats.intervals import fmt_pm
+
+    from measure import METRICS
+
+    e, plan = doc["experiment"], doc["plan"]
+    lines = [f"# Fair comparison: {e['name']}\n", describe_plan(plan) + ".\n",
+             f"Seeds {e['seeds']}; held-out sequences: {e['eval_sequences']}; calibration sequences (static "
+             f"scales): {e['calibration_sequences']}.\n", "## Learning rates (each design's own held-out loss, seed "
+             f"{e['seeds'][0]})\n"]
+    lines.append(markdown(["design", *[f"lr {lr:g}" for lr in e["lrs"]], "chosen"],
+                          [[display(d), *[f"{v['losses'][f'{lr:g}']:.4f}" for lr in e["lrs"]], f"{v['chosen']:g}"]
+                           for d, v in doc["rates"].items()]))
+    keys = ["loss", *[f"{s.replace('-', '_')}_cost" for s in e["schemes"]], *OUTLIER_METRICS]
+    lines.append(f"\n## Matched tokens ({plan['tokens_per_model']:,} per model), mean ± 95% t over seeds\n")
+    lines.append(markdown(["design", *[METRICS[k][0] for k in keys if k in METRICS]],
+                          [[display(d), *[fmt_pm(a[k]["mean"], a[k]["half"], METRICS[k][1]) if k in a else "-"
+                                          for k in keys if k in METRICS]] for d, a in doc["aggregate"].items()]))
+    ml = doc["matched_loss"]
+    lines.append(f"\n## Matched held-out loss ({ml['target_loss']:.4f} nats: the worst design's final tracked loss), "
+                 "first tracked point at or below it\n")
+    lines.append(markdown(["design", "seeds reaching it", "tokens", *CURVE_METRICS.values()],
+                          [[display(d), f"{r['reached']}/{r['seeds']}", fmt_pm(r["tokens"]["mean"], r["tokens"]["half"]),
+                            *[fmt_pm(r[k]["mean"], r[k]["half"]) for k in CURVE_METRICS]]
+                           for d, r in ml["designs"].items()]))
+    lines.append("\n## Against DIFF: Welch's t over seeds, Holm-adjusted over all rows\n")
+    lines.append(markdown(["metric", "design", "difference (design − DIFF)", "p", "p (Holm)", "verdict"],
+                          [[r["metric"], display(r["design"]), "-" if r["diff"] is None else f"{r['diff']:.4g}",
+                            "-" if r["p"] is None else f"{r['p']:.3g}", "-" if r["p_holm"] is None else f"{r['p_holm']:.3g}",
+                            r["verdict"]] for r in doc["tests"]]))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run(e: Experiment, out: Path, runs: Path, budget_hours: float, device: str, plan_only: bool = False,
+        replan: bool = False) -> dict | None:
+    from diffquant.runs import start_run
+
+    from measure import aggregate
+
+    out.mkdir(parents=True, exist_ok=True)
+    plan_path = runs / "plan.json"
+    if plan_path.is_file() and not replan:
+        plan = json.loads(plan_path.read_text())
+    else:
+        plan = make_plan(e, budget_hours, throughput(e, device))
+        if not plan_only:
+            atomic_write_json(plan_path, plan)
+    print(describe_plan(plan), flush=True)
+    if plan_only:
+        return None
+    start_run(out, {**asdict(e), "plan": plan}, device)
+    tokens = plan["tokens_per_model"]
+    seqs, calib = held_out_and_calibration(e, runs / "data")
+    cell = lambda d, lr, s: run_cell(e, d, lr, s, tokens, runs, device, seqs, calib)  # noqa: E731
+    sweep = {d: {lr: cell(d, lr, e.seeds[0]) for lr in e.lrs} for d in e.designs}
+    rates = choose_rates(sweep)
+    atomic_write_json(out / "sweep.json", {"seed": e.seeds[0], "tokens_per_model": tokens, "rates": rates})
+    per_design = {d: [cell(d, rates[d]["chosen"], s) for s in e.seeds] for d in e.designs}
+    metrics = ["loss", *[f"{s.replace('-', '_')}_cost" for s in e.schemes], *OUTLIER_METRICS]
+    doc = {"experiment": {**asdict(e), "lrs": list(e.lrs), "seeds": list(e.seeds)}, "plan": plan, "rates": rates,
+           "aggregate": {d: aggregate(cells) for d, cells in per_design.items()},
+           "per_seed": {d: [{k: v for k, v in c.items() if k != "curve"} for c in cells] for d, cells in per_design.items()},
+           "matched_loss": matched_loss(per_design), "tests": tests_against(per_design, metrics)}
+    atomic_write_json(out / "results.json", doc)
+    atomic_write_text(out / "results.md", render(doc))
+    _plot(per_design, tokens, out)
+    return doc
+
+
+def _plot(per_design: dict[str, list[dict]], tokens: int, out: Path) -> None:
+    from diffquant.report.emergence_plots import plot_emergence
+    from diffquant.report.style import display
+
+    plot_emergence({"models": {display(d): cells[0]["curve"] for d, cells in per_design.items()},
+                    "scale": {display(d): {"parameters": cells[0]["parameters"], "tokens": tokens}
+                              for d, cells in per_design.items()}}, out)
+
+
+def main(argv=None, experiments: dict | None = None) -> dict | None:
+    from pairs import device
+
+    experiments = experiments or EXPERIMENTS
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experiment", default="guo", choices=sorted(experiments))
+    p.add_argument("--quick", action="store_true", help="the whole pipeline on micro settings (seconds)")
+    p.add_argument("--budget-hours", type=float, default=6.0, help="training budget of the whole comparison")
+    p.add_argument("--plan-only", action="store_true", help="measure tokens/s, print the plan, run nothing")
+    p.add_argument("--replan", action="store_true", help="make a new plan even where RUNS/plan.json exists")
+    p.add_argument("--out", default=None, help="results (default docs/rivals/fair-<experiment>)")
+    p.add_argument("--runs", default=None, help="checkpoints (default runs/fair/<experiment>; --quick: OUT/runs)")
+    a = p.parse_args(argv)
+    e = experiments["quick" if a.quick else a.experiment]
+    out = Path(a.out or f"docs/rivals/fair-{e.name}")
+    runs = Path(a.runs) if a.runs else (out / "runs" if a.quick else Path("runs/fair") / e.name)
+    budget = a.budget_hours if not a.quick or "--budget-hours" in (argv or sys.argv) else 1.0
+    return run(e, out, runs, budget, device(), a.plan_only, a.replan)
+
+
+if __name__ == "__main__":
+    main()

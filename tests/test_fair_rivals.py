@@ -1,0 +1,126 @@
+"""The fair-comparison runner (experiments/fair_rivals.py) and its GPU script: Holm's adjustment by hand, the
+plan's arithmetic, rate choice, matched-loss reading on hand-built curves, and the whole pipeline end to end
+on micro settings, resumed without retraining, and offline (networking disabled)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import fair_rivals as fr  # noqa: E402
+
+from diffquant.stats.intervals import holm_adjust  # noqa: E402
+
+
+def test_holm_by_hand():
+    # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04; running max 0.02, 0.03, 0.06, 0.06
+    got = holm_adjust([0.01, 0.04, 0.03, 0.005])
+    assert got == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm_adjust([0.5, None, 0.9]) == [1.0, None, 1.0]  # 2 tests: 2·0.5 = 1, then max(1, 0.9) = 1
+    assert holm_adjust([0.02, 0.3]) == pytest.approx([0.04, 0.3])
+    assert holm_adjust([]) == []
+
+
+def test_plan_cuts_tokens_to_the_budget_in_whole_steps():
+    e = fr.Experiment("t", dict(batch_size=4, seq_len=10), tokens=10**9, lrs=(1, 2, 3), seeds=(0, 1, 2, 3, 4),
+                      designs=("a", "b"))
+    plan = fr.make_plan(e, budget_hours=1.0, tokens_per_s=1000.0, overhead=0.25)
+    # 2 designs × (3 rates + 4 more seeds) = 14 runs; 3600 s × 0.75 × 1000 / 14 = 192857.1 → whole 40-token steps
+    assert plan["runs"] == 14
+    assert plan["tokens_per_model"] == 192840 and plan["cut"] and plan["steps"] == 4821
+    small = fr.make_plan(fr.Experiment("t", dict(batch_size=4, seq_len=10), tokens=400, lrs=(1, 2, 3),
+                                       designs=("a",)), 1.0, 1000.0)
+    assert small["tokens_per_model"] == 400 and not small["cut"]
+
+
+def test_each_design_gets_its_own_best_rate():
+    sweep = {"a": {1e-3: {"loss": 2.0}, 3e-3: {"loss": 1.5}, 1e-2: {"loss": 1.7}},
+             "b": {1e-3: {"loss": 1.2}, 3e-3: {"loss": 1.3}, 1e-2: {"loss": 9.0}}}
+    rates = fr.choose_rates(sweep)
+    assert rates["a"]["chosen"] == 3e-3 and rates["b"]["chosen"] == 1e-3
+    assert rates["b"]["losses"] == {"0.001": 1.2, "0.003": 1.3, "0.01": 9.0}
+
+
+def _curve(losses, sinks):
+    return [{"step": i, "tokens": 100 * i, "loss": l, "model": {"sink_rate": s}} for i, (l, s) in enumerate(zip(losses, sinks))]
+
+
+def test_matched_loss_reads_the_first_point_at_or_below_the_worst_final_loss():
+    per = {"fast": [{"curve": _curve([3.0, 2.0, 1.0], [0.0, 0.5, 1.0])}, {"curve": _curve([3.0, 1.4, 1.0], [0.0, 0.25, 1.0])}],
+           "slow": [{"curve": _curve([3.0, 2.5, 1.5], [0.0, 0.0, 0.1])}, {"curve": _curve([3.0, 2.5, 1.5], [0.0, 0.0, 0.3])}]}
+    ml = fr.matched_loss(per)
+    assert ml["target_loss"] == 1.5  # the worse design's mean final loss
+    fast = ml["designs"]["fast"]
+    assert fast["reached"] == 2 and fast["tokens"]["values"] == [200, 100]
+    assert fast["sink_rate"]["mean"] == pytest.approx((1.0 + 0.25) / 2)
+    assert ml["designs"]["slow"]["sink_rate"]["mean"] == pytest.approx(0.2)
+
+
+def test_tests_against_diff_are_holm_adjusted_over_the_family():
+    from scipy.stats import ttest_ind
+
+    per = {"diff": [{"m": 1.0}, {"m": 1.1}, {"m": 0.9}], "x": [{"m": 2.0}, {"m": 2.2}, {"m": 1.9}],
+           "y": [{"m": 1.0}, {"m": 1.2}, {"m": 0.95}]}
+    rows = fr.tests_against(per, ["m"])
+    p = {r["design"]: ttest_ind([c["m"] for c in per[r["design"]]], [1.0, 1.1, 0.9], equal_var=False).pvalue for r in rows}
+    lo, hi = sorted(p.values())
+    want = {d: (2 * lo if v == lo else max(2 * lo, hi)) for d, v in p.items()}
+    for r in rows:
+        assert r["p_holm"] == pytest.approx(min(1.0, want[r["design"]]))
+    assert {r["design"]: r["verdict"] for r in rows}["x"] == "higher"
+
+
+def _offline_allowed() -> bool:
+    unshare = shutil.which("unshare")
+    return unshare is not None and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One quick comparison, run once for the module: the GPU script's `--quick` with networking disabled where
+    `unshare -n` is permitted (it runs fair_rivals' quick experiment into OUT/runs), else fair_rivals in-process."""
+    out = tmp_path_factory.mktemp("fair")
+    if _offline_allowed():
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+        r = subprocess.run(["unshare", "-n", sys.executable, str(ROOT / "experiments" / "gpu_fair.py"), "--quick",
+                            "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return out, json.loads((out / "results.json").read_text()), True
+    return out, fr.main(["--quick", "--out", str(out)]), False
+
+
+def test_quick_pipeline_end_to_end(quick_run):
+    out, doc, _ = quick_run
+    e = fr.EXPERIMENTS["quick"]
+    assert json.loads((out / "sweep.json").read_text())["rates"].keys() == set(e.designs)
+    assert set(doc["aggregate"]) == set(e.designs)
+    for design, agg in doc["aggregate"].items():
+        assert agg["loss"]["n"] == len(e.seeds)
+        assert agg["w8a8_static_cost"]["n"] == len(e.seeds) and agg["logits_int4_cost"]["n"] == len(e.seeds)
+    assert (out / "results.md").read_text().count("Holm") >= 1
+    cells = sorted((out / "runs").rglob("cell.json"))
+    # the sweep's cells, plus the other seeds at each design's chosen rate (its first seed is the sweep's cell)
+    assert len(cells) == len(e.designs) * len(e.lrs) + len(e.designs) * (len(e.seeds) - 1)
+
+
+def test_quick_resume_redoes_nothing(quick_run):
+    out, _, _ = quick_run
+    before = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*") if p.is_file() and "data" not in p.parts}
+    fr.main(["--quick", "--out", str(out)])
+    after = {p: p.stat().st_mtime_ns for p in before}
+    assert before == after  # no checkpoint or cell rewritten
+
+
+def test_gpu_script_runs_offline(quick_run):
+    out, _, offline = quick_run
+    if not offline:
+        pytest.skip("unshare -n is not permitted here (needs a user or network namespace); the GPU script's offline "
+                    "run is not checked on this machine")
+    assert (out / "results.json").is_file() and (out / "sweep.json").is_file()
