@@ -1,7 +1,12 @@
 """Tiny offline models (width 64, 2 layers) built in fixtures."""
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # two workers on two cores: one thread each
 
 
 @pytest.fixture(scope="session")

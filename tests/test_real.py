@@ -121,8 +121,15 @@ def _experiment(script: str):
 @pytest.fixture(scope="session")
 def quick_pairs(tmp_path_factory):
     """The tiny pair the quick experiments and the notebook train (20,000 KJV tokens, seed 0), trained once."""
-    root = tmp_path_factory.mktemp("pairs")
-    _experiment("pairs.py").trained_pairs("tiny", "kjv", 20_000, [0], root)
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # one folder for every xdist worker of this run: the first trains, the others wait
+    root = shared / "quick-pairs"
+    root.mkdir(exist_ok=True)
+    with FileLock(str(shared / "quick-pairs.lock")):
+        _experiment("pairs.py").trained_pairs("tiny", "kjv", 20_000, [0], root)
     return root
 
 
