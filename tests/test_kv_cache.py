@@ -353,10 +353,10 @@ def test_kv4_sink1_on_every_family_or_refused(name):
     (the output changes, removing it restores it exactly, the first position is untouched); the others are
     refused before anything is attached."""
     from diffquant.models.fused import fuse
-    from diffquant.taps.sites import supports_attention_interface
+    from diffquant.taps.sites import DIFF_MODEL_TYPES, supports_attention_interface
 
     model = FAMILIES[name].build()
-    if name.startswith("diffllama"):
+    if model.config.model_type in DIFF_MODEL_TYPES:  # DiffLlama and the designs built on it
         with pytest.raises(DiffquantError, match="fused forward"):  # refused before anything is attached
             quantize_(model, get_scheme("kv4-sink1"))
         fuse(model)  # as diffquant's loaders do
