@@ -46,15 +46,16 @@ def one_seed_note(s: dict, rivals: dict | None, link: str = "docs/rivals/demo/re
     one = f"Transformer {cost['Transformer']:+.1f}%, DIFF {cost['DIFF']:+.1f}%"
     agg = (rivals or {}).get("aggregate", {})
     if not all("logits_int4_cost" in agg.get(d, {}) for d in ("Transformer", "DIFF")):
-        return f"The 4-bit per-tensor logit costs ({one}) come from one training seed."
+        return f"The 4-bit per-tensor logit costs ({one}) come from one training run (seed 0)."
     t, d = agg["Transformer"]["logits_int4_cost"], agg["DIFF"]["logits_int4_cost"]
     flips = [seed for seed, a, b in zip(rivals["seeds"], t["values"], d["values"])
              if (a > b) != (cost["Transformer"] > cost["DIFF"])]
     adjusted = against_pvalues(rivals)
     p, w = adjusted[("Transformer", "logits_int4_cost")], welch(t["values"], d["values"])
     test = (f"n = {w['n']}; Welch p {w['p']:.2g}, Holm-adjusted over the table's {len(adjusted)} tests {p:.2g}")
-    return (f"The 4-bit per-tensor logit costs ({one}) come from one training seed: over seeds "
-            f"{', '.join(map(str, rivals['seeds']))} of the same setting ([rivals, demo setting]({link})) "
+    return (f"The 4-bit per-tensor logit costs ({one}) come from one training run (seed 0); over three separately "
+            f"trained seeds {', '.join(map(str, rivals['seeds']))} of the same setting ([rivals, demo setting]({link}); "
+            "598,016 tokens each, so not the demo's run) "
             f"the means are Transformer {t['mean']:.2f}% vs DIFF {d['mean']:.2f}% (per seed "
             f"{', '.join(f'{v:.2f}' for v in t['values'])} vs {', '.join(f'{v:.2f}' for v in d['values'])}), "
             + (f"the one-seed ordering reverses in seed{'s' if len(flips) > 1 else ''} "
@@ -261,7 +262,9 @@ def kv_cache_part() -> list[str]:
 def weights_part() -> list[str]:
     if not (ROOT / "docs/weights/results.md").is_file():
         return []
-    return ["### Weight solvers: RTN, GPTQ, AWQ (`experiments/weight_solvers.py`)", "",
+    return ["### Weight solvers (`experiments/weight_solvers.py`)", "",
+            "SmolLM2-135M-Instruct's weights were already on a 4-bit grid (Q4_1, groups of 32) before dequantization; "
+            "one calibration set, one run. Solvers listed in the settings but absent from the table did not run.", "",
             *_md("docs/weights/results.md")]
 
 

@@ -181,6 +181,7 @@ def test_weight_transform_is_reversible(micro_pair):
 def test_hooks_removed_exactly(micro_pair):
     model = micro_pair[0]
     user_log = []
+    before = {name: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for name, m in model.named_modules()}
     handle = model.model.layers[0].register_forward_hook(lambda *a: user_log.append(1))
     ids = torch.randint(0, 512, (1, 8))
     try:
@@ -198,9 +199,10 @@ def test_hooks_removed_exactly(micro_pair):
         assert log.count("layers.0.hidden") == 2 and log.count("layers.0.attn_logits") == 1
         assert "layers.0.mlp_in" not in log
         assert len(user_log) == 3
-        assert not any(m._forward_hooks for m in model.modules() if m is not model.model.layers[0])
     finally:
         handle.remove()
+    # exactly the hooks there were before (the model is a session fixture other tests may have hooked)
+    assert {name: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for name, m in model.named_modules()} == before
 
 
 def test_unknown_site_lists_choices(micro_pair):
