@@ -12,9 +12,10 @@ learning rate, several seeds, results at matched tokens and at matched held-out 
    held-out loss is at or below the worst design's final mean loss (quantization costs need weights, so
    they are reported at matched tokens only).
 
-Every cell (design, rate, seed) trains with resume and writes cell.json atomically when measured: an
-interrupted run continues where it stopped and finished cells are never redone. The token budget per model
-is fixed once in plan.json from a measured tokens/s and `--budget-hours` (later runs reuse it).
+Every cell (design, rate, seed) trains with resume and writes its measurements atomically to
+OUT/cells/<design>/lr<rate>/s<seed>.json: an interrupted run continues where it stopped (checkpoints under
+--runs), and a finished cell is never redone, in a later session too, since OUT is committed and RUNS is not.
+The token budget per model is fixed once in OUT/plan.json from a measured tokens/s and `--budget-hours`.
 
     python experiments/fair_rivals.py --plan-only                 # what it would run, and how long
     nice -n 19 python experiments/fair_rivals.py --budget-hours 6 # the comparison (resumable)
@@ -188,15 +189,15 @@ def held_out_and_calibration(e: Experiment, folder: Path) -> tuple[torch.Tensor,
 
 
 def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs: Path, device: str,
-             seqs: torch.Tensor, calib: torch.Tensor) -> dict:
-    """Train (resuming) and measure one cell, or read its cell.json when it is finished."""
+             seqs: torch.Tensor, calib: torch.Tensor, cells: Path) -> dict:
+    """Train (resuming) and measure one cell, or read its measurements (under `cells`) when it is finished."""
     from transformers import AutoModelForCausalLM
 
     from diffquant.train import train_pair
     from measure import measure
 
     folder = cell_folder(runs, design, lr, seed)
-    done = folder / "cell.json"
+    done = cells / design / f"lr{lr:g}" / f"s{seed}.json"
     if done.is_file():
         cell = json.loads(done.read_text())
         if cell["train_tokens"] != tokens:
@@ -323,7 +324,7 @@ def run(e: Experiment, out: Path, runs: Path, budget_hours: float, device: str, 
     from measure import aggregate
 
     out.mkdir(parents=True, exist_ok=True)
-    plan_path = runs / "plan.json"
+    plan_path = out / "plan.json"
     if plan_path.is_file() and not replan:
         plan = json.loads(plan_path.read_text())
     else:
@@ -336,7 +337,7 @@ def run(e: Experiment, out: Path, runs: Path, budget_hours: float, device: str, 
     start_run(out, {**asdict(e), "plan": plan}, device)
     tokens = plan["tokens_per_model"]
     seqs, calib = held_out_and_calibration(e, runs / "data")
-    cell = lambda d, lr, s: run_cell(e, d, lr, s, tokens, runs, device, seqs, calib)  # noqa: E731
+    cell = lambda d, lr, s: run_cell(e, d, lr, s, tokens, runs, device, seqs, calib, out / "cells")  # noqa: E731
     sweep = {d: {lr: cell(d, lr, e.seeds[0]) for lr in e.lrs} for d in e.designs}
     rates = choose_rates(sweep)
     atomic_write_json(out / "sweep.json", {"seed": e.seeds[0], "tokens_per_model": tokens, "rates": rates})
@@ -370,7 +371,7 @@ def main(argv=None, experiments: dict | None = None) -> dict | None:
     p.add_argument("--quick", action="store_true", help="the whole pipeline on micro settings (seconds)")
     p.add_argument("--budget-hours", type=float, default=6.0, help="training budget of the whole comparison")
     p.add_argument("--plan-only", action="store_true", help="measure tokens/s, print the plan, run nothing")
-    p.add_argument("--replan", action="store_true", help="make a new plan even where RUNS/plan.json exists")
+    p.add_argument("--replan", action="store_true", help="make a new plan even where OUT/plan.json exists")
     p.add_argument("--out", default=None, help="results (default docs/rivals/fair-<experiment>)")
     p.add_argument("--runs", default=None, help="checkpoints (default runs/fair/<experiment>; --quick: OUT/runs)")
     a = p.parse_args(argv)

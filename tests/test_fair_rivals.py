@@ -105,7 +105,7 @@ def test_quick_pipeline_end_to_end(quick_run):
         assert agg["loss"]["n"] == len(e.seeds)
         assert agg["w8a8_static_cost"]["n"] == len(e.seeds) and agg["logits_int4_cost"]["n"] == len(e.seeds)
     assert (out / "results.md").read_text().count("Holm") >= 1
-    cells = sorted((out / "runs").rglob("cell.json"))
+    cells = sorted((out / "cells").rglob("s*.json"))
     # the sweep's cells, plus the other seeds at each design's chosen rate (its first seed is the sweep's cell)
     assert len(cells) == len(e.designs) * len(e.lrs) + len(e.designs) * (len(e.seeds) - 1)
 
@@ -116,6 +116,18 @@ def test_quick_resume_redoes_nothing(quick_run):
     fr.main(["--quick", "--out", str(out)])
     after = {p: p.stat().st_mtime_ns for p in before}
     assert before == after  # no checkpoint or cell rewritten
+
+
+def test_a_later_session_without_checkpoints_redoes_nothing(quick_run, tmp_path):
+    """OUT is committed, RUNS is not: with only OUT's plan and cells, a fresh checkout trains nothing."""
+    out, doc, _ = quick_run
+    fresh = tmp_path / "out"
+    shutil.copytree(out / "cells", fresh / "cells")
+    shutil.copy(out / "plan.json", fresh / "plan.json")
+    again = fr.main(["--quick", "--out", str(fresh), "--runs", str(tmp_path / "runs")])
+    trained = [p for p in (tmp_path / "runs").rglob("*") if p.is_file() and "data" not in p.parts]
+    assert trained == []
+    assert again["aggregate"] == doc["aggregate"] and again["rates"] == doc["rates"]
 
 
 def test_gpu_script_runs_offline(quick_run):
