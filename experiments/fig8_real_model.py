@@ -155,7 +155,7 @@ def run(s: Settings, out: Path, report_only: bool = False) -> dict:
 def expected_settings(s: Settings) -> list[str]:
     """The settings a finished sweep holds, named as `table_rows` names them."""
     bits = [b for b in s.bits.split(",") if b != "16"]
-    return ["float (16-bit)", *[f"attn_logits int{b} per {g}" for g in s.granularity.split(",") for b in bits],
+    return ["float (fp32, not quantized)", *[f"attn_logits int{b} per {g}" for g in s.granularity.split(",") for b in bits],
             *s.schemes.split(",")]
 
 
@@ -166,8 +166,8 @@ def table_rows(rows: list[dict], label: str) -> list[dict]:
     out = []
     for r in rows:
         if r["scheme"] == "fp" and out:
-            continue  # the 16-bit point of each granularity is the float model, listed once
-        what = ("float (16-bit)" if r["scheme"] == "fp" else r["scheme"] if r["kind"] == "scheme"
+            continue  # the 16-bit point of each granularity is the float model (fp32 here), listed once
+        what = ("float (fp32, not quantized)" if r["scheme"] == "fp" else r["scheme"] if r["kind"] == "scheme"
                 else f"{r['site']} int{r['bits']} per {r['granularity']}")
         out.append({"setting": what, "kind": r["kind"], "bits": r["bits"], "granularity": r["granularity"],
                     "acc": r[acc], "acc_ci95": r[f"{acc}_ci95"], "acc_norm": r[f"{label}_acc_norm"],

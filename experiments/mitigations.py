@@ -1,13 +1,14 @@
 """How much post-training fixing does each model need? SmoothQuant, rotation and clipping against no fix, at
-each bit-width, on SmolLM2-135M-Instruct (Q4_1 → fp32) and on the matched pairs (the demo pair, and the pair of the emergence
-regime), seed 0 of each.
+each bit-width, on SmolLM2-135M-Instruct (Q4_1 → fp32) and on the matched pairs (the demo pair, and the pair of the setting
+the emergence search chose, labelled by that setting's name: it is an outlier regime only where the search
+says one was reached), seed 0 of each.
 
     python experiments/mitigations.py [--quick] [--models smollm2 demo regime] [--out docs/mitigations]
 
 Per model × scheme × fix: held-out perplexity with its 95% interval (exp of the loss's t-interval over
 sequences) and the paired change from the float model (95% paired t-interval), and (optional, --mc, models trained on text) BIG-bench multiple-choice accuracy. Each
 model is evaluated on the held-out split of its own corpus (KJV for SmolLM2 and the demo pair, the synthetic
-corpus for the regime pair) and every fix is calibrated on that corpus's training split (16 windows), never
+corpus for the search's pair) and every fix is calibrated on that corpus's training split (16 windows), never
 on the evaluation text. Settings fixed before any run: the paper's
 α = 0.5 for SmoothQuant, QuaRot's randomised Hadamard (seed 0), MSE range search for clipping.
 """
@@ -53,8 +54,9 @@ def models_to_run(which, runs: Path, quick: bool) -> dict[str, tuple[str, object
             **{**overrides, "archs": ("baseline", "diff"), "eval_every": 10**9, "save_every": 200, "track": True,
                "track_points": 16})
         train_pair(cfg, folder, resume=(folder / "train_config.json").exists(), progress=False)
-        out[f"Transformer ({key})"] = (str(folder / "baseline"), (cfg, folder))
-        out[f"DIFF ({key})"] = (str(folder / "diff"), (cfg, folder))
+        label = "demo" if key == "demo" else name  # never "regime": the search may not have reached one
+        out[f"Transformer ({label})"] = (str(folder / "baseline"), (cfg, folder))
+        out[f"DIFF ({label})"] = (str(folder / "diff"), (cfg, folder))
     return out
 
 
