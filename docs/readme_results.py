@@ -5,7 +5,7 @@
     python docs/readme_results.py --run-demo      # first run `diffquant demo` on a fresh, empty cache (timed),
                                                   # into docs/demo, then rewrite
 
-Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/rivals/*/results.json,
+Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/regime/results.json, docs/rivals/*/results.json,
 docs/mitigations/results.json, docs/weights/results.md, docs/fig8_real/results.md,
 docs/kv_cache/{results,decode,parity}.md, benchmarks/results-cpu.json and benchmarks/peers.json. A missing source leaves its
 part out.
@@ -154,6 +154,16 @@ def emergence_part() -> list[str]:
         lines += (["Seed 0's training curves; the sink-rate panel is DIFF's rate by the old definition, pooling its A1 "
                    "and A2 maps.", ""] if old else [])
     return lines
+
+
+def regime_part() -> list[str]:
+    """Guo et al.'s recipe as run here (experiments/regime.py over the fair comparison's sweep cells)."""
+    results = _load("docs/regime/results.json")
+    if results is None:
+        return []
+    body = (ROOT / "docs/regime/results.md").read_text().split("\n", 1)[1].strip()  # its own title dropped
+    return ["### Guo et al.'s recipe: is there an outlier regime? (`experiments/regime.py`)", "",
+            body.replace("](curves.png)", "](docs/regime/curves.png)"), ""]
 
 
 def rivals_part() -> list[str]:
@@ -388,7 +398,7 @@ def peers_part() -> list[str]:
 
 
 def results_block() -> str:
-    parts = (demo_part() + emergence_part() + rivals_part() + mitigations_part() + weights_part() + fig8_real_part()
+    parts = (demo_part() + emergence_part() + regime_part() + rivals_part() + mitigations_part() + weights_part() + fig8_real_part()
              + kv_cache_part() + benchmark_part() + peers_part())
     return "\n".join(parts).strip()
 

@@ -1,0 +1,158 @@
+"""Did Guo et al.'s recipe give the baseline an outlier regime at the budget this machine allows?
+
+Reads the tracked curves of the fair comparison's learning-rate sweep (experiments/fair_rivals.py, seed 0):
+the baseline at Guo et al.'s own rate (3e-4) is their recipe as run here; the other rates and DIFF are shown
+beside it. The regime (issue 27's criterion, fixed before any run): some layer's mean first-token attention
+share ≥ 0.5 (an attention sink), or max‖h‖/median‖h‖ ≥ 20× its value at initialisation (a residual peak).
+Where neither is reached, each criterion is extrapolated: a log-log line through the second half of the
+snapshots, to the token count where it would be met (none where the curve does not grow).
+
+    python experiments/regime.py [--cells docs/rivals/fair-guo/cells] [--out docs/regime]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+SHARE, PEAK_GROWTH = 0.5, 20.0
+RECIPE = ("baseline", 3e-4)  # Guo et al.'s design and rate
+
+
+def layer_share_max(point: dict) -> float | None:
+    """The largest per-layer mean first-token share of one snapshot (the sink criterion's statistic)."""
+    shares = [v["first_share"] for v in point["layers"].values() if v.get("first_share") is not None]
+    return max(shares) if shares else None
+
+
+def series(curve: list[dict]) -> dict[str, list]:
+    """Per snapshot: tokens, loss, the sink statistic, max‖h‖/median‖h‖ and its growth over initialisation."""
+    peak0 = next((p["model"].get("massive_ratio_max") for p in curve if p["tokens"] == 0), None)
+    rows = {"tokens": [], "loss": [], "share_max": [], "peak": [], "peak_growth": [], "value_ratio_min": []}
+    for p in curve:
+        peak = p["model"].get("massive_ratio_max")
+        rows["tokens"].append(p["tokens"])
+        rows["loss"].append(p["loss"])
+        rows["share_max"].append(layer_share_max(p))
+        rows["peak"].append(peak)
+        rows["peak_growth"].append(peak / peak0 if peak is not None and peak0 else None)
+        rows["value_ratio_min"].append(p["model"].get("value_ratio_min"))
+    return rows
+
+
+def extrapolate(tokens: list[int], values: list, target: float) -> float | None:
+    """Tokens where a log-log line through the second half of the (tokens > 0) points reaches `target`; None
+    when fewer than 3 points or the line does not rise."""
+    pts = [(t, v) for t, v in zip(tokens, values) if t > 0 and v]
+    pts = pts[len(pts) // 2:]
+    if len(pts) < 3:
+        return None
+    xs, ys = [math.log(t) for t, _ in pts], [math.log(v) for _, v in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        return None
+    return math.exp(mx + (math.log(target) - my) / slope)
+
+
+def verdict(s: dict) -> dict:
+    """Whether and when (first snapshot) each criterion was met, else its extrapolated token count."""
+    out = {}
+    for key, target in (("share_max", SHARE), ("peak_growth", PEAK_GROWTH)):
+        hit = next((t for t, v in zip(s["tokens"], s[key]) if v is not None and v >= target), None)
+        out[key] = {"target": target, "reached_at": hit, "final": s[key][-1],
+                    "extrapolated_tokens": None if hit is not None else extrapolate(s["tokens"], s[key], target)}
+    out["regime"] = any(v["reached_at"] is not None for v in out.values())
+    return out
+
+
+def sentence(v: dict, tokens: int) -> str:
+    share, peak = v["share_max"], v["peak_growth"]
+    if v["regime"]:
+        parts = [f"{name} at {c['reached_at']:,} tokens" for name, c in
+                 (("a sink (layer share ≥ 0.5)", share), ("a residual peak (≥ 20× initial)", peak)) if c["reached_at"]]
+        return f"Guo et al.'s recipe gave the baseline an outlier regime within {tokens:,} tokens: " + "; ".join(parts) + "."
+    ext = lambda c: f"~{c['extrapolated_tokens']:.1e} tokens by extrapolation" if c["extrapolated_tokens"] \
+        else "no growth over the second half of the run to extrapolate"  # noqa: E731
+    return (f"Guo et al.'s recipe gave the baseline no outlier regime within {tokens:,} tokens per model: the largest "
+            f"layer's first-token share ended at {share['final']:.3f} (criterion 0.5; {ext(share)}) and "
+            f"max‖h‖/median‖h‖ at {peak['final']:.2f}× its initial value (criterion 20×; {ext(peak)}).")
+
+
+def load_cells(cells: Path) -> dict[tuple[str, float], dict]:
+    """{(design, lr): cell} of the sweep's seed-0 cells found under `cells`."""
+    found = {}
+    for path in sorted(cells.glob("*/lr*/s0.json")):
+        cell = json.loads(path.read_text())
+        found[(cell["design"], cell["lr"])] = cell
+    return found
+
+
+def report(cells: dict, out: Path) -> dict | None:
+    from diffquant.errors import DiffquantError
+    from diffquant.paths import atomic_write_json, atomic_write_text
+    from diffquant.report.emergence_plots import plot_emergence
+    from diffquant.report.style import display
+    from diffquant.report.tables import markdown
+
+    recipe = next((c for (d, lr), c in cells.items() if d == RECIPE[0] and math.isclose(lr, RECIPE[1])), None)
+    if recipe is None:
+        raise DiffquantError(f"no finished {RECIPE[0]} cell at lr {RECIPE[1]:g}, seed 0: run experiments/fair_rivals.py")
+    s = series(recipe["curve"])
+    v = verdict(s)
+    shown = {(d, lr): c for (d, lr), c in cells.items() if d in ("baseline", "diff")}
+    rows = []
+    for (d, lr), c in sorted(shown.items()):
+        cs, cv = series(c["curve"]), verdict(series(c["curve"]))
+        rows.append([display(d), f"{lr:g}", f"{c['train_tokens']:,}", f"{cs['loss'][-1]:.4f}",
+                     f"{cs['share_max'][-1]:.3f}", f"{cs['peak'][-1]:.2f}", f"{cs['peak_growth'][-1]:.2f}×",
+                     "-" if cs["value_ratio_min"][-1] is None else f"{cs['value_ratio_min'][-1]:.3f}",
+                     "yes" if cv["regime"] else "no"])
+    doc = {"criterion": {"share_max": SHARE, "peak_growth": PEAK_GROWTH}, "recipe": {"design": RECIPE[0], "lr": RECIPE[1]},
+           "tokens": recipe["train_tokens"], "parameters": recipe["parameters"], "verdict": v, "sentence":
+           sentence(v, recipe["train_tokens"]), "series": s}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "results.json", doc)
+    md = [f"# Guo et al.'s recipe on this machine: is there an outlier regime?\n", f"**Verdict.** {doc['sentence']}\n",
+          f"Setting: experiments/fair_rivals.py's `guo` experiment (its GUO_NOTES list what is reproduced and what "
+          f"differs), {recipe['parameters'] / 1e6:.2f}M parameters, {recipe['train_tokens']:,} tokens per model, "
+          f"seed 0, tracked at {len(s['tokens'])} snapshots on held-out sequences. Criterion, fixed before the run: "
+          f"some layer's mean first-token share ≥ {SHARE} or max‖h‖/median‖h‖ ≥ {PEAK_GROWTH:g}× its value at "
+          "initialisation; extrapolation: a log-log line through the second half of the snapshots.\n",
+          "Final snapshot of each sweep run (baseline and DIFF; DIFF's share is of A1 − λ·A2):\n",
+          markdown(["design", "lr", "tokens", "held-out loss", "largest layer first-token share", "max‖h‖/median‖h‖",
+                    "growth over init", "value-norm ratio (min)", "regime"], rows),
+          "\n![curves](curves.png)\n"]
+    atomic_write_text(out / "results.md", "\n".join(md))
+    plot_emergence({"models": {f"{display(d)} lr {lr:g}": c["curve"] for (d, lr), c in sorted(shown.items())},
+                    "scale": {f"{display(d)} lr {lr:g}": {"parameters": c["parameters"], "tokens": c["train_tokens"]}
+                              for (d, lr), c in sorted(shown.items())}}, out)
+    for suffix in (".png", ".svg"):
+        made = out / f"emergence{suffix}"
+        if made.is_file():
+            made.replace(out / f"curves{suffix}")
+    for extra in out.glob("emergence_layers.*"):
+        extra.replace(out / extra.name.replace("emergence_layers", "curves_layers"))
+    return doc
+
+
+def main(argv=None) -> dict | None:
+    from diffquant.errors import DiffquantError
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cells", default="docs/rivals/fair-guo/cells")
+    p.add_argument("--out", default="docs/regime")
+    a = p.parse_args(argv)
+    try:
+        doc = report(load_cells(Path(a.cells)), Path(a.out))
+    except DiffquantError as err:
+        sys.exit(f"regime: {err}")
+    print(doc["sentence"])
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""experiments/regime.py: the regime criterion and its extrapolation on hand-made tracked curves."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+
+import regime  # noqa: E402
+
+
+def point(tokens, shares, peak, loss=1.0):
+    return {"tokens": tokens, "loss": loss, "layers": {str(i): {"first_share": s} for i, s in enumerate(shares)},
+            "model": {"massive_ratio_max": peak, "value_ratio_min": 0.5}}
+
+
+def test_share_criterion_takes_the_largest_layer_and_its_first_snapshot():
+    curve = [point(0, [0.1, 0.2], 2.0), point(100, [0.1, 0.49], 2.0), point(200, [0.55, 0.3], 2.0),
+             point(400, [0.7, 0.3], 2.0)]
+    v = regime.verdict(regime.series(curve))
+    assert v["regime"] and v["share_max"]["reached_at"] == 200 and v["share_max"]["final"] == 0.7
+    assert v["peak_growth"]["reached_at"] is None and v["peak_growth"]["final"] == pytest.approx(1.0)
+
+
+def test_peak_growth_is_relative_to_initialisation():
+    curve = [point(0, [0.0], 1.5), point(10, [0.0], 29.0), point(20, [0.0], 30.0)]
+    v = regime.verdict(regime.series(curve))
+    assert v["peak_growth"]["reached_at"] == 20 and v["regime"]  # 30 / 1.5 = 20 ≥ 20; 29 / 1.5 is not
+
+
+def test_extrapolation_of_an_exact_power_law():
+    # share = 0.01 · (t / 1000)^0.5 reaches 0.5 at t = 1000 · 50² = 2.5M tokens
+    tokens = [0, 1000, 2000, 4000, 8000, 16000, 32000]
+    shares = [0.01 * math.sqrt(t / 1000) if t else 0.01 for t in tokens]
+    assert regime.extrapolate(tokens, shares, 0.5) == pytest.approx(2.5e6, rel=1e-9)
+    v = regime.verdict(regime.series([point(t, [s], 1.0) for t, s in zip(tokens, shares)]))
+    assert not v["regime"] and v["share_max"]["extrapolated_tokens"] == pytest.approx(2.5e6, rel=1e-9)
+    assert v["peak_growth"]["extrapolated_tokens"] is None  # flat: nothing to extrapolate
+    assert regime.extrapolate(tokens, list(reversed(shares)), 0.5) is None  # falling: no extrapolation
+
+
+def test_missing_recipe_cell_is_one_clear_line(tmp_path):
+    with pytest.raises(SystemExit, match="no finished baseline cell at lr 0.0003"):
+        regime.main(["--cells", str(tmp_path), "--out", str(tmp_path / "out")])
