@@ -27,15 +27,16 @@ def _cmd_models(args) -> None:
     from diffquant.models.zoo import ZOO
 
     archs = list(DESIGNS)
-    print(f"{'preset':<7} {'hidden':>6} {'layers':>6} {'maps':>4} {'ffn':>5} {'vocab':>6} {'seq':>5}  "
+    print(f"{'preset':<7} {'hidden':>6} {'layers':>6} {'heads':>5} {'ffn':>5} {'vocab':>6} {'seq':>5}  "
           + "  ".join(f"{DESIGNS[a].display:>21}" for a in archs))
     for name, spec in PRESETS.items():
         base = spec.parameters("baseline")
         cells = [f"{spec.parameters(a):,}" + ("" if a == "baseline" else
                                               f" ({100 * (spec.parameters(a) - base) / base:+.3f}%)") for a in archs]
-        print(f"{name:<7} {spec.hidden:>6} {spec.layers:>6} {spec.heads:>4} {spec.ffn:>5} {spec.vocab:>6} "
+        heads = f"{spec.heads_of('baseline')}/{spec.heads_of('diff') // 2}"  # DIFF's config counts softmax maps
+        print(f"{name:<7} {spec.hidden:>6} {spec.layers:>6} {heads:>5} {spec.ffn:>5} {spec.vocab:>6} "
               f"{spec.seq_len:>5}  " + "  ".join(f"{c:>21}" for c in cells))
-    print("\n'maps' = softmax maps per layer: baseline heads, or 2 x DIFF differential heads.")
+    print("\n'heads' = attention heads per layer: softmax heads / DIFF's differential heads (two maps each).")
     print("designs (diffquant train --arch KEY):")
     for a in archs:
         print(f"  {a:<12} {DESIGNS[a].display:<12} {DESIGNS[a].doc}")

@@ -149,3 +149,13 @@ def test_models_lists_every_design(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert all(DESIGNS[k].display in out for k in DESIGNS)
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    from diffquant.models.presets import PRESETS
+
+    for name, spec in PRESETS.items():  # softmax heads / differential heads, as the built models have them
+        if spec.hidden > 256:
+            continue  # the large presets take seconds to build; their heads follow the same rule
+        base = build(spec, "baseline").config.num_attention_heads
+        diff = build(spec, "diff").config.num_attention_heads // 2  # DiffLlama pairs its softmax maps
+        assert rows[name][3] == f"{base}/{diff}", name
+    assert rows["guo"][3] == "1/1"
