@@ -16,6 +16,7 @@ interval of the per-sequence loss difference, carried through exp).
     python experiments/kv_cache.py                              # SmolLM2-135M-Instruct
     python experiments/kv_cache.py --model runs/pair/baseline --model runs/pair/diff   # trained checkpoints
     python experiments/kv_cache.py --decode [--quick]          # prefill vs decoding through a quantized cache
+    python experiments/kv_cache.py --needle [--quick]          # needle retrieval decoded through a quantized cache
 
 Results: docs/kv_cache/results.json, results.md, kv_cache.png/.svg (perplexity vs KV bits, one line per model
 and key granularity, sink-aware dashed).
@@ -138,6 +139,68 @@ def decode_vs_prefill(source: str, s: Settings, prompt: int, new: int) -> dict:
             "rows": rows}
 
 
+NEEDLE_SCHEMES = ("kv8", "kv4", "kv4-sink1", "k4v2", "kivi2")  # kvquant4-sink1 quantizes pre-RoPE keys: no cache
+
+
+def needle_run(source: str, s: Settings, examples: int, context_chars: int) -> dict:
+    """Needle retrieval (diffquant.data.needle: 6 needles, 2 questions per example) in full precision and
+    decoded through a write-once quantized cache per preset; per-query outcomes kept for McNemar."""
+    from diffquant.data.corpora import load_text, split
+    from diffquant.data.needle import needle_accuracy
+    from diffquant.models.load import load_model
+    from diffquant.quant.scheme import get_scheme
+
+    model, tok = load_model(source)[:2]
+    hay = split(load_text(s.corpus)[0])[1]  # held-out text as the haystack
+    rows = []
+    for name in (None, *NEEDLE_SCHEMES):
+        t0 = time.perf_counter()
+        r = needle_accuracy(model, tok, hay, examples=examples, kv_scheme=get_scheme(name) if name else None,
+                            context_chars=context_chars)
+        rows.append({"scheme": name or "fp", "choice": r["choice"], "exact": r["exact"], "queries": r["queries"],
+                     "chance": r["chance"], "per_query": r["per_query"], "seconds": round(time.perf_counter() - t0, 1)})
+        print(f"{source} needle {name or 'fp'}: choice {r['choice']:.3f} exact {r['exact']:.3f}", flush=True)
+    return {"source": source, "label": label_of(source, model), "examples": examples, "context_chars": context_chars,
+            "prompt_tokens": r["prompt_tokens"], "rows": rows}
+
+
+def needle_table(doc: dict) -> str:
+    from diffquant.quant.scheme import get_scheme
+    from diffquant.report.tables import markdown
+    from diffquant.stats.intervals import mcnemar_exact, wilson
+
+    parts = ["Needle retrieval decoded through a quantized KV cache (`diffquant.data.needle`): six needles \"the magic "
+             "number of CITY is NNNN\" at depths 0/25/50/75/100% of a held-out KJV haystack, two questions per "
+             "example; the context and question in one forward into a write-once cache (each key and value quantized "
+             "once, when written), each answer decoded one token per forward. choice: the asked number is the likeliest "
+             "of the six; exact: greedy decoding reproduces it. Brackets: 95% Wilson intervals; Δ and McNemar p (exact, "
+             "two-sided) are paired with full precision over the same questions."]
+    for m in doc["models"]:
+        fp = next(r for r in m["rows"] if r["scheme"] == "fp")
+        body = []
+        for r in m["rows"]:
+            n = r["queries"]
+            cells = [r["scheme"] if r["scheme"] == "fp" else f"`{r['scheme']}`",
+                     "full precision" if r["scheme"] == "fp" else get_scheme(r["scheme"]).description]
+            for key, i in (("choice", 0), ("exact", 1)):
+                k = round(r[key] * n)
+                lo, hi = wilson(k, n)
+                cells.append(f"{100 * r[key]:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]")
+                if r["scheme"] == "fp":
+                    cells.append("-")
+                else:
+                    t = mcnemar_exact([q[i] for q in fp["per_query"]], [q[i] for q in r["per_query"]])
+                    cells.append(f"{100 * t['delta']:+.1f} ({t['gained']}/{t['lost']}, p {t['p']:.2g})")
+            body.append(cells)
+        lo, hi = m["prompt_tokens"]
+        parts.append(f"**{m['label']}**: {m['examples']} examples × 2 questions = {fp['queries']} questions; haystack "
+                     f"{m['context_chars']:,} characters, {lo:,}–{hi:,} tokens with the question; chance "
+                     f"{100 * fp['chance']:.1f}%.\n\n"
+                     + markdown(["cache", "scheme", "choice % [95%]", "Δ choice (gained/lost, McNemar p)",
+                                 "exact % [95%]", "Δ exact (gained/lost, McNemar p)"], body))
+    return "\n\n".join(parts) + "\n"
+
+
 def decode_table(doc: dict) -> str:
     from diffquant.report.tables import markdown
 
@@ -225,7 +288,7 @@ def render(quick: bool) -> None:
     from diffquant.paths import atomic_write_text
 
     suffix = "-quick" if quick else ""
-    for stem, write in ((f"results{suffix}", table), (f"decode{suffix}", decode_table)):
+    for stem, write in ((f"results{suffix}", table), (f"decode{suffix}", decode_table), (f"needle{suffix}", needle_table)):
         path = OUT / f"{stem}.json"
         if path.is_file():
             doc = json.loads(path.read_text())
@@ -243,6 +306,8 @@ def main(argv=None) -> None:
                    help="instead: prefill vs decode-time quantization on one sequence (128 + 64 tokens; quick: 32 + 16)")
     p.add_argument("--sequences", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--needle", action="store_true",
+                   help="instead: needle retrieval decoded through each preset's quantized cache (quick: 2 examples)")
     p.add_argument("--render", action="store_true", help="only rewrite the reports (md, figure) from the committed json")
     a = p.parse_args(argv)
     s = Settings(quick=a.quick)
@@ -258,6 +323,14 @@ def main(argv=None) -> None:
         render(a.quick)
         return
     torch.manual_seed(0)
+    if a.needle:
+        examples, chars = (2, 300) if s.quick else (20, 2000)
+        doc = {"settings": asdict(s), "models": [needle_run(m, s, examples, chars) for m in s.models]}
+        stem = "needle-quick" if s.quick else "needle"
+        atomic_write_json(OUT / f"{stem}.json", doc)
+        atomic_write_text(OUT / f"{stem}.md", needle_table(doc))
+        print(needle_table(doc))
+        return
     if a.decode:
         prompt, new = (32, 16) if s.quick else (128, 64)
         doc = {"settings": asdict(s), "models": [decode_vs_prefill(m, s, prompt, new) for m in s.models]}

@@ -376,3 +376,39 @@ def test_kv4_sink1_on_every_family_or_refused(name):
     assert torch.isfinite(out).all() and (out - ref).abs().max() > 1e-6
     assert torch.allclose(out[:, 0], ref[:, 0], atol=1e-5)  # position 0 sees only its own (kept) key and value
     assert torch.equal(again, ref)
+
+
+def test_needle_through_a_quantized_cache():
+    """Needle scores decoded through copies of one prefilled write-once cache equal, per continuation, a
+    decode of the whole sequence through a fresh cache; with every entry kept in full precision they equal
+    the plain forward written out here; at int2 the cache changes them."""
+    import random
+
+    from diffquant.data import needle
+    from diffquant.data.tokens import byte_tokenizer
+    from diffquant.quant.scheme import kv_config, kv_scheme
+
+    model, tok = FAMILIES["llama"].build().eval(), byte_tokenizer()
+    hay = "\n".join(f"line {i} of the haystack, words and more words" for i in range(80))
+    ex = needle.make_example(hay.splitlines(), 3, 1, random.Random(0), context_chars=100)
+    prefix = tok(ex.context + ex.queries[0][0], add_special_tokens=False)["input_ids"]
+    conts = [tok(f" {n}", add_special_tokens=False)["input_ids"] for n in ex.numbers]
+    kept = kv_scheme("kept", kv_config(2, sink=10_000), kv_config(2, sink=10_000), "every token kept")
+    int2 = kv_scheme("int2", kv_config(2), kv_config(2), "int2 per token")
+
+    def score(logits, cont):
+        lp = torch.log_softmax(logits[0, len(prefix) - 1:-1].float(), -1)
+        return float(lp.gather(-1, torch.tensor(cont)[:, None]).sum())
+
+    with torch.inference_mode():
+        plain = [score(model(torch.tensor([prefix + c])).logits, c) for c in conts]
+        fresh = [score(decode_logits(model, torch.tensor([prefix + c]), int2, len(prefix)), c) for c in conts]
+        greedy = decode_greedy(model, torch.tensor([prefix]), int2, 4)[0].tolist()
+        got_int2, greedy_int2 = needle._through_cache(model, prefix, conts, 4, torch.device("cpu"), int2)
+        got_kept, _ = needle._through_cache(model, prefix, conts, 4, torch.device("cpu"), kept)
+    assert got_int2 == pytest.approx(fresh, abs=1e-4) and greedy_int2 == greedy
+    assert got_kept == pytest.approx(plain, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(got_int2, plain)) > 1e-3
+    a = needle.needle_accuracy(model, tok, hay, n_needles=3, n_queries=1, examples=2, kv_scheme=kept, context_chars=100)
+    b = needle.needle_accuracy(model, tok, hay, n_needles=3, n_queries=1, examples=2, context_chars=100)
+    assert a["per_query"] == b["per_query"] and a["queries"] == 2

@@ -88,27 +88,37 @@ def mix_needles(text: str, fraction: float, seed: int, n_needles: int = 4) -> st
 
 
 def needle_accuracy(model, tokenizer, haystack_text: str, n_needles: int = 6, n_queries: int = 2,
-                    examples: int = 20, seed: int = 1234) -> dict:
+                    examples: int = 20, seed: int = 1234, kv_scheme=None, context_chars: int = 600) -> dict:
     """Accuracy of retrieving the asked number: `choice` = the right number is the likeliest of the
-    N needle numbers in the context; `exact` = greedy decoding reproduces it."""
+    N needle numbers in the context; `exact` = greedy decoding reproduces it. `per_query` keeps each query's
+    (choice, exact) outcome, so two conditions can be compared query by query (McNemar).
+
+    With `kv_scheme` (a scheme quantizing k_cache / v_cache), every score is computed the way a deployed
+    low-bit cache is used: the context and question in one forward into a write-once quantized cache (each
+    key and value quantized once, when written), then one token per forward through a copy of it."""
     rng = random.Random(seed)
     lines = haystack_text.splitlines()
     device = model.get_input_embeddings().weight.device
-    correct_choice = correct_exact = total = 0
+    outcomes, lengths = [], []
     with torch.inference_mode(), frozen_weights():
         for _ in range(examples):
-            ex = make_example(lines, n_needles, n_queries, rng)
+            ex = make_example(lines, n_needles, n_queries, rng, context_chars)
             for prompt, answer in ex.queries:
                 prefix = tokenizer(ex.context + prompt, add_special_tokens=False)["input_ids"]
-                scores = [_continuation_logprob(model, prefix, tokenizer(f" {n}", add_special_tokens=False)["input_ids"],
-                                                device) for n in ex.numbers]
-                best = ex.numbers[max(range(len(scores)), key=scores.__getitem__)]
-                correct_choice += best == answer.strip()
+                lengths.append(len(prefix))
+                conts = [tokenizer(f" {n}", add_special_tokens=False)["input_ids"] for n in ex.numbers]
                 target = tokenizer(answer, add_special_tokens=False)["input_ids"]
-                correct_exact += _greedy(model, prefix, len(target), device) == target
-                total += 1
-    return {"choice": correct_choice / total, "exact": correct_exact / total, "queries": total,
-            "chance": 1 / n_needles, "needles": n_needles}
+                if kv_scheme is None:
+                    scores = [_continuation_logprob(model, prefix, c, device) for c in conts]
+                    greedy = _greedy(model, prefix, len(target), device)
+                else:
+                    scores, greedy = _through_cache(model, prefix, conts, len(target), device, kv_scheme)
+                best = ex.numbers[max(range(len(scores)), key=scores.__getitem__)]
+                outcomes.append((best == answer.strip(), greedy == target))
+    total = len(outcomes)
+    return {"choice": sum(c for c, _ in outcomes) / total, "exact": sum(e for _, e in outcomes) / total,
+            "queries": total, "chance": 1 / n_needles, "needles": n_needles, "per_query": outcomes,
+            "prompt_tokens": [min(lengths), max(lengths)]}
 
 
 def _continuation_logprob(model, prefix: list[int], cont: list[int], device) -> float:
@@ -121,3 +131,29 @@ def _greedy(model, prefix: list[int], n: int, device) -> list[int]:
     ids = torch.tensor([prefix], device=device)
     out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prefix):].tolist()
+
+
+def _through_cache(model, prefix: list[int], conts: list[list[int]], n: int, device, kv_scheme):
+    """Each continuation's log-probability and an n-token greedy continuation, decoded through a write-once
+    quantized cache of `kv_scheme` filled once with `prefix` (each continuation decodes through its own copy)."""
+    import copy
+
+    from diffquant.quant.kv_cache import write_once_cache
+
+    cache = write_once_cache(model, kv_scheme)
+    first = model(torch.tensor([prefix], device=device), cache=cache, use_cache=True).logits[0, -1]
+    step = lambda c, t: model(torch.tensor([[t]], device=device), cache=c, use_cache=True).logits[0, -1]  # noqa: E731
+    scores = []
+    for cont in conts:
+        own, logits, total = copy.deepcopy(cache), first, 0.0
+        for i, t in enumerate(cont):
+            total += float(torch.log_softmax(logits.float(), -1)[t])
+            if i + 1 < len(cont):
+                logits = step(own, t)
+        scores.append(total)
+    own, logits, greedy = copy.deepcopy(cache), first, []
+    for i in range(n):
+        greedy.append(int(logits.argmax()))
+        if i + 1 < n:
+            logits = step(own, greedy[-1])
+    return scores, greedy
