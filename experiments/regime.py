@@ -116,7 +116,7 @@ def report(cells: dict, out: Path) -> dict | None:
            sentence(v, recipe["train_tokens"]), "series": s}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "results.json", doc)
-    md = [f"# Guo et al.'s recipe on this machine: is there an outlier regime?\n", f"**Verdict.** {doc['sentence']}\n",
+    md = ["# Guo et al.'s recipe on this machine: is there an outlier regime?\n", f"**Verdict.** {doc['sentence']}\n",
           f"Setting: experiments/fair_rivals.py's `guo` experiment (its GUO_NOTES list what is reproduced and what "
           f"differs), {recipe['parameters'] / 1e6:.2f}M parameters, {recipe['train_tokens']:,} tokens per model, "
           f"seed 0, tracked at {len(s['tokens'])} snapshots on held-out sequences. Criterion, fixed before the run: "
