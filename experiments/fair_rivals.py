@@ -6,7 +6,9 @@ learning rate, several seeds, results at matched tokens and at matched held-out 
 2. Seeds: every design at its chosen rate for each seed of `seeds` (the sweep's run is seed 0's).
 3. Matched tokens: held-out loss, outlier statistics (Table 5 analog, sink rate, max‖h‖/median) and the
    perplexity cost of the headline schemes (W8A8 and W4A4 with static per-tensor activations, int4 attention
-   logits per tensor) and of the secondary ones (per-token dynamic W8A8 and W4A4), mean ± 95% t over seeds.
+   logits per tensor), of the secondary ones (per-token dynamic W8A8 and W4A4) and of the KV-cache presets
+   (kv4, kv4-sink1, k4v2, kivi2: keys after RoPE and values quantized in one forward, prefill semantics;
+   kivi2 keeps the 128 most recent positions of each query in full precision), mean ± 95% t over seeds.
    Welch's test of every design against DIFF per metric, Holm-adjusted over the whole family of tests.
 4. Matched loss: the tracked curves (`--track`) give each run's outlier statistics at the first snapshot whose
    held-out loss is at or below the worst design's final mean loss (quantization costs need weights, so
@@ -42,6 +44,7 @@ from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
 DESIGNS = ("baseline", "diff", "gated", "clipsoftmax", "sink", "baseline-headnorm", "diff-gain", "gated-nobias")
 HEADLINE = ("w8a8-static", "w4a4-static", "logits-int4")  # what outliers affect (Bondarenko et al.'s static W8A8)
 SECONDARY = ("w8a8", "w4a4")  # per-token dynamic: outliers barely matter
+KV_CACHE = ("kv4", "kv4-sink1", "k4v2", "kivi2")  # the cache as deployed (issue 26), prefill semantics
 OUTLIER_METRICS = ("hidden_ratio", "hidden_top1", "logit_top1", "hidden_kurtosis", "sink_rate", "massive_ratio")
 CURVE_METRICS = {  # snapshot "model" key: label (read off the tracked curves at matched loss)
     "sink_rate": "sink rate", "massive_ratio_max": "max‖h‖ / median‖h‖", "value_ratio_min": "value-norm ratio (min)",
@@ -61,7 +64,7 @@ class Experiment:
     eval_sequences: int = 64
     calibration_sequences: int = 32
     track_points: int = 16
-    schemes: tuple[str, ...] = HEADLINE + SECONDARY
+    schemes: tuple[str, ...] = HEADLINE + SECONDARY + KV_CACHE
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,7 +107,8 @@ EXPERIMENTS = {
     # the whole pipeline in seconds: two designs, 8 steps, one checkpoint per run, 3 tracked points
     "quick": Experiment("quick", dict(GUO_TRAIN, preset="micro", corpus="synth:bb:vocab=32", seq_len=32, batch_size=8,
                                       save_every=10**9), tokens=8 * 32 * 8, lrs=(1e-3, 3e-3, 1e-2), seeds=(0, 1),
-                        designs=("baseline", "diff"), eval_sequences=8, calibration_sequences=8, track_points=3),
+                        designs=("baseline", "diff"), eval_sequences=8, calibration_sequences=8, track_points=3,
+                        schemes=HEADLINE + ("kv4-sink1",)),
 }
 
 

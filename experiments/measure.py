@@ -32,6 +32,10 @@ METRICS = {
     "w8a8_static_cost": ("W8A8 static per-tensor: Δppl %", 3),
     "w4a4_static_cost": ("W4A4 static per-tensor: Δppl %", 3),
     "w4a4_cost": ("W4A4 per-token dynamic: Δppl %", 3),
+    "kv4_cost": ("KV cache int4: Δppl %", 3),
+    "kv4_sink1_cost": ("KV cache int4, sink kept: Δppl %", 3),
+    "k4v2_cost": ("KV cache K int4 / V int2: Δppl %", 3),
+    "kivi2_cost": ("KV cache KIVI-2: Δppl %", 3),
 }
 SCALE_FREE = ("hidden_ratio", "logit_ratio", "massive_ratio", "hidden_kurtosis", "sink_rate")
 

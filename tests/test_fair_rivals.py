@@ -104,6 +104,7 @@ def test_quick_pipeline_end_to_end(quick_run):
     for design, agg in doc["aggregate"].items():
         assert agg["loss"]["n"] == len(e.seeds)
         assert agg["w8a8_static_cost"]["n"] == len(e.seeds) and agg["logits_int4_cost"]["n"] == len(e.seeds)
+        assert agg["kv4_sink1_cost"]["n"] == len(e.seeds)
     assert (out / "results.md").read_text().count("Holm") >= 1
     cells = sorted((out / "cells").rglob("s*.json"))
     # the sweep's cells, plus the other seeds at each design's chosen rate (its first seed is the sweep's cell)
