@@ -74,3 +74,19 @@ def _extremes(layers: dict[int, dict]) -> dict:
             values = [v[kind][key] for v in layers.values() if kind in v and v[kind][key] is not None]
             out[f"{kind}_{key}_max"] = max(values) if values else None
     return out
+
+
+def tokens_to_reach(tokens: list[int], values: list, target: float) -> float | None:
+    """Tokens where a log-log line through the second half of the (tokens > 0, value > 0) points of a tracked
+    curve reaches `target`: the budget extrapolation of a metric that has not got there yet. None with fewer
+    than 3 such points or a line that does not rise."""
+    pts = [(t, v) for t, v in zip(tokens, values) if t > 0 and v]
+    pts = pts[len(pts) // 2:]
+    if len(pts) < 3:
+        return None
+    xs, ys = [math.log(t) for t, _ in pts], [math.log(v) for _, v in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        return None
+    return math.exp(mx + (math.log(target) - my) / slope)

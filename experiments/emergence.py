@@ -116,16 +116,10 @@ def in_regime(m: dict) -> bool:
 def extrapolate(emergence: list[dict]) -> float | None:
     """Tokens at which the worst-layer hidden top-1/median would reach RATIO, from a log-log line through
     the second half of the snapshots (None if it does not grow)."""
-    pts = [(p["tokens"], p["model"].get("hidden_ratio_max")) for p in emergence if p["tokens"] > 0]
-    pts = [(t, r) for t, r in pts[len(pts) // 2:] if r]
-    if len(pts) < 3:
-        return None
-    xs, ys = [math.log(t) for t, _ in pts], [math.log(r) for _, r in pts]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    if slope <= 0:
-        return None
-    return math.exp(mx + (math.log(RATIO) - my) / slope)
+    from diffquant.track import tokens_to_reach
+
+    pts = [(p["tokens"], p["model"].get("hidden_ratio_max")) for p in emergence]
+    return tokens_to_reach([t for t, _ in pts], [r for _, r in pts], RATIO)
 
 
 def search(settings: dict, runs: Path, out: Path, n_eval: int) -> dict:

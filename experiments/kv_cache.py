@@ -317,35 +317,31 @@ def main(argv=None) -> None:
         s.models = a.model
     s.sequences = a.sequences or s.sequences
     s.seq_len = a.seq_len or s.seq_len
-    from diffquant.paths import atomic_write_json, atomic_write_text
-
     if a.render:
         render(a.quick)
         return
     torch.manual_seed(0)
     if a.needle:
         examples, chars = (2, 300) if s.quick else (20, 2000)
-        doc = {"settings": asdict(s), "models": [needle_run(m, s, examples, chars) for m in s.models]}
-        stem = "needle-quick" if s.quick else "needle"
-        atomic_write_json(OUT / f"{stem}.json", doc)
-        atomic_write_text(OUT / f"{stem}.md", needle_table(doc))
-        print(needle_table(doc))
-        return
-    if a.decode:
+        write("needle", s, [needle_run(m, s, examples, chars) for m in s.models], needle_table)
+    elif a.decode:
         prompt, new = (32, 16) if s.quick else (128, 64)
-        doc = {"settings": asdict(s), "models": [decode_vs_prefill(m, s, prompt, new) for m in s.models]}
-        stem = "decode-quick" if s.quick else "decode"
-        atomic_write_json(OUT / f"{stem}.json", doc)
-        atomic_write_text(OUT / f"{stem}.md", decode_table(doc))
-        print(decode_table(doc))
-        return
-    doc = {"settings": asdict(s), "models": [measure(m, s) for m in s.models], "torch_threads": torch.get_num_threads()}
-    stem = "results-quick" if s.quick else "results"
-    atomic_write_json(OUT / f"{stem}.json", doc)
-    atomic_write_text(OUT / f"{stem}.md", table(doc))
-    figure(doc, OUT / ("kv_cache-quick" if s.quick else "kv_cache"))
-    print(table(doc))
+        write("decode", s, [decode_vs_prefill(m, s, prompt, new) for m in s.models], decode_table)
+    else:
+        doc = write("results", s, [measure(m, s) for m in s.models], table, torch_threads=torch.get_num_threads())
+        figure(doc, OUT / ("kv_cache-quick" if s.quick else "kv_cache"))
 
+
+def write(stem: str, s: Settings, models: list[dict], render_md, **extra) -> dict:
+    """OUT/<stem>(-quick).json and .md, written atomically; the markdown is printed too."""
+    from diffquant.paths import atomic_write_json, atomic_write_text
+
+    doc = {"settings": asdict(s), "models": models, **extra}
+    stem += "-quick" if s.quick else ""
+    atomic_write_json(OUT / f"{stem}.json", doc)
+    atomic_write_text(OUT / f"{stem}.md", render_md(doc))
+    print(render_md(doc))
+    return doc
 
 if __name__ == "__main__":
     main()

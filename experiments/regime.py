@@ -43,28 +43,15 @@ def series(curve: list[dict]) -> dict[str, list]:
     return rows
 
 
-def extrapolate(tokens: list[int], values: list, target: float) -> float | None:
-    """Tokens where a log-log line through the second half of the (tokens > 0) points reaches `target`; None
-    when fewer than 3 points or the line does not rise."""
-    pts = [(t, v) for t, v in zip(tokens, values) if t > 0 and v]
-    pts = pts[len(pts) // 2:]
-    if len(pts) < 3:
-        return None
-    xs, ys = [math.log(t) for t, _ in pts], [math.log(v) for _, v in pts]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    if slope <= 0:
-        return None
-    return math.exp(mx + (math.log(target) - my) / slope)
-
-
 def verdict(s: dict) -> dict:
     """Whether and when (first snapshot) each criterion was met, else its extrapolated token count."""
+    from diffquant.track import tokens_to_reach
+
     out = {}
     for key, target in (("share_max", SHARE), ("peak_growth", PEAK_GROWTH)):
         hit = next((t for t, v in zip(s["tokens"], s[key]) if v is not None and v >= target), None)
         out[key] = {"target": target, "reached_at": hit, "final": s[key][-1],
-                    "extrapolated_tokens": None if hit is not None else extrapolate(s["tokens"], s[key], target)}
+                    "extrapolated_tokens": None if hit is not None else tokens_to_reach(s["tokens"], s[key], target)}
     out["regime"] = any(v["reached_at"] is not None for v in out.values())
     return out
 

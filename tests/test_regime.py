@@ -10,6 +10,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
 
 import regime  # noqa: E402
 
+from diffquant.track import tokens_to_reach  # noqa: E402
+
 
 def point(tokens, shares, peak, loss=1.0):
     return {"tokens": tokens, "loss": loss, "layers": {str(i): {"first_share": s} for i, s in enumerate(shares)},
@@ -34,11 +36,11 @@ def test_extrapolation_of_an_exact_power_law():
     # share = 0.01 · (t / 1000)^0.5 reaches 0.5 at t = 1000 · 50² = 2.5M tokens
     tokens = [0, 1000, 2000, 4000, 8000, 16000, 32000]
     shares = [0.01 * math.sqrt(t / 1000) if t else 0.01 for t in tokens]
-    assert regime.extrapolate(tokens, shares, 0.5) == pytest.approx(2.5e6, rel=1e-9)
+    assert tokens_to_reach(tokens, shares, 0.5) == pytest.approx(2.5e6, rel=1e-9)
     v = regime.verdict(regime.series([point(t, [s], 1.0) for t, s in zip(tokens, shares)]))
     assert not v["regime"] and v["share_max"]["extrapolated_tokens"] == pytest.approx(2.5e6, rel=1e-9)
     assert v["peak_growth"]["extrapolated_tokens"] is None  # flat: nothing to extrapolate
-    assert regime.extrapolate(tokens, list(reversed(shares)), 0.5) is None  # falling: no extrapolation
+    assert tokens_to_reach(tokens, list(reversed(shares)), 0.5) is None  # falling: no extrapolation
 
 
 def test_missing_recipe_cell_is_one_clear_line(tmp_path):
