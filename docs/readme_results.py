@@ -7,7 +7,7 @@
 
 Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/regime/results.json, docs/rivals/*/results.json,
 docs/mitigations/results.json, docs/weights/results.md, docs/fig8_real/results.md,
-docs/kv_cache/{results,decode,parity}.md, benchmarks/results-cpu.json and benchmarks/peers.json. A missing source leaves its
+docs/kv_cache/{results,decode,needle,parity}.md, docs/weights/llmcompressor.md, benchmarks/results-cpu.json and benchmarks/peers.json. A missing source leaves its
 part out.
 """
 
@@ -280,6 +280,9 @@ def kv_cache_part() -> list[str]:
     if (ROOT / "docs/kv_cache/decode.md").is_file():
         lines += ["#### Prefill against decoding through the cache (`experiments/kv_cache.py --decode`)", "",
                   *_md("docs/kv_cache/decode.md")]
+    if (ROOT / "docs/kv_cache/needle.md").is_file():
+        lines += ["#### Needle retrieval through a quantized cache (`experiments/kv_cache.py --needle`)", "",
+                  *_md("docs/kv_cache/needle.md")]
     if (ROOT / "docs/kv_cache/parity.md").is_file():
         lines += ["#### Against transformers' QuantizedCache (`experiments/kv_cache_parity.py`)", "",
                   *_md("docs/kv_cache/parity.md")]
@@ -292,7 +295,14 @@ def weights_part() -> list[str]:
     return ["### Weight solvers (`experiments/weight_solvers.py`)", "",
             "SmolLM2-135M-Instruct's weights were already on a 4-bit grid (Q4_1, groups of 32) before dequantization; "
             "one calibration set, one run. Solvers listed in the settings but absent from the table did not run.", "",
-            *_md("docs/weights/results.md")]
+            *_md("docs/weights/results.md"), *llmcompressor_part()]
+
+
+def llmcompressor_part() -> list[str]:
+    if not (ROOT / "docs/weights/llmcompressor.md").is_file():
+        return []
+    return ["#### Against llm-compressor's GPTQ (`python benchmarks/llmcompressor_check.py`)", "",
+            *_md("docs/weights/llmcompressor.md")]
 
 
 def _history(n: int = 3) -> list[dict]:

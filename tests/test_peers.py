@@ -97,3 +97,21 @@ def test_rendering_from_a_small_fixture():
     assert "killed by signal 9 |" in text
     assert "| hidden + Linear inputs, all layers: 65,536 tokens | not run in this session |" in text
     assert "| attention scores, all layers: one window of 2,048 | 50 tok/s, 1,200 MiB | – | – |" in text
+
+
+def test_llmcompressor_check_layer_error_by_hand():
+    """The side-by-side's per-Linear output error ‖X·Ŵᵀ − X·Wᵀ‖² / ‖X·Wᵀ‖² on the float inputs, written out here."""
+    import torch
+
+    check = _module("benchmarks/llmcompressor_check.py", "llmcompressor_check_under_test")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.ReLU(), torch.nn.Linear(3, 2, bias=False))
+    x = torch.randn(2, 5, 4)
+    w0, w2 = model[0].weight.detach().clone(), model[2].weight.detach().clone()
+    q0, q2 = w0.round(), w2 * 1.1
+    got = check.layer_errors(model, {"0.weight": q0, "2.weight": q2}, x, limit=2)
+    flat = x.reshape(-1, 4).double()
+    want0 = float(((flat @ q0.double().T - flat @ w0.double().T) ** 2).sum() / ((flat @ w0.double().T) ** 2).sum())
+    assert got["0"] == pytest.approx(want0, rel=1e-9)
+    assert got["2"] == pytest.approx(0.01, rel=1e-6)  # (1.1 − 1)² whatever the input (q2 rounded to fp32)
+    assert torch.equal(model[0].weight, w0)  # the model is left as it was

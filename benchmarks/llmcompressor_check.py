@@ -1,0 +1,259 @@
+"""diffquant's GPTQ beside llm-compressor's, on the same model, calibration and evaluation tokens.
+
+    python benchmarks/llmcompressor_check.py [--calibration N] [--quick]
+
+llm-compressor 0.14 pins transformers 5.17, so it runs in its own virtual environment,
+benchmarks/.peers/llmcompressor-venv (created on first use; the project's dependencies do not change), as
+a subprocess that loads the same SmolLM2-135M-Instruct folder benchmarks/peers.py exports (the zoo's Q4_1
+GGUF dequantized to fp32), calibrates on the same KJV training windows diffquant's weight solvers use, and
+returns (a) its own per-sequence losses on the evaluation windows, computed by its quantized model's
+forward, and (b) every quantized Linear's dequantized weight (compressed-tensors' `fake_quantize` with its
+scales). Both sides use W4A16 as llm-compressor's preset defines it (int4 symmetric, groups of 128,
+lm_head left in float) and GPTQ without act-order (`actorder=None`), dampening 1% of the mean diagonal and
+blocks of 128; llm-compressor's default (static act-order) is a second row.
+
+In this environment: diffquant's RTN and GPTQ on the same weights, each evaluated by
+`diffquant.evaluate.language_modeling`; llm-compressor's dequantized weights loaded into the float model and
+evaluated by the same function (so the two GPTQs differ only in their weights); per-Linear relative output
+error ‖X·Ŵᵀ − X·Wᵀ‖² / ‖X·Wᵀ‖² on float inputs X from the calibration windows. Results:
+docs/weights/llmcompressor.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "experiments"))
+
+PINS = ("torch==2.13.0", "llmcompressor==0.14.0.1")  # llm-compressor brings its transformers (5.17)
+OUT = ROOT / "docs" / "weights"
+
+CHILD = r'''
+import json, sys, time
+import numpy as np
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from llmcompressor import oneshot
+from llmcompressor.modifiers.gptq import GPTQModifier
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+from safetensors.torch import save_file
+
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_pretrained(ARGS["model_dir"], dtype=torch.float32)
+calib, evals = np.load(ARGS["calib"]), np.load(ARGS["eval"])
+ds = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": np.ones_like(calib).tolist()})
+kwargs = {} if ARGS["actorder"] == "default" else {"actorder": None}
+weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": ARGS["group"]}
+recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"],
+                      dampening_frac=0.01, block_size=128, **kwargs)
+t = time.perf_counter()
+oneshot(model=model, tokenizer=AutoTokenizer.from_pretrained(ARGS["model_dir"]), dataset=ds, recipe=recipe, num_calibration_samples=len(calib), max_seq_length=calib.shape[1],
+        shuffle_calibration_samples=False)
+seconds = time.perf_counter() - t
+weights, grid = {}, {}
+with torch.no_grad():
+    for name, m in model.named_modules():
+        if hasattr(m, "weight_scale") and getattr(m, "quantization_scheme", None) is not None:
+            args = m.quantization_scheme.weights
+            w = fake_quantize(m.weight, m.weight_scale, m.weight_zero_point, args)
+            weights[name + ".weight"] = w.float().contiguous()
+            grid[name] = {"num_bits": args.num_bits, "symmetric": args.symmetric, "strategy": str(args.strategy),
+                          "group_size": args.group_size, "actorder": str(args.actorder),
+                          "observer": str(args.observer)}
+    losses = []
+    for row in evals:
+        ids = torch.tensor(row[None], dtype=torch.long)
+        logits = model(ids).logits[0, :-1].float()
+        losses.append(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:])))
+save_file(weights, ARGS["weights"])
+import compressed_tensors, llmcompressor, transformers
+print("RESULT " + json.dumps({"seconds": seconds, "per_sequence_loss": losses, "grid": grid,
+                              "versions": {"llmcompressor": llmcompressor.__version__,
+                                           "compressed_tensors": compressed_tensors.__version__,
+                                           "transformers": transformers.__version__, "torch": torch.__version__}}))
+'''
+
+
+def venv_python() -> Path:
+    """The scratch venv's interpreter, created with PINS on first use."""
+    from peers import SCRATCH
+
+    venv = SCRATCH / "llmcompressor-venv"
+    python, stamp = venv / "bin" / "python", venv / "diffquant-pins.txt"
+    if python.is_file() and stamp.is_file() and stamp.read_text() == "\n".join(PINS):
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *PINS], check=True)
+    stamp.write_text("\n".join(PINS))
+    return python
+
+
+def run_peer(model_dir: Path, calib_path: Path, eval_path: Path, weights: Path, actorder: str, group: int) -> dict:
+    args = {"model_dir": str(model_dir), "calib": str(calib_path), "eval": str(eval_path), "weights": str(weights),
+            "actorder": actorder, "group": group}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    code = f"ARGS = {json.dumps(args)!r}\nimport json\nARGS = json.loads(ARGS)\n" + CHILD
+    out = subprocess.run([str(venv_python()), "-c", code], capture_output=True, text=True, env=env)
+    line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("RESULT ")), None)
+    if out.returncode or line is None:
+        tail = [ln for ln in out.stderr.strip().splitlines() if ln.strip()][-3:]
+        raise SystemExit(f"llm-compressor run failed (exit {out.returncode}): {' | '.join(tail)}")
+    return json.loads(line[len("RESULT "):])
+
+
+def layer_errors(model, weights: dict, calib, limit: int = 4) -> dict[str, float]:
+    """{linear: ‖X·Ŵᵀ − X·Wᵀ‖² / ‖X·Wᵀ‖²} with X the float model's inputs to that Linear on `limit` calibration
+    windows, Ŵ = weights[linear]."""
+    import torch
+
+    inputs, hooks = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and f"{name}.weight" in weights:
+            hooks.append(m.register_forward_pre_hook(
+                lambda mod, a, name=name: inputs.setdefault(name, []).append(a[0].reshape(-1, a[0].shape[-1]))))
+    with torch.no_grad():
+        try:
+            model(calib[:limit])
+        finally:
+            for h in hooks:
+                h.remove()
+        out = {}
+        for name, xs in inputs.items():
+            x, w = torch.cat(xs).double(), model.get_submodule(name).weight.double()
+            ref = x @ w.T
+            out[name] = float(((x @ weights[f"{name}.weight"].double().T - ref) ** 2).sum() / (ref ** 2).sum())
+    return out
+
+
+def main(argv=None) -> None:
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from diffquant.evaluate import language_modeling
+    from diffquant.quant import solvers
+    from diffquant.quant.scheme import get_scheme, quantize_
+    from diffquant.paths import atomic_write_json, atomic_write_text
+    from diffquant.sweep import versus_float
+    from mitigations import EVAL_TOKENS, held_out_and_calibration
+    from peers import SCRATCH, export_model
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calibration", type=int, default=16, help="calibration windows of 256 tokens (training split)")
+    p.add_argument("--out", default=str(OUT))
+    a = p.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    model_dir, tok = export_model()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seqs, calib, _, _ = held_out_and_calibration(tok, None, EVAL_TOKENS, calibration=a.calibration)
+    calib_path, eval_path = SCRATCH / f"calib-{a.calibration}.npy", SCRATCH / "eval.npy"
+    np.save(calib_path, calib.numpy())
+    np.save(eval_path, seqs.numpy())
+    fp = language_modeling(model, seqs)
+    scheme = get_scheme("w4a16")
+    rows, errors = [], {}
+    for name in ("rtn", "gptq"):
+        t0 = time.perf_counter()
+        solved = solvers.solve_weights_(model, solvers.parse(name), scheme, calib, progress=False)
+        seconds = time.perf_counter() - t0
+        attachment = quantize_(model, solved.scheme(scheme))
+        solved.install(attachment)
+        try:
+            r = language_modeling(model, seqs)
+            dequant = {f"{n}.weight": m.weight.detach().clone() for n, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
+        finally:
+            attachment.remove()
+            solved.remove()
+        rows.append({"weights": f"diffquant {name}", "seconds": seconds, **_eval_row(r, fp, versus_float)})
+        errors[f"diffquant {name}"] = layer_errors(model, dequant, calib)
+    for actorder, label in (("none", "llm-compressor gptq"), ("default", "llm-compressor gptq (static act-order)")):
+        weights_path = SCRATCH / f"llmc-{actorder}-{a.calibration}.safetensors"
+        peer = run_peer(model_dir, calib_path, eval_path, weights_path, actorder)
+        theirs = load_file(weights_path)
+        errors[label] = layer_errors(model, theirs, calib)
+        saved = {k: v.detach().clone() for k, v in model.state_dict().items() if k in theirs}
+        with torch.no_grad():
+            for k, v in theirs.items():
+                model.get_parameter(k).copy_(v)
+            r = language_modeling(model, seqs)
+            for k, v in saved.items():
+                model.get_parameter(k).copy_(v)
+        own = sum(peer["per_sequence_loss"]) / len(peer["per_sequence_loss"])
+        rows.append({"weights": label, "seconds": peer["seconds"], "own_forward_loss": own, "grid": peer["grid"],
+                     "versions": peer["versions"], **_eval_row(r, fp, versus_float)})
+    result = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)", "scheme": "W4A16: int4 symmetric, "
+              "groups of 128, lm_head in float", "calibration": {"windows": len(calib), "tokens": int(calib.numel()),
+                                                                "corpus": "kjv (training split)"},
+              "evaluation": {"sequences": len(seqs), "predicted_tokens": fp["tokens"], "corpus": "kjv (validation split)"},
+              "float": {k: fp[k] for k in ("loss", "ppl", "ppl_ci95")}, "rows": _paired(rows),
+              "layer_errors": errors}
+    out = Path(a.out)
+    atomic_write_json(out / "llmcompressor.json", result)
+    atomic_write_text(out / "llmcompressor.md", report(result))
+    print(report(result))
+
+
+def _eval_row(r: dict, fp: dict, versus_float) -> dict:
+    return {"loss": r["loss"], "ppl": r["ppl"], "ppl_ci95": r["ppl_ci95"], "per_sequence_loss": r["per_sequence_loss"],
+            **versus_float(fp, r)}
+
+
+def _paired(rows: list[dict]) -> list[dict]:
+    """Each row's paired change from diffquant's GPTQ (95% t over the same sequences), per-sequence losses dropped."""
+    from diffquant.stats.intervals import paired
+
+    ref = next(r for r in rows if r["weights"] == "diffquant gptq")
+    out = []
+    for r in rows:
+        row = {k: v for k, v in r.items() if k != "per_sequence_loss"}
+        if r is not ref:
+            d = paired(ref["per_sequence_loss"], r["per_sequence_loss"])
+            row["delta_vs_diffquant_gptq"], row["delta_vs_diffquant_gptq_ci95"] = d["mean"], d["ci95"]
+        out.append(row)
+    return out
+
+
+def report(r: dict) -> str:
+    import statistics
+
+    from diffquant.report.tables import markdown
+
+    body = [["float", f"{r['float']['ppl']:.3f}", "", "", "", "", ""]]
+    for row in r["rows"]:
+        err = r["layer_errors"][row["weights"]]
+        ci = row.get("delta_vs_diffquant_gptq_ci95")
+        body.append([row["weights"], f"{row['ppl']:.3f} [{row['ppl_ci95'][0]:.3f}, {row['ppl_ci95'][1]:.3f}]",
+                     f"{row['delta_loss']:+.4f}", "-" if ci is None else
+                     f"{row['delta_vs_diffquant_gptq']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]",
+                     f"{statistics.median(err.values()):.2e}", f"{max(err.values()):.2e}",
+                     "-" if "own_forward_loss" not in row else f"{row['own_forward_loss']:.4f} (ours {row['loss']:.4f})"])
+    c, e = r["calibration"], r["evaluation"]
+    versions = next((row["versions"] for row in r["rows"] if "versions" in row), {})
+    return (f"{r['model']}, {r['scheme']}. Calibration: {c['corpus']}, {c['windows']} windows ({c['tokens']:,} tokens); "
+            f"held-out: {e['corpus']}, {e['predicted_tokens']:,} predicted tokens ({e['sequences']} sequences). "
+            f"llm-compressor {versions.get('llmcompressor', '?')} (compressed-tensors "
+            f"{versions.get('compressed_tensors', '?')}, transformers {versions.get('transformers', '?')}) in its own "
+            "venv; every row evaluated by diffquant's `language_modeling` on the same windows. Δloss: paired over the "
+            "same sequences, [95% t]. Layer error: ‖X·Ŵᵀ − X·Wᵀ‖² / ‖X·Wᵀ‖² per Linear on float inputs from 4 "
+            "calibration windows (median and worst over the model's Linears). Last column: the mean loss of "
+            "llm-compressor's own quantized forward next to ours on its dequantized weights.\n\n"
+            + markdown(["weights", "perplexity [95%]", "Δloss vs float", "Δloss vs diffquant GPTQ [95%]",
+                        "layer error (median)", "layer error (worst)", "llm-compressor's own forward"], body) + "\n")
+
+
+if __name__ == "__main__":
+    main()
