@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 SHARE, PEAK_GROWTH = 0.5, 20.0
@@ -84,12 +85,14 @@ def report(cells: dict, out: Path) -> dict | None:
     from diffquant.report.emergence_plots import plot_emergence
     from diffquant.report.style import display
     from diffquant.report.tables import markdown
+    from diffquant.train import TrainConfig
 
     recipe = next((c for (d, lr), c in cells.items() if d == RECIPE[0] and math.isclose(lr, RECIPE[1])), None)
     if recipe is None:
         raise DiffquantError(f"no finished {RECIPE[0]} cell at lr {RECIPE[1]:g}, seed 0: run experiments/fair_rivals.py")
     s = series(recipe["curve"])
     v = verdict(s)
+    tracked = next(f.default for f in fields(TrainConfig) if f.name == "track_sequences")  # fair_rivals keeps it
     shown = {(d, lr): c for (d, lr), c in cells.items() if d in ("baseline", "diff")}
     rows = []
     for (d, lr), c in sorted(shown.items()):
@@ -97,7 +100,7 @@ def report(cells: dict, out: Path) -> dict | None:
         rows.append([display(d), f"{lr:g}", f"{c['train_tokens']:,}", f"{cs['loss'][-1]:.4f}",
                      f"{cs['share_max'][-1]:.3f}", f"{cs['peak'][-1]:.2f}", f"{cs['peak_growth'][-1]:.2f}×",
                      "-" if cs["value_ratio_min"][-1] is None else f"{cs['value_ratio_min'][-1]:.3f}",
-                     "yes" if cv["regime"] else "no"])
+                     ("yes" if cv["regime"] else "no") if d == RECIPE[0] else "-"])
     doc = {"criterion": {"share_max": SHARE, "peak_growth": PEAK_GROWTH}, "recipe": {"design": RECIPE[0], "lr": RECIPE[1]},
            "tokens": recipe["train_tokens"], "parameters": recipe["parameters"], "verdict": v, "sentence":
            sentence(v, recipe["train_tokens"]), "series": s}
@@ -106,17 +109,20 @@ def report(cells: dict, out: Path) -> dict | None:
     md = ["# Guo et al.'s recipe on this machine: is there an outlier regime?\n", f"**Verdict.** {doc['sentence']}\n",
           f"Setting: experiments/fair_rivals.py's `guo` experiment (its GUO_NOTES list what is reproduced and what "
           f"differs), {recipe['parameters'] / 1e6:.2f}M parameters, {recipe['train_tokens']:,} tokens per model, "
-          f"seed 0, tracked at {len(s['tokens'])} snapshots on held-out sequences. Criterion, fixed before the run: "
+          f"seed 0, tracked at {len(s['tokens'])} snapshots on {tracked} held-out sequences. Criterion, fixed before the run: "
           f"some layer's mean first-token share ≥ {SHARE} or max‖h‖/median‖h‖ ≥ {PEAK_GROWTH:g}× its value at "
           "initialisation; extrapolation: a log-log line through the second half of the snapshots.\n",
-          "Final snapshot of each sweep run (baseline and DIFF; DIFF's share is of A1 − λ·A2):\n",
+          "Final snapshot of each sweep run. The criterion is the baseline's (softmax heads); DIFF's share is its "
+          "differential map's mass on token 0 divided by the map's row sum 1 − λ, which exceeds 1 where λ·A2 puts "
+          "more mass on the other tokens than A1 does (0 < λ < 1), so it is shown, not judged:\n",
           markdown(["design", "lr", "tokens", "held-out loss", "largest layer first-token share", "max‖h‖/median‖h‖",
                     "growth over init", "value-norm ratio (min)", "regime"], rows),
-          "\n![curves](curves.png)\n"]
+          f"\nCurves of the baseline and DIFF at Guo et al.'s rate ({RECIPE[1]:g}):\n\n![curves](curves.png)\n"]
     atomic_write_text(out / "results.md", "\n".join(md))
-    plot_emergence({"models": {f"{display(d)} lr {lr:g}": c["curve"] for (d, lr), c in sorted(shown.items())},
-                    "scale": {f"{display(d)} lr {lr:g}": {"parameters": c["parameters"], "tokens": c["train_tokens"]}
-                              for (d, lr), c in sorted(shown.items())}}, out)
+    at_recipe = {f"{display(d)}, lr {lr:g}": c for (d, lr), c in sorted(shown.items()) if math.isclose(lr, RECIPE[1])}
+    plot_emergence({"models": {label: c["curve"] for label, c in at_recipe.items()}, "track_sequences": tracked,
+                    "scale": {label: {"parameters": c["parameters"], "tokens": c["train_tokens"]}
+                              for label, c in at_recipe.items()}}, out)
     for suffix in (".png", ".svg"):
         made = out / f"emergence{suffix}"
         if made.is_file():
