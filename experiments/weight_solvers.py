@@ -26,11 +26,11 @@ from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
 SCHEME = "w4a16"  # int4 symmetric, groups of 128, activations in float: the setting GPTQ/AWQ papers quote
 SOLVERS = ("rtn", "gptq", "gptq:act-order", "awq", "awq+gptq")
 # The reference GPTQ calibrates on 128 sequences (of 2,048 tokens; here of 256, this model's evaluation
-# windows): 32,768 tokens, 21x down_proj's 1,536 inputs. 16 windows (4,096 tokens) overfit: on SmolLM2 the
-# solved down_proj's held-out output error was 2-5x its calibration error, and GPTQ recovered 23% of RTN's
-# cost instead of the papers' majority.
+# windows): 32,768 tokens, 21x down_proj's 1,536 inputs. 16 windows (4,096 tokens, the mitigations
+# experiment's) overfit: on SmolLM2 the solved down_proj's held-out output error was 2-5x its calibration
+# error, and GPTQ recovered 23% of RTN's cost (31% on 128 windows: see docs/weights).
 CALIBRATION_WINDOWS = 128
-CALIBRATION_CHARS = 1_000_000  # of the training split: ~280k tokens, more than any --calibration asks
+CALIBRATION_CHARS = 1_000_000  # of the training split: 246,746 tokens (963 windows)
 
 
 def _data(quick: bool, windows: int):
