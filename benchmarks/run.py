@@ -319,7 +319,7 @@ def bench_gptq_speed(windows=(16, 128)) -> dict:
         solved = solvers.solve_weights_(model, solvers.parse("gptq"), get_scheme("w4a16"), calib, progress=False)
         out[f"windows_{n}_s"] = time.perf_counter() - t
         solved.remove()
-    out["target_s"] = 600
+    out.update(target_s=600, threads=torch.get_num_threads(), load_average=os.getloadavg()[0])
     return out
 
 

@@ -327,7 +327,8 @@ def benchmark_part() -> list[str]:
                      f"{m['smoothquant_s']:.1f} s, {m['rotate_s']:.1f} s", "< 60 s"])
     g = b.get("gptq_speed", {})
     if g:
-        rows.append([f"{display('smollm2-135m')}: GPTQ w4a16 of every decoder Linear, calibration windows of 256",
+        rows.append([f"{display('smollm2-135m')}: GPTQ w4a16 of every decoder Linear, calibration windows of 256 "
+                     f"({g.get('threads', '?')} thread(s), load average {g.get('load_average', float('nan')):.1f})",
                      ", ".join(f"{k.split('_')[1]} windows {v:.0f} s" for k, v in g.items() if k.startswith("windows_")),
                      "< 600 s"])
     for seq, v in b.get("long_context", {}).items():
