@@ -362,6 +362,12 @@ def benchmark_part() -> list[str]:
     if m:
         rows.append([f"{display('smollm2-135m')}: SmoothQuant calibration + transform, rotation",
                      f"{m['smoothquant_s']:.1f} s, {m['rotate_s']:.1f} s", "< 60 s"])
+    g = b.get("gptq_speed", {})
+    if g:
+        rows.append([f"{display('smollm2-135m')}: GPTQ w4a16 of every decoder Linear, calibration windows of 256 "
+                     f"({g.get('threads', '?')} thread(s), load average {g.get('load_average', float('nan')):.1f})",
+                     ", ".join(f"{k.split('_')[1]} windows {v:.0f} s" for k, v in g.items() if k.startswith("windows_")),
+                     "< 600 s"])
     for seq, v in b.get("long_context", {}).items():
         if isinstance(v, dict):
             parts = [f"{k}: {x['peak_mib']:,.0f} MiB in {x['seconds']:.0f} s" if "peak_mib" in x else f"{k}: {x['error']}"

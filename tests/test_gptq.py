@@ -199,3 +199,30 @@ def test_sweep_weights_axis(micro_pair, tmp_path):
     by = {r["weights"]: r for r in rows if r["kind"] == "wa"}
     assert by["gptq"]["scheme"] == "w4a4+gptq" and by["gptq"]["loss"] != by["rtn"]["loss"]
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_layer_input_hessians_match_each_modules_own_input(micro_pair):
+    """Every Linear's Hessian and mean |x| equal 2·XᵀX / n of its own input, computed here in float64 from
+    hooks on each module, though modules that read one tensor (q/k/v, gate/up) share a product."""
+    from diffquant.quant.solvers import _first_layer_inputs, _input_stats
+
+    model = micro_pair[0]
+    calib = torch.randint(0, model.config.vocab_size, (16, 32), generator=torch.Generator().manual_seed(2))
+    layer = model.model.layers[0]
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj"]
+    mods = {n: layer.get_submodule(n) for n in names}
+    with torch.no_grad():
+        inputs = _first_layer_inputs(model, layer, calib)
+        assert len(inputs) == 2  # two chunks: the sums run over both
+        got = _input_stats(layer, inputs, mods)
+        seen = {n: [] for n in names}
+        hs = [m.register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0].detach().clone())) for n, m in mods.items()]
+        for args, kwargs in inputs:
+            layer(*args, **kwargs)
+        for h in hs:
+            h.remove()
+    for n in names:
+        x = torch.cat(seen[n]).reshape(-1, seen[n][0].shape[-1]).double()
+        torch.testing.assert_close(got[n][0], 2 * x.T @ x / x.shape[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[n][1], x.abs().mean(dim=0), rtol=1e-6, atol=1e-7)

@@ -282,14 +282,22 @@ def _awq_step(table, configs, awq: AWQ, solved: Solved, supers: list[dict]):
 
 def _input_stats(layer, inputs, modules: dict) -> dict:
     """{key: (H = 2·XᵀX / tokens, mean |x| per channel)} of each module's input (float64) over one pass of
-    the layer."""
+    the layer. Modules that read the same tensor (q/k/v, gate/up) share one product, and each chunk's XᵀX
+    is taken in float32 (as the reference GPTQ does) and summed over chunks in float64: on SmolLM2-135M that
+    is 0.24 s per layer and 2,048 tokens on one thread, where a float64 product per module took 0.65 s."""
+    import torch
+
     sums: dict = {}
+    last: list = [None, None]  # the tensor the previous hook saw and its (XᵀX, Σ|x|, n)
 
     def hook_for(key):
         def hook(module, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            if args[0] is not last[0]:
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+                last[:] = args[0], ((x.T @ x).double(), x.abs().sum(dim=0, dtype=torch.float64), x.shape[0])
             xx, ax, n = sums.get(key, (0, 0, 0))
-            sums[key] = (xx + x.T @ x, ax + x.abs().sum(dim=0), n + x.shape[0])
+            dxx, dax, dn = last[1]
+            sums[key] = (xx + dxx, ax + dax, n + dn)
 
         return hook
 
@@ -300,6 +308,7 @@ def _input_stats(layer, inputs, modules: dict) -> dict:
     finally:
         for h in handles:
             h.remove()
+        last[:] = None, None
     return {key: (2 * xx / n, ax / n) for key, (xx, ax, n) in sums.items()}
 
 
