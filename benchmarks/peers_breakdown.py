@@ -8,8 +8,9 @@ One thread. Each figure is the least CPU time over ROUNDS rounds (the machine is
 2,048 tokens: the bare forward, the forward with no-op taps on the sites (hooks alone), the whole profile, and
 `SiteStats.update` taken apart on the activations of one batch, recorded once and fed to each part in turn. The
 parts that commit ebaa11f rewrote are timed in both forms, the formulas before it kept here as `before_*`, so that
-the record shows what changed; both give bit-identical statistics (tests/test_stats.py). Result: the "breakdown"
-entry of benchmarks/peers.json.
+the record shows what changed (the histogram bins: now one shift of |x|'s bit pattern, before a shift and a mask of
+x's); both give bit-identical statistics (tests/test_stats.py). Result: the "breakdown" entry of
+benchmarks/peers.json.
 """
 
 from __future__ import annotations
@@ -116,13 +117,13 @@ def main() -> None:
         "SiteStats.update, everything": each(lambda i: stats[i].update(acts[i], None, ids, 0)),
         "full-tensor passes (_passes), all": each(lambda i: site_stats._passes(acts[i], None, False, 2, 1, THRESHOLD)),
         "kurtosis and mean: moments to the 4th": each(lambda i: moments(acts[i])),
-        "before: moments to the 4th": each(lambda i: before_moments(acts[i])),
+        "before: kurtosis and mean: moments to the 4th": each(lambda i: before_moments(acts[i])),
         "top-k prefilter and inf-norm: |x|, row maxima": each(lambda i: acts[i].abs().amax(dim=-1)),
         "per-channel absmax": each(lambda i: absx[i].amax(dim=(0, 1))),
         "LLM.int8 hits per channel": each(lambda i: hits(absx[i])),
         "before: LLM.int8 hits per channel": each(lambda i: before_hits(absx[i])),
-        "histogram: bins of |x|": each(lambda i: abs_magnitude_bins(absx[i])),
-        "before: histogram: bins of x": each(lambda i: magnitude_bins(acts[i])),
+        "histogram: bins": each(lambda i: abs_magnitude_bins(absx[i])),
+        "before: histogram: bins": each(lambda i: magnitude_bins(acts[i])),
         "histogram: bincount": each(lambda i: hist.add_bins(bins[i])),
         "top-k with locations": each(lambda i: tops[i].add(acts[i], None, site_stats.TOKEN_DIMS, ids, 0, rowmax[i])),
     }

@@ -112,7 +112,9 @@ def test_verdicts_say_which_is_faster_and_the_forward_floor():
                    "diffquant": _w(10.0), "transformer_lens": _w(8.0), "nnsight": {"error": "exit 1"}}}],
                "attention_cost": [{"tokens": 2048, "seq_len": 2048, "not_run": "not run", "workflows": {}}]}
     said = peers.verdicts(results)
-    assert said == [
+    assert said[2:] == ["- The target of 3× the fastest peer's tokens per CPU-second is met on no case and not on 2 "
+                        "(SmolLM2, 8,192 tokens; tiny (random weights), 8,192 tokens)."]
+    assert said[:2] == [
         "- SmolLM2, 8,192 tokens: diffquant 1.25× the tokens per CPU-second of the fastest peer (nnsight 0.8 "
         "LanguageModel); the bare forward is 75% of diffquant's CPU time, so even statistics that cost nothing would "
         "make it at most 1.7× that peer.",
