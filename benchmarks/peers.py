@@ -2,6 +2,7 @@
 
     python benchmarks/peers.py                           # everything: parity, then every cost case
     python benchmarks/peers.py --sizes 8192 --attn 2048  # only these cost cases (others recorded as not run)
+    python benchmarks/peers.py --model tiny --sizes 8192 65536 262144 --attn  # the cost cases on the tiny preset
     python benchmarks/peers.py --render                  # print the README tables from benchmarks/peers.json
 
 Each peer runs in its own virtual environment, benchmarks/.peers/<peer>-venv (created on first use, pinned
@@ -9,7 +10,10 @@ below; the project's own dependencies do not change), and every workflow — dif
 a fresh subprocess that loads the same SmolLM2-135M-Instruct folder (the zoo's Q4_1 GGUF dequantized to
 fp32 by transformers, saved once with `save_pretrained` so the peers can load it offline), reads the same
 KJV validation windows (tokenized by the model's tokenizer), and reports its statistics, its seconds
-after loading, and its peak resident memory (VmHWM at the end of the process).
+after loading, and its peak resident memory (VmHWM at the end of the process). Every child runs with one
+thread (OMP_NUM_THREADS=1): with two threads on a shared two-core machine, OpenMP's waiting threads spin, and
+the CPU time of a 1,024-token profile grew from 3.2 to 24-30 CPU-s (the bare forward from 2.6 to 11), most for
+diffquant, whose statistics run many short kernels per batch: that was the whole of the first measurement's gap.
 
 - Parity: the values each peer returns for every decoder layer's output (`hidden`), the inputs of its
   Linear layers (`attn_in`, `attn_out`, `mlp_in`, `down_in`) and its pre-softmax attention scores on
@@ -17,7 +21,11 @@ after loading, and its peak resident memory (VmHWM at the end of the process).
   same statistics of diffquant's `profile_model`.
 - Cost: each peer's cache-then-compute workflow as its docs show it (a names filter / `.save()` on the
   sites, activations kept per batch, the statistics computed at the end, as an exact median needs every
-  value) against diffquant's streaming profile of the same statistics.
+  value) against diffquant's streaming profile of the same statistics, and the model's bare forward over
+  the same batches (no hooks, no statistics) as the floor every workflow pays. `--model tiny` runs the cost
+  cases on the `tiny` preset with random weights (4 layers, width 256, about 5M parameters; KJV as bytes),
+  whose forward is cheap enough for 256K tokens on two cores: the cost of keeping and reducing activations
+  depends on their number, not on the weights.
 
 A case whose cached activations would need more than half of the memory available is not started; it is
 recorded as refused with the estimate. Results: benchmarks/peers.json, written atomically.
@@ -41,6 +49,8 @@ SCRATCH = HERE / ".peers"
 MODEL_DIR = SCRATCH / "smollm2-135m"
 RESULTS = HERE / "peers.json"
 MODEL_LABEL = "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)"
+MODELS = {"smollm2-135m": MODEL_LABEL,
+          "tiny": "diffquant's tiny preset, random weights (4 layers, width 256, 5M parameters; KJV as bytes)"}
 
 # diffquant's torch and transformers in every venv, so that the peers run the same Hugging Face modules and any
 # difference is theirs (both peers accept transformers 5.24; left to themselves they resolve 5.25)
@@ -49,7 +59,7 @@ PEERS = {
     "transformer_lens": (*SHARED_PINS, "transformer-lens==4.3.0"),
     "nnsight": (*SHARED_PINS, "nnsight==0.8.1"),
 }
-PEER_LABELS = {"diffquant": "diffquant profile (streaming)",
+PEER_LABELS = {"forward": "bare forward (no statistics; the floor)", "diffquant": "diffquant profile (streaming)",
                "transformer_lens": "TransformerLens 4.3 TransformerBridge", "nnsight": "nnsight 0.8 LanguageModel"}
 LINEAR_POINTS = ("attn_in", "attn_out", "mlp_in", "down_in")
 TOKEN_POINTS = ("hidden", *LINEAR_POINTS)
@@ -58,6 +68,7 @@ COST = {"seq_len": 256, "batch_size": 8}
 SIZES = (8192, 65536, 262144)
 ATTN_CONTEXTS = (2048, 8192)
 NOT_RUN = "not run in this session"
+THREADS = 1  # torch / OpenMP threads in every child (see the docstring)
 
 # The child every workflow runs: load, capture the sites batch by batch, reduce, report. `capture(model,
 # ids, sites)` returns {site: float32 numpy array of its valid values} for one batch; each peer's snippet
@@ -199,6 +210,28 @@ print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib"
 '''
 
 
+# The floor: the same forward passes with nothing attached.
+FORWARD = r'''
+import json, time
+import numpy as np
+import torch, transformers
+from diffquant.models.load import load_model
+
+def _peak_kib():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
+
+ids = torch.from_numpy(np.load(ARGS["ids"]))
+model, _ = load_model(ARGS["model_dir"])
+t, cpu = time.perf_counter(), time.process_time()
+with torch.inference_mode():
+    for start in range(0, len(ids), ARGS["batch_size"]):
+        model(ids[start:start + ARGS["batch_size"]], use_cache=False, logits_to_keep=1)
+seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib": _peak_kib(), "stats": {},
+                              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}))
+'''
+
+
 def venv_python(peer: str) -> Path:
     """The peer's venv interpreter, created and installed with its pins on first use."""
     venv = SCRATCH / f"{peer}-venv"
@@ -213,22 +246,32 @@ def venv_python(peer: str) -> Path:
     return python
 
 
-def export_model() -> tuple[Path, object]:
-    """SmolLM2-135M-Instruct saved once as a plain fp32 transformers folder; returns (folder, tokenizer)."""
+def model_dir(model: str) -> Path:
+    return MODEL_DIR if model == "smollm2-135m" else SCRATCH / model
+
+
+def export_model(model: str = "smollm2-135m") -> tuple[Path, object]:
+    """The model saved once as a plain fp32 transformers folder (SmolLM2-135M-Instruct, or `tiny`: the preset
+    with random weights from seed 0 and its byte tokenizer); returns (folder, tokenizer)."""
     from diffquant.models.load import load_model
 
-    if not (MODEL_DIR / "config.json").is_file():
-        model, tokenizer = load_model("smollm2-135m")
-        part = MODEL_DIR.with_name(MODEL_DIR.name + ".part")
+    folder = model_dir(model)
+    if not (folder / "config.json").is_file():
+        if model == "tiny":
+            import torch
+
+            torch.manual_seed(0)
+        model, tokenizer = load_model("smollm2-135m" if model == "smollm2-135m" else "tiny:baseline")
+        part = folder.with_name(folder.name + ".part")
         model.save_pretrained(part)
         tokenizer.save_pretrained(part)
-        part.rename(MODEL_DIR)
+        part.rename(folder)
     from transformers import AutoTokenizer
 
-    return MODEL_DIR, AutoTokenizer.from_pretrained(MODEL_DIR)
+    return folder, AutoTokenizer.from_pretrained(folder)
 
 
-def windows(tokenizer, seq_len: int, tokens: int, part: str = "validation") -> Path:
+def windows(tokenizer, seq_len: int, tokens: int, part: str = "validation", model: str = "smollm2-135m") -> Path:
     """The first `tokens` tokens of KJV's validation split (`part="all"`: of the whole text, validation
     split first, which the cost cases need: the split holds 51,712 tokens of SmolLM2's tokenizer) in
     windows of `seq_len`, saved for the children."""
@@ -237,7 +280,7 @@ def windows(tokenizer, seq_len: int, tokens: int, part: str = "validation") -> P
     from diffquant.data.corpora import load_text, split
     from diffquant.data.tokens import encode, sequences
 
-    path = SCRATCH / f"kjv-{part}-{seq_len}x{tokens}.npy"
+    path = SCRATCH / f"kjv-{part}-{seq_len}x{tokens}{'' if model == 'smollm2-135m' else '-' + model}.npy"
     if not path.is_file():
         train, val = split(load_text("kjv")[0])
         text = val if part == "validation" else val + "\n" + train
@@ -252,17 +295,19 @@ def site_names(points, layers: int) -> list[str]:
     return [f"layers.{i}.{p}" for i in range(layers) for p in points]
 
 
-def run_child(workflow: str, args: dict) -> dict:
-    """One workflow in a fresh process; its RESULT line, or {"error": ...} with the last line of its stderr."""
-    if workflow == "diffquant":
-        python, code = sys.executable, DIFFQUANT
+def run_child(workflow: str, args: dict, model: str = "smollm2-135m") -> dict:
+    """One workflow in a fresh process with THREADS threads; its RESULT line, or {"error": ...} with the last
+    line of its stderr."""
+    if workflow in ("diffquant", "forward"):
+        python, code = sys.executable, (DIFFQUANT if workflow == "diffquant" else FORWARD)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
     else:
         python, code = str(venv_python(workflow)), (TRANSFORMER_LENS if workflow == "transformer_lens" else NNSIGHT)
         code += CHILD_MAIN
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
-    args = {**args, "bench_dir": str(HERE), "model_dir": str(MODEL_DIR)}
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(THREADS)
+    args = {**args, "bench_dir": str(HERE), "model_dir": str(model_dir(model))}
     out = subprocess.run([python, "-c", f"ARGS = {json.dumps(args)!r}\nimport json\nARGS = json.loads(ARGS)\n" + code],
                          capture_output=True, text=True, env=env)
     line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("RESULT ")), None)
@@ -349,26 +394,27 @@ def run_parity(tokenizer, layers: int, peers: list[str]) -> dict:
 
 # ---- cost -------------------------------------------------------------------------------------------------
 
-def cost_case(tokenizer, cfg, points, tokens: int, seq_len: int, batch_size: int, peers, run: bool) -> dict:
+def cost_case(tokenizer, cfg, points, tokens: int, seq_len: int, batch_size: int, peers, run: bool,
+              model: str = "smollm2-135m", floor: bool = True) -> dict:
     import numpy as np
 
     layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
     need = cache_bytes(points, layers, hidden, cfg.intermediate_size, cfg.num_attention_heads, tokens, seq_len)
-    case = {"tokens": tokens, "seq_len": seq_len, "batch_size": batch_size, "points": list(points),
+    case = {"model": model, "tokens": tokens, "seq_len": seq_len, "batch_size": batch_size, "points": list(points),
             "peer_cache_gib": need / 2**30, "workflows": {}}
     if not run:
         case["not_run"] = NOT_RUN
         return case
-    case.update(started=time.strftime("%Y-%m-%d %H:%M"), load_average=os.getloadavg()[0])
-    ids = windows(tokenizer, seq_len, tokens, part="all")
+    case.update(started=time.strftime("%Y-%m-%d %H:%M"), load_average=os.getloadavg()[0], threads=THREADS)
+    ids = windows(tokenizer, seq_len, tokens, part="all", model=model)
     args = {"ids": str(ids), "sites": site_names(points, layers), "batch_size": batch_size,
             "attention": "attn_logits" in points}
-    for workflow in ("diffquant", *peers):
-        if workflow != "diffquant" and need > available_bytes() / 2:
+    for workflow in ("forward", "diffquant", *peers)[0 if floor else 1:]:
+        if workflow in PEERS and need > available_bytes() / 2:
             case["workflows"][workflow] = {"refused": f"its cache would hold {need / 2**30:.1f} GiB; "
                                                       f"{available_bytes() / 2**30:.1f} GiB available"}
             continue
-        r = run_child(workflow, args)
+        r = run_child(workflow, args, model)
         if "error" not in r:
             n = int(np.load(ids).size)
             r = {"tokens": n, "tokens_per_s": n / r["seconds"], "tokens_per_cpu_s": n / r["cpu_seconds"],
@@ -380,6 +426,18 @@ def cost_case(tokenizer, cfg, points, tokens: int, seq_len: int, batch_size: int
 
 # Not measured, and why (rendered under the tables)
 NOT_COVERED = (
+    "Every workflow runs with one thread. The first measurement of these cases (2 threads each, at a load average "
+    "of 13 on 2 cores) put diffquant at 60 tokens per CPU-second against 78 and 80 for the peers; rerun here at "
+    "1,024 tokens, two threads on a core shared with other work cost 11 CPU-s for the bare forward and 24-30 for "
+    "diffquant's profile, against 2.6 and 3.2 with one thread: OpenMP's waiting threads spin, and the statistics' "
+    "many short kernels per batch paid it most. That, not the statistics, was the gap.",
+    "Cut, on a machine of 2 cores shared with other jobs and about 70 CPU-minutes for this comparison: SmolLM2 at "
+    "262,144 tokens (about 15 CPU-minutes for diffquant alone; the peers' caches would hold 112 GiB) and SmolLM2's "
+    "attention window of 8,192 (the peers' caches would hold 34 GiB; diffquant alone was not run, for time); the bare "
+    "forward at 65,536 SmolLM2 tokens. At 65,536 SmolLM2 tokens the peers are refused by the memory rule (28 GiB). How "
+    "cost and memory grow with tokens and context is measured instead on the tiny preset with random weights, where "
+    "every workflow fits up to 262,144 tokens and an attention window of 8,192: keeping and reducing activations "
+    "costs by their number, not by the weights' values.",
     "The demo pair (DIFF and its baseline) is not in these tables: its checkpoints are not on the machine these "
     "figures come from, and TransformerLens 4.3 has no DiffLlama adapter (none among "
     "transformer_lens/model_bridge/supported_architectures), so only nnsight could be compared on it.",
@@ -392,7 +450,10 @@ def main(argv=None) -> None:
     p.add_argument("--attn", type=int, nargs="*", default=list(ATTN_CONTEXTS),
                    help="contexts of the attention-score cost cases to run (one window each)")
     p.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    p.add_argument("--model", choices=list(MODELS), default="smollm2-135m",
+                   help="the model of the cost cases (parity runs on SmolLM2 only; other models keep it)")
     p.add_argument("--no-parity", action="store_true", help="keep the parity result already in peers.json")
+    p.add_argument("--no-floor", action="store_true", help="skip the bare-forward reference in these cases")
     p.add_argument("--render", action="store_true", help="only print the markdown tables from peers.json")
     a = p.parse_args(argv)
     if a.render:
@@ -404,27 +465,44 @@ def main(argv=None) -> None:
     from diffquant.paths import atomic_write_json
 
     SCRATCH.mkdir(exist_ok=True)
-    model_dir, tokenizer = export_model()
-    cfg = AutoConfig.from_pretrained(model_dir)
-    results = {"model": MODEL_LABEL,
+    folder, tokenizer = export_model(a.model)
+    cfg = AutoConfig.from_pretrained(folder)
+    parity = a.model == "smollm2-135m" and not a.no_parity
+    results = {"model": MODEL_LABEL, "models": MODELS, "threads": THREADS,
                "corpus": "KJV (parity: the validation split; cost: the whole text, validation split first)",
                "started": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg()[0],
                "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "pins": {k: list(v) for k, v in PEERS.items()}}
-    results["parity"] = None if a.no_parity else run_parity(tokenizer, cfg.num_hidden_layers, a.peers)
+    results["parity"] = run_parity(tokenizer, cfg.num_hidden_layers, a.peers) if parity else None
     results["cost"] = [cost_case(tokenizer, cfg, TOKEN_POINTS, n, COST["seq_len"], COST["batch_size"], a.peers,
-                                 n in a.sizes) for n in SIZES]
-    results["attention_cost"] = [cost_case(tokenizer, cfg, ("attn_logits",), c, c, 1, a.peers, c in a.attn)
-                                 for c in ATTN_CONTEXTS]
+                                 n in a.sizes, a.model, not a.no_floor) for n in SIZES]
+    results["attention_cost"] = [cost_case(tokenizer, cfg, ("attn_logits",), c, c, 1, a.peers, c in a.attn, a.model,
+                                           not a.no_floor) for c in ATTN_CONTEXTS]
     # read only now, as another invocation (other cases) may have finished meanwhile: its parity result and the
     # cases this one did not run are kept
     disk = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    if a.no_parity:
+    if not parity:
         results["parity"] = disk.get("parity")
+    if "breakdown" in disk:  # benchmarks/peers_breakdown.py's record
+        results["breakdown"] = disk["breakdown"]
     for key in ("cost", "attention_cost"):
-        kept = {(c["tokens"], c["seq_len"]): c for c in disk.get(key, []) if "not_run" not in c}
-        results[key] = [kept.get((c["tokens"], c["seq_len"]), c) if "not_run" in c else c for c in results[key]]
+        results[key] = merge_cases(disk.get(key, []), results[key])
     atomic_write_json(RESULTS, results)
     print("\n".join(markdown_part(results)))
+
+
+def _case_key(c: dict) -> tuple:
+    return c.get("model", "smollm2-135m"), c["tokens"], c["seq_len"]
+
+
+def merge_cases(disk: list[dict], ran: list[dict]) -> list[dict]:
+    """This invocation's cases over those on disk: a case not run here keeps its result on disk, and the cases
+    of other models stay; ordered by model (as in MODELS), then tokens."""
+    done = {_case_key(c): c for c in disk if "not_run" not in c}
+    mine = [done.get(_case_key(c), c) if "not_run" in c else c for c in ran]
+    keys = {_case_key(c) for c in mine}
+    order = list(MODELS)
+    return sorted(mine + [c for c in disk if _case_key(c) not in keys],
+                  key=lambda c: (order.index(_case_key(c)[0]) if _case_key(c)[0] in order else len(order), c["tokens"]))
 
 
 # ---- rendering (the README's "diffquant and the tools you know") ----------------------------------------
@@ -458,6 +536,9 @@ def _cell(w: dict | None) -> str:
     return f"{w['tokens_per_s']:,.0f} tok/s{cpu}, {w['peak_mib']:,.0f} MiB"
 
 
+COST_COLUMNS = ("diffquant", *PEERS, "forward")  # the floor last
+
+
 def cost_rows(results: dict) -> list[list[str]]:
     rows = []
     for label, cases in (("hidden + Linear inputs, all layers", results.get("cost", [])),
@@ -465,14 +546,89 @@ def cost_rows(results: dict) -> list[list[str]]:
         for c in cases:
             what = (f"{label}: {c['tokens']:,} tokens" if c["tokens"] != c["seq_len"]
                     else f"{label}: one window of {c['seq_len']:,}")
+            if c.get("model", "smollm2-135m") != "smollm2-135m":
+                what = f"{c['model']} (random weights), {what}"
             if "load_average" in c:
                 what += f" (load {c['load_average']:.0f})"
             if "not_run" in c:
-                rows.append([what, c["not_run"], "", ""])
+                rows.append([what, c["not_run"], "", "", ""])
                 continue
             w = c["workflows"]
-            rows.append([what] + [_cell(w.get(k)) for k in ("diffquant", *PEERS)])
+            rows.append([what] + [_cell(w.get(k)) for k in COST_COLUMNS])
     return rows
+
+
+def _case_name(c: dict) -> str:
+    model = "SmolLM2" if c.get("model", "smollm2-135m") == "smollm2-135m" else f"{c['model']} (random weights)"
+    what = f"{c['tokens']:,} tokens" if c["tokens"] != c["seq_len"] else f"attention scores, one window of {c['seq_len']:,}"
+    return f"{model}, {what}"
+
+
+def verdicts(results: dict) -> list[str]:
+    """Per measured case, in words: diffquant's tokens per CPU-second against the fastest peer's (which is faster),
+    and, where every workflow runs the same forward (not the attention cases, whose bare forward forms no scores),
+    the most any statistics code could give: the fastest peer's CPU time over the bare forward's; then the 3x target
+    and how peak memory grows with tokens."""
+    out = []
+    for c in [*results.get("cost", []), *results.get("attention_cost", [])]:
+        w = {k: v for k, v in c.get("workflows", {}).items() if "tokens_per_cpu_s" in v}
+        ran = [k for k in PEERS if k in w]
+        if "diffquant" not in w or not ran:
+            continue
+        best = max(ran, key=lambda k: w[k]["tokens_per_cpu_s"])
+        ratio = w["diffquant"]["tokens_per_cpu_s"] / w[best]["tokens_per_cpu_s"]
+        text = (f"{_case_name(c)}: diffquant {ratio:.2f}× the tokens per CPU-second of the fastest peer "
+                f"({PEER_LABELS[best]})" if ratio >= 1 else
+                f"{_case_name(c)}: {PEER_LABELS[best]} is faster, diffquant does {ratio:.2f}× its tokens per CPU-second")
+        if "forward" in w and c["tokens"] != c["seq_len"]:  # attention cases: the bare forward forms no scores
+            floor = w["forward"]["cpu_seconds"] / w["diffquant"]["cpu_seconds"]
+            cap = w[best]["cpu_seconds"] / w["forward"]["cpu_seconds"]
+            text += (f"; the bare forward is {floor:.0%} of diffquant's CPU time, so even statistics that cost nothing "
+                     f"would make it at most {cap:.1f}× that peer")
+        out.append(f"- {text}.")
+    ratios = {_case_name(c): c["workflows"]["diffquant"]["tokens_per_cpu_s"]
+              / max(c["workflows"][k]["tokens_per_cpu_s"] for k in PEERS if "tokens_per_cpu_s" in c["workflows"].get(k, {}))
+              for c in [*results.get("cost", []), *results.get("attention_cost", [])]
+              if "tokens_per_cpu_s" in c.get("workflows", {}).get("diffquant", {})
+              and any("tokens_per_cpu_s" in c["workflows"].get(k, {}) for k in PEERS)}
+    if ratios:
+        met = [n for n, r in ratios.items() if r >= 3]
+        missed = [n for n in ratios if n not in met]
+        out.append("- The target of 3× the fastest peer's tokens per CPU-second is met on "
+                   + (f"{len(met)} case(s) ({'; '.join(met)})" if met else "no case")
+                   + (f" and not on {len(missed)} ({'; '.join(missed)})" if missed else "") + ".")
+    for model in MODELS:
+        cases = [c for c in results.get("cost", []) if c.get("model", "smollm2-135m") == model
+                 and "peak_mib" in c.get("workflows", {}).get("diffquant", {})]
+        if len(cases) < 2:
+            continue
+        lo, hi = cases[0], cases[-1]
+        grow = [f"{PEER_LABELS[k]} {lo['workflows'][k]['peak_mib']:,.0f} → {hi['workflows'][k]['peak_mib']:,.0f} MiB"
+                for k in PEERS if "peak_mib" in lo["workflows"].get(k, {}) and "peak_mib" in hi["workflows"].get(k, {})]
+        out.append(f"- Peak memory, {_case_name(lo).split(',')[0]}, {lo['tokens']:,} → {hi['tokens']:,} tokens: diffquant "
+                   f"{lo['workflows']['diffquant']['peak_mib']:,.0f} → {hi['workflows']['diffquant']['peak_mib']:,.0f} MiB"
+                   + (f"; {'; '.join(grow)}" if grow else "; the peers not started at the larger size (memory)") + ".")
+    return out
+
+
+def breakdown_lines(b: dict | None) -> list[str]:
+    """The per-statistic CPU time of one batch (benchmarks/peers_breakdown.py), before and after ebaa11f."""
+    if not b:
+        return []
+    e, parts = b["end_to_end_cpu_s"], b["update_parts_cpu_s"]
+    fwd, taps, prof = e["bare forward"], e["forward with no-op taps"], e["profile (forward, taps, statistics)"]
+    now = [f"{name} {v:.3f}" for name, v in parts.items() if not name.startswith("before")
+           and name not in ("SiteStats.update, everything", "full-tensor passes (_passes), all")]
+    was = [f"{name[len('before: '):]} {v:.3f} (now {parts[name[len('before: '):]]:.3f})"
+           for name, v in parts.items() if name.startswith("before") and name[len("before: "):] in parts]
+    return [f"Where diffquant's time goes (benchmarks/peers_breakdown.py; {b['model']}, one batch of {b['tokens']:,} "
+            f"tokens at the cost case's {b['sites']} sites, {b['values_per_batch'] / 1e6:.0f}M values; CPU-seconds, "
+            f"the least of {b['rounds']} rounds, one thread): the bare forward {fwd:.2f}, with no-op taps on the sites "
+            f"{taps:.2f}, the whole profile {prof:.2f}, so the statistics and their hooks add {prof - fwd:.2f} "
+            f"({(prof - fwd) / fwd:.0%} of the forward). `SiteStats.update` alone, fed the recorded activations: "
+            f"{parts['SiteStats.update, everything']:.3f}, of which the full-tensor passes "
+            f"{parts['full-tensor passes (_passes), all']:.3f}; by statistic: " + "; ".join(now) + ". Before commit "
+            "ebaa11f (same values, bit for bit): " + "; ".join(was) + ".", ""]
 
 
 def markdown_part(results: dict) -> list[str]:
@@ -501,8 +657,13 @@ def markdown_part(results: dict) -> list[str]:
               "other work when the case started. The peers keep each "
               "batch's activations (their cache-then-compute: an exact median needs every value) and reduce them at "
               "the end; diffquant keeps nothing per token.", "",
-              markdown(["case", *(PEER_LABELS[k] for k in ("diffquant", *PEERS))], cost_rows(results)),
-              *NOT_COVERED, ""]
+              markdown(["case", *(PEER_LABELS[k] for k in COST_COLUMNS)], cost_rows(results))]
+    said = verdicts(results)
+    if said:
+        lines += ["Per case, from the tokens per CPU-second above:", "", *said, ""]
+    lines += breakdown_lines(results.get("breakdown"))
+    for note in NOT_COVERED:
+        lines += [note, ""]
     return lines
 
 

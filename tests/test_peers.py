@@ -115,3 +115,40 @@ def test_llmcompressor_check_layer_error_by_hand():
     assert got["0"] == pytest.approx(want0, rel=1e-9)
     assert got["2"] == pytest.approx(0.01, rel=1e-6)  # (1.1 − 1)² whatever the input (q2 rounded to fp32)
     assert torch.equal(model[0].weight, w0)  # the model is left as it was
+
+
+def _w(cpu_s: float, tokens: int = 8192) -> dict:
+    return {"tokens_per_s": tokens / cpu_s, "tokens_per_cpu_s": tokens / cpu_s, "cpu_seconds": cpu_s, "peak_mib": 500.0}
+
+
+def test_verdicts_say_which_is_faster_and_the_forward_floor():
+    # diffquant 40 CPU-s, nnsight 50, TransformerLens 60, the bare forward 30: diffquant 1.25x nnsight, 75% of its
+    # time is the forward, and free statistics would reach at most 50 / 30 = 1.67x; on tiny TransformerLens is faster
+    results = {"cost": [{"tokens": 8192, "seq_len": 256, "workflows": {
+                   "diffquant": _w(40.0), "nnsight": _w(50.0), "transformer_lens": _w(60.0), "forward": _w(30.0)}},
+               {"model": "tiny", "tokens": 8192, "seq_len": 256, "workflows": {
+                   "diffquant": _w(10.0), "transformer_lens": _w(8.0), "nnsight": {"error": "exit 1"}}}],
+               "attention_cost": [{"tokens": 2048, "seq_len": 2048, "not_run": "not run", "workflows": {}}]}
+    said = peers.verdicts(results)
+    assert said[2:] == ["- The target of 3× the fastest peer's tokens per CPU-second is met on no case and not on 2 "
+                        "(SmolLM2, 8,192 tokens; tiny (random weights), 8,192 tokens)."]
+    assert said[:2] == [
+        "- SmolLM2, 8,192 tokens: diffquant 1.25× the tokens per CPU-second of the fastest peer (nnsight 0.8 "
+        "LanguageModel); the bare forward is 75% of diffquant's CPU time, so even statistics that cost nothing would "
+        "make it at most 1.7× that peer.",
+        "- tiny (random weights), 8,192 tokens: TransformerLens 4.3 TransformerBridge is faster, diffquant does 0.80× "
+        "its tokens per CPU-second."]
+    rows = peers.cost_rows(results)
+    assert rows[1][0] == "tiny (random weights), hidden + Linear inputs, all layers: 8,192 tokens"
+    assert rows[0][-1].startswith("273 tok/s")  # the bare forward is the last column
+
+
+def test_merge_keeps_other_models_and_results_not_rerun():
+    disk = [{"tokens": 8192, "seq_len": 256, "workflows": {"diffquant": 1}},
+            {"model": "tiny", "tokens": 65536, "seq_len": 256, "workflows": {"diffquant": 2}}]
+    ran = [{"model": "smollm2-135m", "tokens": 8192, "seq_len": 256, "not_run": "not run", "workflows": {}},
+           {"model": "smollm2-135m", "tokens": 65536, "seq_len": 256, "workflows": {"diffquant": 3}}]
+    merged = peers.merge_cases(disk, ran)
+    assert [(c.get("model", "smollm2-135m"), c["tokens"], c["workflows"]) for c in merged] == [
+        ("smollm2-135m", 8192, {"diffquant": 1}), ("smollm2-135m", 65536, {"diffquant": 3}),
+        ("tiny", 65536, {"diffquant": 2})]

@@ -150,6 +150,22 @@ def test_valid_mask_excludes_positions():
     assert s.summary()["absmax"] == pytest.approx(float(x.masked_select(valid.expand_as(x)).abs().max()))
 
 
+@pytest.mark.parametrize("threshold", [6.0, 0.5, 1e-30])  # > 0: left-out values are zeros
+def test_channel_hits_count_values_at_or_above_the_threshold(threshold):
+    # LLM.int8 hits per channel: |x| >= t at valid positions, counted by hand in numpy; values exactly at 6, just
+    # below it, signed zeros and a huge value, a padded position, and an inf (left out, so the checked path runs)
+    below = float(np.nextafter(np.float32(6.0), np.float32(0.0)))
+    x = torch.tensor([[[6.0, -6.0, below, -below], [7.0, 0.0, -0.0, 1e30], [5.0, -8.0, 6.0, 0.5]],
+                      [[-0.0, 6.5, -below, 6.0], [100.0, 100.0, 100.0, 100.0], [float("inf"), 1.0, -6.0, 2.0]]])
+    valid = torch.tensor([[True, True, True], [True, False, True]])[..., None]
+    s = SiteStats(("batch", "pos", "channel"), outlier_threshold=threshold)
+    s.update(x, valid)
+    a, ok = np.abs(x.numpy()), valid.numpy() & np.isfinite(x.numpy())
+    assert s.channel_hits.dtype == torch.int64
+    assert s.channel_hits.tolist() == ((a >= threshold) & ok).sum(axis=(0, 1)).tolist()
+    assert int(s.positions) == 5
+
+
 @pytest.mark.parametrize("k", [3, 100])  # 3: only the rows with the largest maxima are searched
 def test_masked_topk_and_nonfinite(k):
     g = torch.Generator().manual_seed(4)

@@ -20,6 +20,13 @@ def magnitude_bins(x: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_right_shift(x.view(torch.int32), 16).bitwise_and_(0x7FFF)
 
 
+def abs_magnitude_bins(a: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """`magnitude_bins` of values whose sign bit is clear (`abs()` of float32): one shift, no mask; with
+    `in_place`, in a's own buffer (a then holds the bins' bit patterns)."""
+    bits = a.view(torch.int32)
+    return bits.bitwise_right_shift_(16) if in_place else torch.bitwise_right_shift(bits, 16)
+
+
 def bin_edges(i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Lower and upper edges (float64) of bins i."""
     i = torch.as_tensor(i, dtype=torch.int64)
