@@ -184,13 +184,13 @@ def capture(model, ids, sites):
     return out
 '''
 
-# diffquant's own workflow: the streaming profile, nothing per token kept.
-DIFFQUANT = r'''
+# What diffquant's two workflows share: load the windows and the model, start the clocks; `RUN` (the workflow)
+# sets `stats`, then `REPORT` prints the RESULT line.
+LOCAL_HEAD = r'''
 import json, sys, time
 import numpy as np
 import torch, transformers
 from diffquant.models.load import load_model
-from diffquant.profile import profile_model
 
 def _peak_kib():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
@@ -198,38 +198,32 @@ def _peak_kib():
 ids = torch.from_numpy(np.load(ARGS["ids"]))
 model, _ = load_model(ARGS["model_dir"])
 t, cpu = time.perf_counter(), time.process_time()
+'''
+LOCAL_REPORT = r'''
+seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib": _peak_kib(), "stats": stats,
+                              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}))
+'''
+
+# diffquant's own workflow: the streaming profile, nothing per token kept.
+DIFFQUANT = LOCAL_HEAD + r'''
+from diffquant.profile import profile_model
+
 prof = profile_model(model, ids, ARGS["sites"], batch_size=ARGS["batch_size"], k=100, progress=False)
 stats = {}
 for site in ARGS["sites"]:
     s = prof.sites[site].summary(full=False)
     stats[site] = {"count": s["count"], **{r: s["top"].get(r) for r in ("top1", "top10", "top100")},
                    "median": s["quantiles"]["median"], "kurtosis": s["kurtosis"]}
-seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
-print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib": _peak_kib(), "stats": stats,
-                              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}))
-'''
-
+''' + LOCAL_REPORT
 
 # The floor: the same forward passes with nothing attached.
-FORWARD = r'''
-import json, time
-import numpy as np
-import torch, transformers
-from diffquant.models.load import load_model
-
-def _peak_kib():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
-
-ids = torch.from_numpy(np.load(ARGS["ids"]))
-model, _ = load_model(ARGS["model_dir"])
-t, cpu = time.perf_counter(), time.process_time()
+FORWARD = LOCAL_HEAD + r'''
 with torch.inference_mode():
     for start in range(0, len(ids), ARGS["batch_size"]):
         model(ids[start:start + ARGS["batch_size"]], use_cache=False, logits_to_keep=1)
-seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
-print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib": _peak_kib(), "stats": {},
-                              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}))
-'''
+stats = {}
+''' + LOCAL_REPORT
 
 
 def venv_python(peer: str) -> Path:
