@@ -66,6 +66,16 @@ def test_lambda_near_one_leaves_the_share_undefined():
     assert "sink_rate_map" not in rates
 
 
+def test_lambda_above_one_leaves_the_share_undefined():
+    """The case found in a trained guo DIFF: λ = 1.077, A1 puts 0.0013 on token 0 and A2 0.128, so the map's
+    mass there is 0.0013 − 1.077·0.128 = −0.137 over a row sum of 1 − λ = −0.077: a 'share' of 1.78 that is
+    the opposite of a sink. Undefined, never counted."""
+    got = _layer([0.0013], [0.128], 1.077).summary(diff=True)
+    assert got["share"] == [None] and "1 − λ = -0.077" in got["share_undefined"]
+    assert got["sink"] == {"heads": 1, "sinks": 0, "undefined": 1}
+    assert model_sink_rates({0: got})["sink_rate"] is None  # no head with a defined share
+
+
 def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (rotate-half form) of x [batch, head, pos, d]."""
     d, t = x.shape[-1], x.shape[2]

@@ -29,7 +29,7 @@ import torch
 from diffquant.errors import DiffquantError
 
 EPSILON = 0.3
-LAMBDA_GUARD = 0.05  # |1 − λ| at or below which a differential head's share is undefined
+LAMBDA_GUARD = 0.05  # 1 − λ at or below which a differential head's share is undefined (λ ≥ 0.95, λ > 1 included)
 # Results files name the sink rate they hold: "share" = DIFF counted per differential head by its share on token 0.
 # Files without it were written when DIFF's rate pooled its A1 and A2 maps (A2 is subtracted: no headline).
 SINK_DEFINITION = "share"
@@ -40,9 +40,10 @@ def differential_share(map_mass: list[float], lam: float | None) -> tuple[list[f
     map A1 − λ·A2; (None, why) where the share is undefined."""
     if lam is None:
         return None, "λ was not observed"
-    if abs(1.0 - lam) <= LAMBDA_GUARD:
-        return None, (f"|1 − λ| = {abs(1.0 - lam):.3g} ≤ {LAMBDA_GUARD}: the differential map's rows sum to "
-                      "about 0, so a share of them is undefined")
+    if 1.0 - lam <= LAMBDA_GUARD:
+        return None, (f"1 − λ = {1.0 - lam:.3g} ≤ {LAMBDA_GUARD}: the differential map's rows sum to about 0 or "
+                      "less, so a share of them is undefined (with λ > 1 a negative mass over a negative sum would "
+                      "read as a large share)")
     return [m / (1.0 - lam) for m in map_mass], None
 
 
