@@ -76,17 +76,26 @@ def _extremes(layers: dict[int, dict]) -> dict:
     return out
 
 
-def tokens_to_reach(tokens: list[int], values: list, target: float) -> float | None:
-    """Tokens where a log-log line through the second half of the (tokens > 0, value > 0) points of a tracked
-    curve reaches `target`: the budget extrapolation of a metric that has not got there yet. None with fewer
-    than 3 such points or a line that does not rise."""
+def loglog_fit(tokens: list[int], values: list) -> dict | None:
+    """The least-squares line log(value) = a + b·log(tokens) through the second half of the (tokens > 0,
+    value > 0) points of a tracked curve: {"slope", "intercept", "r2", "points"}; None with fewer than 3."""
     pts = [(t, v) for t, v in zip(tokens, values) if t > 0 and v]
     pts = pts[len(pts) // 2:]
     if len(pts) < 3:
         return None
     xs, ys = [math.log(t) for t, _ in pts], [math.log(v) for _, v in pts]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    if slope <= 0:
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    syy = sum((y - my) ** 2 for y in ys)
+    r2 = slope * slope * sxx / syy if syy else 1.0
+    return {"slope": slope, "intercept": my - slope * mx, "r2": r2, "points": len(pts)}
+
+
+def tokens_to_reach(tokens: list[int], values: list, target: float) -> float | None:
+    """Tokens where `loglog_fit`'s line reaches `target`: the budget extrapolation of a metric that has not got
+    there yet. None with fewer than 3 points or a line that does not rise."""
+    fit = loglog_fit(tokens, values)
+    if fit is None or fit["slope"] <= 0:
         return None
-    return math.exp(mx + (math.log(target) - my) / slope)
+    return math.exp((math.log(target) - fit["intercept"]) / fit["slope"])

@@ -20,6 +20,8 @@ from dataclasses import fields
 from pathlib import Path
 
 SHARE, PEAK_GROWTH = 0.5, 20.0
+MIN_R2 = 0.5  # an extrapolation from a worse log-log fit is not reported as a number
+THEIR_TOKENS = 10_000 * 512 * 256  # Guo et al.: 10k steps of 512 sequences of 256 predicted tokens
 RECIPE = ("baseline", 3e-4)  # Guo et al.'s design and rate
 
 
@@ -46,28 +48,44 @@ def series(curve: list[dict]) -> dict[str, list]:
 
 def verdict(s: dict) -> dict:
     """Whether and when (first snapshot) each criterion was met, else its extrapolated token count."""
-    from diffquant.track import tokens_to_reach
+    from diffquant.track import loglog_fit, tokens_to_reach
 
     out = {}
     for key, target in (("share_max", SHARE), ("peak_growth", PEAK_GROWTH)):
         hit = next((t for t, v in zip(s["tokens"], s[key]) if v is not None and v >= target), None)
-        out[key] = {"target": target, "reached_at": hit, "final": s[key][-1],
+        fit = loglog_fit(s["tokens"], s[key])
+        out[key] = {"target": target, "reached_at": hit, "final": s[key][-1], "fit_r2": fit and fit["r2"],
                     "extrapolated_tokens": None if hit is not None else tokens_to_reach(s["tokens"], s[key], target)}
     out["regime"] = any(v["reached_at"] is not None for v in out.values())
     return out
 
 
-def sentence(v: dict, tokens: int) -> str:
+def sentence(v: dict, tokens: int, losses: list[float]) -> str:
+    """The verdict, with what was reduced from Guo et al.'s setting next to it."""
+    from fair_rivals import GUO_TRAIN
+
+    step = GUO_TRAIN["batch_size"] * GUO_TRAIN["seq_len"]
+    where = (f"In a reduced version of Guo et al.'s recipe (Llama layout, a synthetic bigram chain, batch "
+             f"{GUO_TRAIN['batch_size']}, {tokens // step} AdamW steps against their 10,000, {tokens / THEIR_TOKENS:.3%} "
+             f"of their tokens; seed 0), the baseline")
     share, peak = v["share_max"], v["peak_growth"]
     if v["regime"]:
         parts = [f"{name} at {c['reached_at']:,} tokens" for name, c in
                  (("a sink (layer share ≥ 0.5)", share), ("a residual peak (≥ 20× initial)", peak)) if c["reached_at"]]
-        return f"Guo et al.'s recipe gave the baseline an outlier regime within {tokens:,} tokens: " + "; ".join(parts) + "."
-    ext = lambda c: f"~{c['extrapolated_tokens']:.1e} tokens by extrapolation" if c["extrapolated_tokens"] \
-        else "no growth over the second half of the run to extrapolate"  # noqa: E731
-    return (f"Guo et al.'s recipe gave the baseline no outlier regime within {tokens:,} tokens per model: the largest "
-            f"layer's first-token share ended at {share['final']:.3f} (criterion 0.5; {ext(share)}) and "
-            f"max‖h‖/median‖h‖ at {peak['final']:.2f}× its initial value (criterion 20×; {ext(peak)}).")
+        return f"{where} reached the outlier regime within {tokens:,} tokens: " + "; ".join(parts) + "."
+
+    def ext(c):
+        if c["extrapolated_tokens"] is None:
+            return "no rise over the second half of the run to extrapolate"
+        if c["fit_r2"] < MIN_R2:
+            return (f"no usable extrapolation: the log-log line through the second half of the snapshots fits with "
+                    f"R² = {c['fit_r2']:.2f}")
+        return f"~{c['extrapolated_tokens']:.1e} tokens by extrapolation (R² = {c['fit_r2']:.2f})"
+
+    return (f"{where} reached no outlier regime within {tokens:,} tokens: the largest layer's first-token share ended at "
+            f"{share['final']:.3f} (criterion 0.5; {ext(share)}) and max‖h‖/median‖h‖ at {peak['final']:.2f}× its "
+            f"initial value (criterion 20×; {ext(peak)}). The loss on the tracked held-out sequences was still falling ({losses[-2]:.3f} → "
+            f"{losses[-1]:.3f} over the last interval): the task was not learned to its end.")
 
 
 def load_cells(cells: Path) -> dict[tuple[str, float], dict]:
@@ -103,7 +121,7 @@ def report(cells: dict, out: Path) -> dict | None:
                      ("yes" if cv["regime"] else "no") if d == RECIPE[0] else "-"])
     doc = {"criterion": {"share_max": SHARE, "peak_growth": PEAK_GROWTH}, "recipe": {"design": RECIPE[0], "lr": RECIPE[1]},
            "tokens": recipe["train_tokens"], "parameters": recipe["parameters"], "verdict": v, "sentence":
-           sentence(v, recipe["train_tokens"]), "series": s}
+           sentence(v, recipe["train_tokens"], s["loss"]), "series": s}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "results.json", doc)
     md = ["# Guo et al.'s recipe on this machine: is there an outlier regime?\n", f"**Verdict.** {doc['sentence']}\n",
@@ -115,7 +133,7 @@ def report(cells: dict, out: Path) -> dict | None:
           "Final snapshot of each sweep run. The criterion is the baseline's (softmax heads); DIFF's share is its "
           "differential map's mass on token 0 divided by the map's row sum 1 − λ, which exceeds 1 where λ·A2 puts "
           "more mass on the other tokens than A1 does (0 < λ < 1), so it is shown, not judged:\n",
-          markdown(["design", "lr", "tokens", "held-out loss", "largest layer first-token share", "max‖h‖/median‖h‖",
+          markdown(["design", "lr", "tokens", f"loss ({tracked} tracked sequences)", "largest layer first-token share", "max‖h‖/median‖h‖",
                     "growth over init", "value-norm ratio (min)", "regime"], rows),
           f"\nCurves of the baseline and DIFF at Guo et al.'s rate ({RECIPE[1]:g}):\n\n![curves](curves.png)\n"]
     atomic_write_text(out / "results.md", "\n".join(md))

@@ -46,3 +46,24 @@ def test_extrapolation_of_an_exact_power_law():
 def test_missing_recipe_cell_is_one_clear_line(tmp_path):
     with pytest.raises(SystemExit, match="no finished baseline cell at lr 0.0003"):
         regime.main(["--cells", str(tmp_path), "--out", str(tmp_path / "out")])
+
+
+def test_a_poor_fit_is_not_reported_as_a_number():
+    from diffquant.track import loglog_fit
+
+    tokens = [0, 1000, 2000, 4000, 8000, 16000, 32000]
+    exact = [0.01 * math.sqrt(t / 1000) if t else 0.01 for t in tokens]
+    assert loglog_fit(tokens, exact)["r2"] == pytest.approx(1.0)
+    # flat, then one jump at the end: the line rises, but explains little
+    noisy = [0.02, 0.02, 0.03, 0.035, 0.033, 0.024, 0.051]
+    fit = loglog_fit(tokens, noisy)
+    xs = [math.log(t) for t in tokens[3:]]
+    ys = [math.log(v) for v in noisy[3:]]
+    mx, my = sum(xs) / 4, sum(ys) / 4
+    r = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(
+        sum((x - mx) ** 2 for x in xs) * sum((y - my) ** 2 for y in ys))
+    assert fit["r2"] == pytest.approx(r * r) and fit["points"] == 4
+    v = regime.verdict(regime.series([point(t, [s], 1.0, loss=3.0 - i / 10) for i, (t, s) in
+                                      enumerate(zip(tokens, noisy))]))
+    assert v["share_max"]["fit_r2"] < regime.MIN_R2
+    assert "no usable extrapolation" in regime.sentence(v, 838_848, [2.9, 2.8])
