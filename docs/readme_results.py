@@ -246,13 +246,14 @@ def search_pair_note() -> list[str]:
     if not search:
         return []
     sys.path.insert(0, str(ROOT / "experiments"))
-    from emergence import SEARCH, choose, in_regime
+    from emergence import RATIO, SEARCH, choose, in_regime
 
     name = choose(SEARCH, search["results"])
     m = search["results"][name]
-    state = ("an outlier regime" if in_regime(m) else
-             f"not an outlier regime: the search reached none, and this baseline's hidden top-1/median is "
-             f"{m['hidden_ratio']:.1f} with sink rate {m['sink_rate']:.2f}")
+    state = ("in the outlier regime" if in_regime(m) else
+             f"not in the outlier regime: the search reached none, and this baseline's hidden top-1/median (seed "
+             f"{search['seed']}, {search['eval_sequences']} held-out sequences) is {m['hidden_ratio']:.1f}, where the "
+             f"regime starts at {RATIO:g}, with sink rate {m['sink_rate']:.2f}")
     return [f"`{name}` is the pair of the setting the emergence search chose; it is {state}.", ""]
 
 

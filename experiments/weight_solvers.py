@@ -134,21 +134,28 @@ def report(r: dict) -> str:
     def ci(x):
         return f"[{x[0]:+.4f}, {x[1]:+.4f}]" if x else ""
 
-    lines = [["float", f"{r['float']['ppl']:.3f}", "", "", "", ""]]
+    fp = r["float"]
+    lines = [["float", f"{fp['ppl']:.3f} [{fp['ppl_ci95'][0]:.3f}, {fp['ppl_ci95'][1]:.3f}]", "", "", "", ""]]
+    rtn = next((row for row in r["rows"] if row["weights"] == "rtn"), None)
     for row in r["rows"]:
-        rec = row.get("rtn_cost_recovered")
+        rec, band = row.get("rtn_cost_recovered"), row.get("delta_loss_vs_rtn_ci95")
+        if rec is not None and band and rtn and rtn["delta_loss"] > 0:  # RTN's own uncertainty not carried
+            rec_text = f"{100 * rec:.0f}% [{-100 * band[1] / rtn['delta_loss']:.0f}, {-100 * band[0] / rtn['delta_loss']:.0f}]"
+        else:
+            rec_text = f"{100 * rec:.0f}%" if rec is not None else "-"
         lines.append([row["weights"], f"{row['ppl']:.3f} [{row['ppl_ci95'][0]:.3f}, {row['ppl_ci95'][1]:.3f}]",
                       f"{row['delta_loss']:+.4f} {ci(row.get('delta_loss_ci95'))}",
                       f"{row['delta_loss_vs_rtn']:+.4f} {ci(row['delta_loss_vs_rtn_ci95'])}"
                       if "delta_loss_vs_rtn" in row else "-",
-                      f"{100 * rec:.0f}%" if rec is not None else "-", f"{row['solve_seconds']:.0f} s"])
+                      rec_text, f"{row['solve_seconds']:.0f} s"])
     e, c = r["evaluation"], r["calibration"]
     head = (f"{r['model']}, scheme {r['scheme']['name']} (int4 symmetric, groups of 128, activations in float). "
             f"Held-out: {e['corpus']}, {e['predicted_tokens']:,} predicted tokens ({e['sequences']} × {e['seq_len']}); "
             f"calibration: {c['corpus']}, {c['sequences']} windows ({c['tokens']:,} tokens). Brackets: 95% intervals "
             "(perplexity: over sequences; Δloss: paired over the same sequences). Recovered: 1 − Δloss(solver) / "
-            "Δloss(RTN). Solve time: wall clock on this machine's CPU, beside other jobs (a benchmark note, not a "
-            "controlled timing).\n\n")
+            "Δloss(RTN), in brackets the paired Δloss-vs-RTN interval over Δloss(RTN) (RTN's own uncertainty not "
+            "carried), so solvers whose brackets overlap are not told apart. Solve time: wall clock, one thread on a "
+            "2-core CPU shared with other jobs (a benchmark note, not a controlled timing).\n\n")
     return head + markdown(["weights", "perplexity [95%]", "Δloss vs float", "Δloss vs RTN", "RTN cost recovered",
                             "solve time"], lines) + "\n"
 
