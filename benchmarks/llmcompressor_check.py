@@ -1,6 +1,6 @@
 """diffquant's GPTQ beside llm-compressor's, on the same model, calibration and evaluation tokens.
 
-    python benchmarks/llmcompressor_check.py [--calibration N] [--quick]
+    python benchmarks/llmcompressor_check.py [--calibration 128] [--group 64]
 
 llm-compressor 0.14 pins transformers 5.17, so it runs in its own virtual environment,
 benchmarks/.peers/llmcompressor-venv (created on first use; the project's dependencies do not change), as
@@ -8,9 +8,12 @@ a subprocess that loads the same SmolLM2-135M-Instruct folder benchmarks/peers.p
 GGUF dequantized to fp32), calibrates on the same KJV training windows diffquant's weight solvers use, and
 returns (a) its own per-sequence losses on the evaluation windows, computed by its quantized model's
 forward, and (b) every quantized Linear's dequantized weight (compressed-tensors' `fake_quantize` with its
-scales). Both sides use W4A16 as llm-compressor's preset defines it (int4 symmetric, groups of 128,
-lm_head left in float) and GPTQ without act-order (`actorder=None`), dampening 1% of the mean diagonal and
-blocks of 128; llm-compressor's default (static act-order) is a second row.
+scales). Both sides quantize every Linear but lm_head to int4 symmetric in groups of `--group` (64: llm-
+compressor needs the group to divide the input width, and SmolLM2's 576 = 4.5 × 128 does not, where diffquant's
+w4a16 ends each row with a ragged group of 64), with GPTQ without act-order (`actorder=None`), dampening 1%
+of the mean diagonal and blocks of 128; llm-compressor's default (static act-order) is another row. The two
+libraries' int4 grids differ: diffquant's symmetric int4 has 15 levels (±7, scale absmax/7), compressed-
+tensors' 16 (−8..7, scale 2·absmax/15), so RTN and GPTQ differ by the grid as well as by the solver.
 
 In this environment: diffquant's RTN and GPTQ on the same weights, each evaluated by
 `diffquant.evaluate.language_modeling`; llm-compressor's dequantized weights loaded into the float model and
@@ -143,27 +146,30 @@ def main(argv=None) -> None:
 
     from diffquant.evaluate import language_modeling
     from diffquant.quant import solvers
-    from diffquant.quant.scheme import get_scheme, quantize_
     from diffquant.paths import atomic_write_json, atomic_write_text
+    from diffquant.quant import granularity as G
+    from diffquant.quant.config import int_config
+    from diffquant.quant.scheme import LAYER_WEIGHTS, QuantScheme, quantize_
     from diffquant.sweep import versus_float
-    from mitigations import EVAL_TOKENS, held_out_and_calibration
     from peers import SCRATCH, export_model
+    from weight_solvers import CALIBRATION_WINDOWS, _data
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calibration", type=int, default=16, help="calibration windows of 256 tokens (training split)")
+    p.add_argument("--calibration", type=int, default=CALIBRATION_WINDOWS,
+                   help="calibration windows of 256 tokens from the training split (weight_solvers.py's)")
+    p.add_argument("--group", type=int, default=64, help="int4 group size (must divide 576 and 1536)")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    model_dir, tok = export_model()
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    seqs, calib, _, _ = held_out_and_calibration(tok, None, EVAL_TOKENS, calibration=a.calibration)
+    model_dir, _ = export_model()
+    model, _, seqs, calib, label = _data(False, a.calibration)
+    model.eval()
     calib_path, eval_path = SCRATCH / f"calib-{a.calibration}.npy", SCRATCH / "eval.npy"
     np.save(calib_path, calib.numpy())
     np.save(eval_path, seqs.numpy())
     fp = language_modeling(model, seqs)
-    scheme = get_scheme("w4a16")
+    scheme = QuantScheme(f"w4a16-g{a.group}", (), ((LAYER_WEIGHTS, int_config(4, G.PerGroup(a.group))),),
+                         f"int4 weights in groups of {a.group}, activations in full precision")
     rows, errors = [], {}
     for name in ("rtn", "gptq"):
         t0 = time.perf_counter()
@@ -181,8 +187,8 @@ def main(argv=None) -> None:
         rows.append({"weights": f"diffquant {name}", "seconds": seconds, **_eval_row(r, fp, versus_float)})
         errors[f"diffquant {name}"] = layer_errors(model, dequant, calib)
     for actorder, label in (("none", "llm-compressor gptq"), ("default", "llm-compressor gptq (static act-order)")):
-        weights_path = SCRATCH / f"llmc-{actorder}-{a.calibration}.safetensors"
-        peer = run_peer(model_dir, calib_path, eval_path, weights_path, actorder)
+        weights_path = SCRATCH / f"llmc-{actorder}-{a.calibration}-g{a.group}.safetensors"
+        peer = run_peer(model_dir, calib_path, eval_path, weights_path, actorder, a.group)
         theirs = load_file(weights_path)
         errors[label] = layer_errors(model, theirs, calib)
         saved = {k: v.detach().clone() for k, v in model.state_dict().items() if k in theirs}
@@ -195,8 +201,8 @@ def main(argv=None) -> None:
         own = sum(peer["per_sequence_loss"]) / len(peer["per_sequence_loss"])
         rows.append({"weights": label, "seconds": peer["seconds"], "own_forward_loss": own, "grid": peer["grid"],
                      "versions": peer["versions"], **_eval_row(r, fp, versus_float)})
-    result = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)", "scheme": "W4A16: int4 symmetric, "
-              "groups of 128, lm_head in float", "calibration": {"windows": len(calib), "tokens": int(calib.numel()),
+    result = {"model": label, "scheme": f"int4 symmetric weights in groups of {a.group} (every Linear but lm_head), "
+              "activations in float", "calibration": {"windows": len(calib), "tokens": int(calib.numel()),
                                                                 "corpus": "kjv (training split)"},
               "evaluation": {"sequences": len(seqs), "predicted_tokens": fp["tokens"], "corpus": "kjv (validation split)"},
               "float": {k: fp[k] for k in ("loss", "ppl", "ppl_ci95")}, "rows": _paired(rows),
