@@ -308,6 +308,8 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--needle", action="store_true",
                    help="instead: needle retrieval decoded through each preset's quantized cache (quick: 2 examples)")
+    p.add_argument("--examples", type=int, default=10, help="needle examples (two questions each)")
+    p.add_argument("--chars", type=int, default=1000, help="needle haystack length in characters")
     p.add_argument("--render", action="store_true", help="only rewrite the reports (md, figure) from the committed json")
     a = p.parse_args(argv)
     s = Settings(quick=a.quick)
@@ -322,7 +324,7 @@ def main(argv=None) -> None:
         return
     torch.manual_seed(0)
     if a.needle:
-        examples, chars = (2, 300) if s.quick else (20, 2000)
+        examples, chars = (2, 300) if s.quick else (a.examples, a.chars)
         write("needle", s, [needle_run(m, s, examples, chars) for m in s.models], needle_table)
     elif a.decode:
         prompt, new = (32, 16) if s.quick else (128, 64)
