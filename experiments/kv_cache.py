@@ -167,7 +167,7 @@ def needle_run(source: str, s: Settings, examples: int, context_chars: int) -> d
 def needle_table(doc: dict) -> str:
     from diffquant.quant.scheme import get_scheme
     from diffquant.report.tables import markdown
-    from diffquant.stats.intervals import mcnemar_exact, wilson
+    from diffquant.stats.intervals import holm_adjust, mcnemar_exact, wilson
 
     parts = ["Needle retrieval decoded through a quantized KV cache (`diffquant.data.needle`): six needles \"the magic "
              "number of CITY is NNNN\" at depths 0/25/50/75/100% of a held-out KJV haystack, two questions per "
@@ -177,6 +177,9 @@ def needle_table(doc: dict) -> str:
              "two-sided) are paired with full precision over the same questions."]
     for m in doc["models"]:
         fp = next(r for r in m["rows"] if r["scheme"] == "fp")
+        tests = {(r["scheme"], i): mcnemar_exact([q[i] for q in fp["per_query"]], [q[i] for q in r["per_query"]])
+                 for r in m["rows"] if r["scheme"] != "fp" for i in (0, 1)}
+        holm = dict(zip(tests, holm_adjust([t["p"] for t in tests.values()])))
         body = []
         for r in m["rows"]:
             n = r["queries"]
@@ -189,13 +192,14 @@ def needle_table(doc: dict) -> str:
                 if r["scheme"] == "fp":
                     cells.append("-")
                 else:
-                    t = mcnemar_exact([q[i] for q in fp["per_query"]], [q[i] for q in r["per_query"]])
-                    cells.append(f"{100 * t['delta']:+.1f} ({t['gained']}/{t['lost']}, p {t['p']:.2g})")
+                    t = tests[(r["scheme"], i)]
+                    cells.append(f"{100 * t['delta']:+.1f} ({t['gained']}/{t['lost']}, p {t['p']:.2g}, "
+                                 f"Holm {holm[(r['scheme'], i)]:.2g})")
             body.append(cells)
         lo, hi = m["prompt_tokens"]
         parts.append(f"**{m['label']}**: {m['examples']} examples × 2 questions = {fp['queries']} questions; haystack "
                      f"{m['context_chars']:,} characters, {lo:,}–{hi:,} tokens with the question; chance "
-                     f"{100 * fp['chance']:.1f}%.\n\n"
+                     f"{100 * fp['chance']:.1f}%; Holm over the table's {len(tests)} tests.\n\n"
                      + markdown(["cache", "scheme", "choice % [95%]", "Δ choice (gained/lost, McNemar p)",
                                  "exact % [95%]", "Δ exact (gained/lost, McNemar p)"], body))
     return "\n\n".join(parts) + "\n"
