@@ -186,11 +186,11 @@ def main(argv=None) -> None:
             solved.remove()
         rows.append({"weights": f"diffquant {name}", "seconds": seconds, **_eval_row(r, fp, versus_float)})
         errors[f"diffquant {name}"] = layer_errors(model, dequant, calib)
-    for actorder, label in (("none", "llm-compressor gptq"), ("default", "llm-compressor gptq (static act-order)")):
+    for actorder, row_label in (("none", "llm-compressor gptq"), ("default", "llm-compressor gptq (static act-order)")):
         weights_path = SCRATCH / f"llmc-{actorder}-{a.calibration}-g{a.group}.safetensors"
         peer = run_peer(model_dir, calib_path, eval_path, weights_path, actorder, a.group)
         theirs = load_file(weights_path)
-        errors[label] = layer_errors(model, theirs, calib)
+        errors[row_label] = layer_errors(model, theirs, calib)
         saved = {k: v.detach().clone() for k, v in model.state_dict().items() if k in theirs}
         with torch.no_grad():
             for k, v in theirs.items():
@@ -199,7 +199,7 @@ def main(argv=None) -> None:
             for k, v in saved.items():
                 model.get_parameter(k).copy_(v)
         own = sum(peer["per_sequence_loss"]) / len(peer["per_sequence_loss"])
-        rows.append({"weights": label, "seconds": peer["seconds"], "own_forward_loss": own, "grid": peer["grid"],
+        rows.append({"weights": row_label, "seconds": peer["seconds"], "own_forward_loss": own, "grid": peer["grid"],
                      "versions": peer["versions"], **_eval_row(r, fp, versus_float)})
     result = {"model": label, "scheme": f"int4 symmetric weights in groups of {a.group} (every Linear but lm_head), "
               "activations in float", "calibration": {"windows": len(calib), "tokens": int(calib.numel()),
@@ -238,12 +238,14 @@ def report(r: dict) -> str:
 
     from diffquant.report.tables import markdown
 
-    body = [["float", f"{r['float']['ppl']:.3f}", "", "", "", "", ""]]
+    fci = r["float"]["ppl_ci95"]
+    body = [["float", f"{r['float']['ppl']:.3f} [{fci[0]:.3f}, {fci[1]:.3f}]", "", "", "", "", ""]]
     for row in r["rows"]:
         err = r["layer_errors"][row["weights"]]
         ci = row.get("delta_vs_diffquant_gptq_ci95")
         body.append([row["weights"], f"{row['ppl']:.3f} [{row['ppl_ci95'][0]:.3f}, {row['ppl_ci95'][1]:.3f}]",
-                     f"{row['delta_loss']:+.4f}", "-" if ci is None else
+                     f"{row['delta_loss']:+.4f} [{row['delta_loss_ci95'][0]:+.4f}, {row['delta_loss_ci95'][1]:+.4f}]",
+                     "-" if ci is None else
                      f"{row['delta_vs_diffquant_gptq']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]",
                      f"{statistics.median(err.values()):.2e}", f"{max(err.values()):.2e}",
                      "-" if "own_forward_loss" not in row else f"{row['own_forward_loss']:.4f} (ours {row['loss']:.4f})"])
@@ -278,9 +280,13 @@ def reading(r: dict) -> str:
     return (f"\nThe two plain GPTQs: llm-compressor's minus diffquant's held-out loss {theirs['delta_vs_diffquant_gptq']:+.4f} "
             f"nats [{lo:+.4f}, {hi:+.4f}] ({side}, one calibration set, one run), while llm-compressor's median "
             f"per-Linear output error on float inputs is {med['llm-compressor gptq']:.2e} against diffquant's "
-            f"{med['diffquant gptq']:.2e}. The implementations differ at least in the int4 grid (15 against 16 levels, "
-            "above) and in how each builds its Hessians (llm-compressor's sequential pipeline and its own hooks); "
-            f"which of these makes the gap was not isolated. llm-compressor's own quantized forward and ours on its "
+            f"{med['diffquant gptq']:.2e}. The implementations differ at least in the int4 grid (diffquant: −7..7 with "
+            "scale absmax/7, 15 levels; compressed-tensors: −8..7 with scale absmax/7.5, 16 levels) and in when group "
+            "scales are set (llm-compressor from the original weights, a check by hand on layer 5's q_proj: every group "
+            "sits on its original absmax/7.5; diffquant from the weights as GPTQ has updated them, as the reference "
+            "does); which of these makes the gap was not isolated. The act-order row is compared with diffquant's GPTQ "
+            "without act-order: diffquant's gptq:act-order was not run in this check. "
+            f"llm-compressor's own quantized forward and ours on its "
             f"dequantized weights differ by at most {gap:.1e} nats in mean loss (last column), so the comparison reads "
             "its weights as it uses them.\n")
 

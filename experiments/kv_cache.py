@@ -170,10 +170,13 @@ def needle_table(doc: dict) -> str:
     from diffquant.stats.intervals import holm_adjust, mcnemar_exact, wilson
 
     parts = ["Needle retrieval decoded through a quantized KV cache (`diffquant.data.needle`): six needles \"the magic "
-             "number of CITY is NNNN\" at depths 0/25/50/75/100% of a held-out KJV haystack, two questions per "
-             "example; the context and question in one forward into a write-once cache (each key and value quantized "
-             "once, when written), each answer decoded one token per forward. choice: the asked number is the likeliest "
-             "of the six; exact: greedy decoding reproduces it. Brackets: 95% Wilson intervals; Δ and McNemar p (exact, "
+             "number of CITY is NNNN\" at depths 0/0/25/50/75/100% of a held-out KJV haystack, two questions per "
+             "example; the context and question in one forward into a write-once cache, each entry quantized once, "
+             "when final (on write, except KIVI's 128 most recent positions and incomplete 32-position key runs, which "
+             "stay in full precision), each answer decoded one token per forward. The fp row is scored without a "
+             "cache: one forward over context, question and candidate, greedy by `generate` (the same computation; "
+             "tested equal on a random micro model, not on this one). choice: the asked number is the likeliest of the "
+             "six; exact: greedy decoding reproduces it. Brackets: 95% Wilson intervals; Δ and McNemar p (exact, "
              "two-sided) are paired with full precision over the same questions."]
     for m in doc["models"]:
         fp = next(r for r in m["rows"] if r["scheme"] == "fp")
@@ -198,7 +201,7 @@ def needle_table(doc: dict) -> str:
             body.append(cells)
         lo, hi = m["prompt_tokens"]
         parts.append(f"**{m['label']}**: {m['examples']} examples × 2 questions = {fp['queries']} questions; haystack "
-                     f"{m['context_chars']:,} characters, {lo:,}–{hi:,} tokens with the question; chance "
+                     f"≥ {m['context_chars']:,} characters, {lo:,}–{hi:,} tokens with the question; chance (choice) "
                      f"{100 * fp['chance']:.1f}%; Holm over the table's {len(tests)} tests.\n\n"
                      + markdown(["cache", "scheme", "choice % [95%]", "Δ choice (gained/lost, McNemar p)",
                                  "exact % [95%]", "Δ exact (gained/lost, McNemar p)"], body))
