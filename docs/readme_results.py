@@ -162,8 +162,16 @@ def regime_part() -> list[str]:
     if results is None:
         return []
     body = (ROOT / "docs/regime/results.md").read_text().split("\n", 1)[1].strip()  # its own title dropped
-    return ["### Guo et al.'s recipe: is there an outlier regime? (`experiments/regime.py`)", "",
-            body.replace("](curves.png)", "](docs/regime/curves.png)"), ""]
+    lines = ["### Guo et al.'s recipe: is there an outlier regime? (`experiments/regime.py`)", "",
+             body.replace("](curves.png)", "](docs/regime/curves.png)"), ""]
+    plan = _load("docs/rivals/fair-guo/plan.json")
+    if plan and not (ROOT / "docs/rivals/fair-guo/results.json").is_file():
+        done = len(list((ROOT / "docs/rivals/fair-guo/cells").glob("*/lr*/s*.json")))
+        lines += [f"The fair comparison of every design in this setting (`experiments/fair_rivals.py`: each design's "
+                  f"own learning rate, {len(plan['seeds'])} seeds, matched tokens and loss) is in progress: {done} of "
+                  f"its {plan['runs']} runs are measured (docs/rivals/fair-guo/cells); no comparison is reported "
+                  "before every seed is in.", ""]
+    return lines
 
 
 def rivals_part() -> list[str]:
