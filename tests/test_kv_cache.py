@@ -262,7 +262,7 @@ def test_keep_windows_need_a_position_dim(llama_gqa):
 
 
 def test_scheme_round_trip_and_label():
-    for name in ("kv8", "kv4", "k4v2", "kv4-sink1", "kivi2", "kvquant4-sink1"):
+    for name in ("kv8", "kv4", "k4v2", "kv4-sink1", "kivi2", "kvquant4-sink1", "kv4-had", "k4v2-had"):
         scheme = get_scheme(name)
         assert QuantScheme.from_dict(scheme.to_dict()) == scheme
     assert G.parse_granularity("kv-channel:32") == G.KVChannel(32)
@@ -412,3 +412,48 @@ def test_needle_through_a_quantized_cache():
     a = needle.needle_accuracy(model, tok, hay, n_needles=3, n_queries=1, examples=2, kv_scheme=kept, context_chars=100)
     b = needle.needle_accuracy(model, tok, hay, n_needles=3, n_queries=1, examples=2, context_chars=100)
     assert a["per_query"] == b["per_query"] and a["queries"] == 2
+
+
+def walsh(n):
+    """Sylvester's normalised Hadamard matrix of order n (a power of 2), built here by hand."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def test_hadamard_cache_quantizes_each_head_in_a_hadamard_basis(llama_gqa, ids):
+    """kv4-had: y = minmax(x·H)·Hᵀ per token and KV head, H the normalised Hadamard of the head dim; in float
+    the rotation is invisible: (q·H)·(k·H)ᵀ = q·kᵀ, so a 16-bit hadamard cache keeps the logits."""
+    fp, q = observe(llama_gqa, ids, scheme=get_scheme("kv4-had"))
+    h = walsh(16)
+    for name in ("layers.0.k_cache", "layers.1.v_cache"):
+        x, y = fp[name], q[name]
+        assert torch.allclose(y, minmax(x @ h, 4, (-1,)) @ h.T, atol=1e-5)
+        assert not torch.allclose(y, minmax(x, 4, (-1,)), atol=1e-3)  # not the unrotated quantizer
+    wide = QuantConfig(Format("int", 16, False, minmax=True), G.PerToken(), hadamard=True)
+    with torch.no_grad():
+        ref = llama_gqa(ids).logits
+        handle = quantize_(llama_gqa, QuantScheme("k16-had", (("*.k_cache", wide), ("*.v_cache", wide))))
+        out = llama_gqa(ids).logits
+        handle.remove()
+    assert torch.allclose(out, ref, atol=1e-3)
+
+
+def test_hadamard_keeps_sinks_bit_exact_decodes_as_prefill_and_is_refused_off_channels(llama_gqa, ids):
+    cfg = QuantConfig(Format("int", 4, False, minmax=True), G.PerToken(), keep_first=1, hadamard=True)
+    scheme = QuantScheme("kv4-had-sink1", (("*.k_cache", cfg), ("*.v_cache", cfg)))
+    fp, q = observe(llama_gqa, ids, scheme=scheme)
+    x, y = fp["layers.0.k_cache"], q["layers.0.k_cache"]
+    assert torch.equal(y[:, :, :1], x[:, :, :1])
+    new = decode_greedy(llama_gqa, ids[:, :6], scheme, 6)
+    handle = quantize_(llama_gqa, scheme)
+    with torch.no_grad():
+        teacher = llama_gqa(torch.cat([ids[:, :6], new], dim=1)).logits[:, 5:-1].argmax(-1)
+    handle.remove()
+    assert torch.equal(teacher, new)
+    assert QuantConfig.from_dict(cfg.to_dict()) == cfg and cfg.label().endswith("/hadamard")
+    with pytest.raises(DiffquantError, match="rotates an activation's channels"):
+        quantize_(llama_gqa, QuantScheme("bad", (("*.attn_logits", QuantConfig(hadamard=True)),)))
+    with pytest.raises(DiffquantError, match="rotates an activation's channels"):
+        quantize_(llama_gqa, QuantScheme("bad", (), (("*.q_proj.weight", QuantConfig(hadamard=True)),)))

@@ -22,6 +22,7 @@ class QuantConfig:
     ema_momentum: float = 0.9
     keep_first: int = 0  # positions kept in full precision at the start (attention sinks; sites with a pos dim)
     keep_last: int = 0  # ... and at the end (KIVI's residual window of recent tokens)
+    hadamard: bool = False  # quantize x·H (H: normalised Hadamard over the last dim), give back Q(x·H)·Hᵀ
 
     def __post_init__(self) -> None:
         for name in ("keep_first", "keep_last"):
@@ -36,6 +37,8 @@ class QuantConfig:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
         if not 0 <= self.ema_momentum < 1:
             raise ValueError(f"ema_momentum must be in [0, 1), got {self.ema_momentum}")
+        if not isinstance(self.hadamard, bool):
+            raise ValueError(f"hadamard must be true or false, got {self.hadamard!r}")
         if not self.dynamic:
             if isinstance(self.granularity, G.PerToken):
                 raise ValueError("static (calibrated) scales cannot be per token: tokens differ between batches")
@@ -55,18 +58,18 @@ class QuantConfig:
         mode = "dyn" if self.dynamic else self.calibration
         keep = (f"/sink{self.keep_first}" if self.keep_first else "") + (f"/recent{self.keep_last}"
                                                                            if self.keep_last else "")
-        return f"{self.format.label()}/{G.label(self.granularity)}/{mode}{keep}"
+        return f"{self.format.label()}/{G.label(self.granularity)}/{mode}{keep}" + ("/hadamard" if self.hadamard else "")
 
     def to_dict(self) -> dict:
         out = {"format": self.format.label(), "granularity": G.to_dict(self.granularity), "dynamic": self.dynamic,
                "calibration": self.calibration, "percentile": self.percentile, "ema_momentum": self.ema_momentum}
-        out.update({k: getattr(self, k) for k in ("keep_first", "keep_last") if getattr(self, k)})
+        out.update({k: getattr(self, k) for k in ("keep_first", "keep_last", "hadamard") if getattr(self, k)})
         return out
 
     @staticmethod
     def from_dict(d: dict) -> "QuantConfig":
         known = {"format", "granularity", "dynamic", "calibration", "percentile", "ema_momentum", "bits", "keep_first",
-                 "keep_last"}
+                 "keep_last", "hadamard"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown quantizer keys {sorted(unknown)}; known: {sorted(known)}")
@@ -82,6 +85,7 @@ class QuantConfig:
             ema_momentum=float(d.get("ema_momentum", 0.9)),
             keep_first=int(d.get("keep_first", 0)),
             keep_last=int(d.get("keep_last", 0)),
+            hadamard=bool(d.get("hadamard", False)),
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -11,6 +12,23 @@ from diffquant.quant import math as Q
 from diffquant.quant.config import QuantConfig
 
 MSE_ALPHAS = torch.linspace(0.3, 1.0, 15)
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard(n: int) -> torch.Tensor | None:
+    from diffquant.quant.hadamard import hadamard
+
+    h = hadamard(n)
+    return None if h is None else h / n**0.5
+
+
+def rotation(n: int, dtype, device, site: str) -> torch.Tensor:
+    """The normalised n×n Hadamard matrix of a `hadamard` quantizer (QuaRot's unrandomised online one)."""
+    h = _hadamard(n)
+    if h is None:
+        raise DiffquantError(f"{site}: no Hadamard matrix of order {n} can be built (2^k times a Paley order); "
+                             "a hadamard quantizer needs one")
+    return h.to(device=device, dtype=dtype)
 
 
 class FakeQuant:
@@ -56,7 +74,17 @@ class FakeQuant:
         return torch.cat([x.narrow(pos, 0, start), y, x.narrow(pos, end, x.shape[pos] - end)], dim=pos)
 
     def apply_all(self, x: torch.Tensor, ctx) -> torch.Tensor | None:
-        """Quantize every position of x, ignoring the config's kept windows (the caller chose the span)."""
+        """Quantize every position of x, ignoring the config's kept windows (the caller chose the span).
+        `hadamard`: x is quantized in the basis of a normalised Hadamard H over its last dimension and
+        rotated back, Q(x·H)·Hᵀ, which is what a reader that absorbs H computes (QuaRot's online Q/K
+        rotation for keys: (q·H)·Q(k·H)ᵀ = q·(Q(k·H)·Hᵀ)ᵀ)."""
+        if self.config.hadamard:
+            h = rotation(x.shape[-1], x.dtype, x.device, ctx.site.name)
+            y = self._apply(x @ h, ctx)
+            return None if y is None else y @ h.T
+        return self._apply(x, ctx)
+
+    def _apply(self, x: torch.Tensor, ctx) -> torch.Tensor | None:
         cfg = self.config
         if self.calibrating:
             self._observe(x, ctx)

@@ -118,11 +118,13 @@ def kv_scheme(name: str, k: QuantConfig, v: QuantConfig, description: str, pre_r
                        description=f"KV cache, {where}: {description}")
 
 
-def kv_config(bits: int, granularity=None, sink: int = 0, recent: int = 0) -> QuantConfig:
+def kv_config(bits: int, granularity=None, sink: int = 0, recent: int = 0, hadamard: bool = False) -> QuantConfig:
     """A KV-cache quantizer: integer min-max with a float offset (KIVI's and quanto's cache quantizers),
-    dynamic, `sink` first and `recent` last positions kept in full precision."""
+    dynamic, `sink` first and `recent` last positions kept in full precision; `hadamard`: each head's
+    channels quantized in a Hadamard basis (QuaRot's KV cache: Q and K rotated alike after RoPE, V's
+    rotation fused into v_proj and o_proj, so attention is unchanged in float)."""
     return QuantConfig(Format("int", bits, False, minmax=True), granularity or G.PerToken(), keep_first=sink,
-                       keep_last=recent)
+                       keep_last=recent, hadamard=hadamard)
 
 
 def kv_presets() -> dict[str, QuantScheme]:
@@ -130,6 +132,10 @@ def kv_presets() -> dict[str, QuantScheme]:
     out = [kv_scheme("kv8", kv_config(8), kv_config(8), f"int8 min-max keys and values, {tok}"),
            kv_scheme("kv4", kv_config(4), kv_config(4), f"int4 min-max keys and values, {tok}"),
            kv_scheme("k4v2", kv_config(4), kv_config(2), f"int4 keys, int2 values (min-max, {tok})"),
+           kv_scheme("kv4-had", kv_config(4, hadamard=True), kv_config(4, hadamard=True),
+                     f"QuaRot's KV4: int4 min-max keys and values, {tok}, each head's channels in a Hadamard basis"),
+           kv_scheme("k4v2-had", kv_config(4, hadamard=True), kv_config(2, hadamard=True),
+                     f"int4 keys, int2 values (min-max, {tok}), each head's channels in a Hadamard basis"),
            kv_scheme("kv4-sink1", kv_config(4, sink=1), kv_config(4, sink=1),
                      f"int4 min-max keys and values, {tok}; the first token (the attention sink) in full precision"),
            kv_scheme("kivi2", kv_config(2, G.KVChannel(32), recent=128), kv_config(2, G.PerGroup(32), recent=128),
@@ -189,6 +195,9 @@ def plan(model, scheme: QuantScheme) -> dict[str, QuantConfig]:
             if (config.keep_first or config.keep_last) and "pos" not in site.dims:
                 raise DiffquantError(f"{site.name}: keep_first/keep_last keep positions in full precision, but its "
                                      f"dims [{', '.join(site.dims)}] have no pos dimension")
+            if config.hadamard and (site.is_weight or site.dims[-1] not in ("channel", "dim")):
+                raise DiffquantError(f"{site.name}: a hadamard quantizer rotates an activation's channels "
+                                     f"(last dim channel or dim); its dims are [{', '.join(site.dims)}]")
             out[site.name] = config
     return out
 
