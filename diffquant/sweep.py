@@ -218,7 +218,7 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
     from tqdm.auto import tqdm
 
     from diffquant.quant import solvers
-    from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse
+    from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse, weights_for
     from diffquant.quant.scheme import calibrate, quantize_
 
     done = load_done(out)
@@ -235,10 +235,11 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
         if scheme.is_identity and fix is None and cell.model in fp_cache:
             metrics = fp_cache[cell.model]
         else:
-            applied = mitigate_(model, fix, calib)
+            applied = mitigate_(model, fix, calib, scheme)
             attachment = solved = None
             try:
-                solved = solvers.solve_weights_(model, solvers.parse(cell.weights), scheme, calib, progress=False)
+                solved = solvers.solve_weights_(model, solvers.parse(weights_for(fix, cell.weights)), scheme, calib,
+                                                progress=False)
                 scheme = solved.scheme(scheme)
                 attachment = quantize_(model, scheme, compile)
                 solved.install(attachment)

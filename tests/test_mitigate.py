@@ -245,3 +245,143 @@ def test_mitigations_experiment_evaluates_each_pair_on_its_own_corpus(tmp_path):
     assert val == split(text)[1] and corpus == str(tmp_path / "t.txt")
     ids = encode(tok, val)
     assert seqs[0].tolist() == list(ids[:32]) and seqs[1].tolist() == list(ids[32:64])
+
+
+def _hooked(model, names, ids):
+    """{module path: (input, output)} of the named modules in one forward, by plain hooks."""
+    seen = {}
+    mods = dict(model.named_modules())
+    hooks = [mods[n].register_forward_hook(lambda m, a, y, n=n: seen.__setitem__(n, (a[0].clone(), y.clone())))
+             for n in names]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "diff-gain"])
+def test_rotate_turns_every_value_head_and_the_o_proj_input(family):
+    """After rotate, layer 1's v_proj output per KV head is the float one times H_v (the recorded seed's
+    orthogonal(head_dim, seed + 2)), and o_proj's input per head is the float one times H_v (diff-gain: the
+    head norm's gain, folded into o_proj, is missing from the o_proj input)."""
+    model = _with_random_norms(FAMILIES[family].build())
+    ids = _ids(2, 12)
+    names = ["model.layers.1.self_attn.v_proj", "model.layers.1.self_attn.o_proj"]
+    ref = _hooked(model, names, ids)
+    attn = model.model.layers[1].self_attn
+    gain = getattr(getattr(attn, "groupnorm", None), "weight", None)
+    gain = None if gain is None else gain.detach().clone()
+    applied = mitigate_(model, Rotate(seed=3), None)
+    out = _hooked(model, names, ids)
+    d = attn.head_dim
+    H = orthogonal(d, 5)[0].float()
+    v_ref, v_out = ref[names[0]][1].unflatten(-1, (-1, d)), out[names[0]][1].unflatten(-1, (-1, d))
+    assert torch.allclose(v_out, v_ref @ H, atol=1e-4)
+    o_ref = ref[names[1]][0]
+    if gain is not None:
+        o_ref = o_ref / gain.repeat(o_ref.shape[-1] // gain.numel())
+    assert torch.allclose(out[names[1]][0].unflatten(-1, (-1, d)), o_ref.unflatten(-1, (-1, d)) @ H, atol=1e-4)
+    assert applied.record["matrices"]["v_o"] == "hadamard"
+    applied.remove()
+
+
+def test_rotate_leaves_values_of_an_elementwise_gate_and_rotates_keys_in_the_cache():
+    gated = FAMILIES["gated"].build()
+    v = gated.model.layers[0].self_attn.v_proj.weight.detach().clone()
+    applied = mitigate_(gated, Rotate(), None)
+    assert applied.record["matrices"]["v_o"].startswith("not rotated: the elementwise output gate")
+    residual = orthogonal(gated.config.hidden_size, 0)[0].to(v.dtype)
+    assert torch.allclose(gated.model.layers[0].self_attn.v_proj.weight, v @ residual, atol=1e-5)  # gains are 1
+    applied.remove()
+    s = adjust_scheme(get_scheme("kv4-sink1"), Rotate())
+    assert [(p, c.hadamard) for p, c in s.activations] == [("*.k_cache", True), ("*.v_cache", False)]
+    assert adjust_scheme(get_scheme("w4a8"), Rotate()) == get_scheme("w4a8")
+
+
+def test_quarot_is_rotate_with_gptq_weights():
+    from diffquant.quant.mitigate import weights_for
+
+    q = parse("quarot")
+    assert q == Rotate(0, gptq=True) and q.label() == "quarot" and parse("quarot:2").label() == "quarot:2"
+    assert weights_for(q, "rtn") == "gptq" and weights_for(q, "gptq:act-order") == "gptq:act-order"
+    assert weights_for(Rotate(), "rtn") == "rtn" and weights_for(None, "awq") == "awq"
+    with pytest.raises(DiffquantError, match="quarot is the rotation with GPTQ weights"):
+        weights_for(q, "awq")
+    model = _with_random_norms(FAMILIES["llama"].build())
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+        a = mitigate_(model, Rotate(), None)
+        rotated = model(ids).logits
+        sd_rotate = {k: v.clone() for k, v in model.state_dict().items()}
+        a.remove()
+        b = mitigate_(model, q, None)  # the same transform: the solver is chosen by weights_for
+        assert all(torch.equal(sd_rotate[k], v) for k, v in model.state_dict().items())
+        b.remove()
+    assert torch.allclose(rotated, ref, atol=1e-3 * ref.abs().max().item())
+
+
+def test_smoothquant_search_applies_the_alpha_of_least_calibration_loss():
+    """smoothquant:search scores every α of the grid by the scheme's loss on the calibration windows,
+    recomputed here by applying each fixed α by hand, and applies the argmin."""
+    from diffquant.evaluate import language_modeling
+    from diffquant.quant.mitigate import ALPHAS
+
+    model = _with_random_norms(FAMILIES["llama"].build())
+    calib, ids = _ids(8, 16, seed=1), _ids()
+    scheme = get_scheme("w8a8-static")
+
+    def loss_with(mitigation):
+        applied = mitigate_(model, mitigation, calib)
+        handle = quantize_(model, scheme)
+        calibrate(model, handle, calib.split(8))
+        loss = language_modeling(model, calib)["loss"]
+        handle.remove()
+        applied.remove()
+        return loss
+
+    by_hand = {a: loss_with(SmoothQuant(a)) for a in ALPHAS}
+    with torch.no_grad():
+        ref = model(ids).logits
+    applied = mitigate_(model, parse("smoothquant:search"), calib, scheme)
+    best = min(by_hand, key=by_hand.get)
+    assert applied.record["alpha"] == best and applied.record["mitigation"] == "smoothquant:search"
+    assert applied.record["search"]["loss"] == pytest.approx([by_hand[a] for a in ALPHAS], rel=1e-9)
+    with torch.no_grad():
+        out = model(ids).logits
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+    applied.remove()
+    with pytest.raises(DiffquantError, match="give the scheme"):
+        mitigate_(model, parse("smoothquant:search"), calib)
+
+
+def test_smoothquant_smooths_the_o_proj_input_through_v_proj_per_kv_head():
+    """GQA (4 query heads on 2 KV heads): s per KV-head channel = (max|X| over the query heads sharing it)^α /
+    (max|W_o| over them)^(1−α), read here by plain hooks; o_proj then sees X / s. DIFF is refused, said."""
+    model = _with_random_norms(FAMILIES["llama"].build())
+    calib = _ids(seed=1)
+    attn = model.model.layers[1].self_attn
+    seen = []
+    h = attn.o_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].clone()))
+    with torch.no_grad():
+        model(calib)
+    h.remove()
+    d, alpha = attn.head_dim, 0.5
+    x = seen[0].reshape(-1, 4, d).abs().amax(0).double()  # [query head, d]
+    w = attn.o_proj.weight.detach().abs().amax(0).double().view(4, d)
+    group = lambda t: torch.stack([t[:2].amax(0), t[2:].amax(0)])  # noqa: E731 - query heads 0,1 → KV 0; 2,3 → 1
+    s = (group(x) ** alpha / group(w) ** (1 - alpha)).repeat_interleave(2, 0).flatten()
+    applied = mitigate_(model, SmoothQuant(alpha), calib)
+    after = []
+    h = attn.o_proj.register_forward_pre_hook(lambda m, a: after.append(a[0].clone()))
+    with torch.no_grad():
+        model(calib)
+    h.remove()
+    applied.remove()
+    assert applied.record["o_proj_input"] == "smoothed through v_proj"
+    np.testing.assert_allclose(applied.record["scales"]["1"]["attn_out"], s.numpy(), rtol=1e-5)
+    torch.testing.assert_close(after[0].double(), seen[0].double() / s, rtol=1e-4, atol=1e-5)
+    diff = mitigate_(_with_random_norms(FAMILIES["diffllama"].build()), SmoothQuant(0.5), calib)
+    assert diff.record["o_proj_input"].startswith("not smoothed: a norm over each head's output")
+    assert "attn_out" not in diff.record["scales"]["0"]

@@ -62,13 +62,13 @@ def run_cli(args) -> None:
     from diffquant.quant.scheme import calibrate, get_scheme, quantize_
     from diffquant.stats.intervals import paired
 
-    from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse
+    from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse, weights_for
     from diffquant.quant import solvers
 
     real = args.backend != "fake"
     backend = backends.require(args.backend) if real else None
     mitigation = parse(args.mitigate)
-    solver = solvers.parse(args.weights)
+    solver = solvers.parse(weights_for(mitigation, args.weights))
     if real and (mitigation is not None or solver is not None):
         raise DiffquantError("--mitigate and --weights apply to simulated schemes (--backend fake); real backends "
                              "quantize the float weights as they are")
@@ -81,7 +81,7 @@ def run_cli(args) -> None:
                            args.cache_dir, chars=200_000)
     evalset = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.tokens, args.cache_dir)
     result = {"model": args.model, "scheme": scheme.to_dict(), "backend": args.backend, "data": args.data,
-              "mitigation": args.mitigate, "weights": args.weights,
+              "mitigation": args.mitigate, "weights": weights_for(mitigation, args.weights),
               "calibration": {"split": "train", "sequences": len(calib), "tokens": int(calib.numel())}}
     quantize_(model, scheme).remove()  # a scheme that cannot apply is refused here, before any evaluation
     if not real and args.save_weights:
@@ -90,7 +90,7 @@ def run_cli(args) -> None:
         fix_modes(out)
     result["fp"] = _evaluate(model, evalset, "float")
     result["fp_bytes"] = backends.serialized_bytes(model)
-    applied = mitigate_(model, mitigation, calib)
+    applied = mitigate_(model, mitigation, calib, scheme)
     result["mitigation_record"] = {k: v for k, v in applied.record.items() if k != "scales"}
     solved = solvers.solve_weights_(model, solver, scheme, calib)
     result["weights_record"] = solved.record

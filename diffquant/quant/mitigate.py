@@ -4,15 +4,30 @@
   read the same activation X, s_j = max|X_j|^α / max|W_:,j|^(1−α) (absmax over calibration data, as the
   paper), X' = X / s and W' = W·diag(s), so X'·W'ᵀ = X·Wᵀ. X / s is folded into what produces X: the
   attention and MLP inputs into their RMSNorm's weight (q/k/v, and gate/up), the down-projection input into
-  up_proj's rows (down_in = act(gate)·up is linear in up), so no op is added. o_proj's input is left alone
-  (DIFF's per-head norm sits before it and does not commute with per-channel scales).
+  up_proj's rows (down_in = act(gate)·up is linear in up), so no op is added. o_proj's input is smoothed
+  through v_proj's rows (attention weights do not depend on V: P·(V/s) = (P·V)/s), one scale per KV-head
+  channel shared by the query heads that read it; not under DIFF's and the head-norm design's per-head
+  norms, which do not commute with per-channel scales (the record says which).
+  `smoothquant:search` chooses α per model, as the paper does: each α of `ALPHAS` is applied, the scheme
+  attached (static scales calibrated) and scored by the loss on the first `SEARCH_WINDOWS` calibration
+  windows with round-to-nearest weights; the lowest wins (the record keeps every candidate's loss).
 - `rotate` (QuaRot, Ashkboos et al. 2024, arXiv 2404.00456): fold every RMSNorm's weight into the Linears
   that read it (the norms become weightless, and commute with orthogonal maps: RMSNorm(hQ) = RMSNorm(h)Q),
   then rotate the residual stream by an orthogonal Q: the embedding and every stream writer (o_proj,
   down_proj) output h·Q, every stream reader (q/k/v, the gated design's gate, gate/up, lm_head) takes
   W·Q. The down-projection input gets an online rotation H (a forward pre-hook x → x·H, with
-  down_proj W·H). Q and H are randomised Hadamard matrices where `quant/hadamard.py` can build one for the
-  width, random orthogonal matrices otherwise (which it records).
+  down_proj W·H). Each value head is rotated by a head_dim matrix H_v fused into v_proj's rows (V → V·H_v)
+  and o_proj's columns (W_o·blockdiag(H_v)), so o_proj's input is rotated: attention mixes positions, not
+  channels, and the heads' norms of DIFF and the head-norm design are RMSNorms over whole head outputs,
+  which commute with it (DIFF's gain, diff-gain's, is first folded into o_proj). The elementwise output
+  gate of the gated designs does not commute (σ(g)⊙(o·H) ≠ (σ(g)⊙o)·H): there V/O is left unrotated,
+  recorded. Keys are rotated online after RoPE, as QuaRot's Q/K Hadamard: `adjust_scheme` gives the
+  scheme's `k_cache` quantizers a Hadamard basis (Q and K rotated alike leave the logits unchanged).
+  Q, H and H_v are randomised Hadamard matrices where `quant/hadamard.py` can build one for the width,
+  random orthogonal matrices otherwise (which it records). QuaRot's online Hadamard across heads before
+  o_proj is not applied (SmolLM2's 9 heads have no Hadamard matrix).
+- `quarot[:SEED]`: `rotate` with GPTQ weights (QuaRot's W4A4 recipe); `--weights rtn` becomes gptq, an
+  explicit `--weights gptq[:act-order]` is kept, any other solver is refused.
 - `clip:mse` / `clip:percentile:P`: range search instead of min-max: static activation scales calibrate by
   MSE-optimal clipping (or the P-th percentile of |x|, per-tensor static scales only), and weight scales by
   MSE-optimal clipping per scale group, computed once (weights become static). Dynamic activation scales are
@@ -40,24 +55,30 @@ SUPPORTED = ("llama", "diffllama", "qwen2", "qwen3", "mistral", "smollm3", "diff
 ATTN_READERS = ("q_proj", "k_proj", "v_proj", "gate")  # Linears that read the attention input
 
 
+ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # smoothquant:search's grid
+SEARCH_WINDOWS = 16  # calibration windows the α search scores each candidate on
+
+
 @dataclass(frozen=True)
 class SmoothQuant:
-    alpha: float = 0.5
+    alpha: float | None = 0.5  # None: searched per model (`smoothquant:search`)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.alpha <= 1:
+        if self.alpha is not None and not 0 <= self.alpha <= 1:
             raise DiffquantError(f"smoothquant's alpha must be in [0, 1], got {self.alpha}")
 
     def label(self) -> str:
-        return f"smoothquant:{self.alpha:g}"
+        return "smoothquant:search" if self.alpha is None else f"smoothquant:{self.alpha:g}"
 
 
 @dataclass(frozen=True)
 class Rotate:
     seed: int = 0
+    gptq: bool = False  # quarot: the rotation with GPTQ weights
 
     def label(self) -> str:
-        return "rotate" if self.seed == 0 else f"rotate:{self.seed}"
+        name = "quarot" if self.gptq else "rotate"
+        return name if self.seed == 0 else f"{name}:{self.seed}"
 
 
 @dataclass(frozen=True)
@@ -80,21 +101,24 @@ class Clip:
 
 Mitigation = SmoothQuant | Rotate | Clip
 DOCS = {"none": "no transform", "smoothquant:ALPHA": "SmoothQuant scales (default α 0.5) folded into norms and up_proj",
-        "rotate[:SEED]": "QuaRot: fused norms, Hadamard-rotated residual stream, online Hadamard before down_proj",
+        "smoothquant:search": "SmoothQuant with α chosen per model by the scheme's loss on calibration windows",
+        "rotate[:SEED]": "QuaRot's rotation: fused norms, Hadamard-rotated residual stream, per-head V/O, online "
+                         "Hadamard before down_proj and on keys after RoPE",
+        "quarot[:SEED]": "rotate with GPTQ weights (QuaRot's recipe)",
         "clip:mse | clip:percentile:P": "MSE-optimal (or percentile) ranges for static activations and for weights "
                                         "(each tensor's own error; the layer-output search is --weights clip:output)"}
 
 
 def parse(text: str) -> Mitigation | None:
-    """`none`, `smoothquant[:ALPHA]`, `rotate[:SEED]`, `clip:mse`, `clip:percentile:P`."""
+    """`none`, `smoothquant[:ALPHA]`, `rotate[:SEED]`, `quarot[:SEED]`, `clip:mse`, `clip:percentile:P`."""
     kind, _, arg = text.strip().lower().partition(":")
     try:
         if kind == "none" and not arg:
             return None
         if kind == "smoothquant":
-            return SmoothQuant(float(arg) if arg else 0.5)
-        if kind == "rotate":
-            return Rotate(int(arg) if arg else 0)
+            return SmoothQuant(None if arg == "search" else float(arg) if arg else 0.5)
+        if kind in ("rotate", "quarot"):
+            return Rotate(int(arg) if arg else 0, gptq=kind == "quarot")
         if kind == "clip":
             method, _, p = (arg or "mse").partition(":")
             return Clip(method, float(p) if p else 99.99)
@@ -103,8 +127,25 @@ def parse(text: str) -> Mitigation | None:
     raise DiffquantError(f"unknown mitigation {text!r}; choose one of: {', '.join(DOCS)}")
 
 
+def weights_for(mitigation: Mitigation | None, weights: str) -> str:
+    """The weight solver a run uses: `quarot` solves by GPTQ where `rtn` was asked; another solver is refused."""
+    if not (isinstance(mitigation, Rotate) and mitigation.gptq):
+        return weights
+    w = weights.strip().lower()
+    if w == "rtn":
+        return "gptq"
+    if w not in ("gptq", "gptq:act-order"):
+        raise DiffquantError(f"quarot is the rotation with GPTQ weights; --weights {weights} does not go with it "
+                             "(use rotate with that solver)")
+    return w
+
+
 def adjust_scheme(scheme, mitigation: Mitigation | None):
-    """The scheme a mitigation asks for (clip changes calibration; the others leave the scheme as it is)."""
+    """The scheme a mitigation asks for: clip changes calibration; rotate (and quarot) quantize the keys of
+    the cache in the Hadamard basis of its online Q/K rotation; smoothquant leaves the scheme as it is."""
+    if isinstance(mitigation, Rotate):
+        keys = tuple((p, replace(c, hadamard=True) if p.endswith("k_cache") else c) for p, c in scheme.activations)
+        return scheme if keys == scheme.activations else replace(scheme, activations=keys)
     if not isinstance(mitigation, Clip):
         return scheme
     from diffquant.quant import granularity as G
@@ -164,9 +205,11 @@ def _readers(layer) -> tuple[list, list]:
     return attn, [layer.mlp.gate_proj, layer.mlp.up_proj]
 
 
-def mitigate_(model, mitigation: Mitigation | None, calibration: torch.Tensor | None = None) -> Applied:
+def mitigate_(model, mitigation: Mitigation | None, calibration: torch.Tensor | None = None,
+              scheme=None) -> Applied:
     """Apply a function-preserving transform in place; `calibration` ([n, seq] token ids) is needed by
-    smoothquant. Clip changes only the scheme (see `adjust_scheme`): here it does nothing."""
+    smoothquant, and `scheme` by smoothquant:search. Clip changes only the scheme (see `adjust_scheme`):
+    here it does nothing."""
     import torch
 
     applied = Applied(model, mitigation)
@@ -174,7 +217,10 @@ def mitigate_(model, mitigation: Mitigation | None, calibration: torch.Tensor | 
         if isinstance(mitigation, SmoothQuant):
             if calibration is None or calibration.numel() == 0:
                 raise DiffquantError("smoothquant needs calibration data")
-            _smoothquant(model, mitigation, calibration, applied)
+            if mitigation.alpha is None:
+                _search_alpha(model, calibration, scheme, applied)
+            else:
+                _smoothquant(model, mitigation, calibration, applied)
         elif isinstance(mitigation, Rotate):
             _rotate(model, mitigation, applied)
     return applied
@@ -199,13 +245,47 @@ def apply_record(model, record: dict) -> Applied:
 
 
 # -------------------------------------------------------------------------------------------- SmoothQuant
-def _smoothquant(model, sq: SmoothQuant, calibration: torch.Tensor, applied: Applied) -> None:
+def _search_alpha(model, calibration: torch.Tensor, scheme, applied: Applied) -> None:
+    """Each α of ALPHAS applied and scored (see the module doc); the best applied into `applied`."""
+    from diffquant.calibrate import channel_absmax
+    from diffquant.evaluate import language_modeling
+    from diffquant.quant.scheme import calibrate, quantize_
+
+    if scheme is None:
+        raise DiffquantError("smoothquant:search chooses α by a scheme's loss: give the scheme")
+    layers = _layers(model)
+    absmax = channel_absmax(model, calibration, ["*.attn_in", "*.mlp_in", "*.down_in"]
+                            + ([] if _value_blocked(layers[0]) else ["*.attn_out"]))
+    scored = calibration[:SEARCH_WINDOWS]
+    losses = {}
+    for alpha in ALPHAS:
+        trial = Applied(model, None)
+        _smoothquant(model, SmoothQuant(alpha), calibration, trial, absmax, layers)
+        attachment = quantize_(model, scheme)
+        try:
+            if any(not q.config.dynamic for q in attachment.quantizers.values()):
+                calibrate(model, attachment, calibration.split(8))
+            losses[alpha] = language_modeling(model, scored)["loss"]
+        finally:
+            attachment.remove()
+            trial.remove()
+    best = min(losses, key=losses.get)
+    _smoothquant(model, SmoothQuant(best), calibration, applied, absmax, layers)
+    applied.record.update(search={"alphas": list(ALPHAS), "loss": [losses[a] for a in ALPHAS],
+                                  "scored_tokens": int(scored.numel()), "scheme": scheme.name})
+
+
+def _smoothquant(model, sq: SmoothQuant, calibration: torch.Tensor, applied: Applied, absmax=None,
+                 layers=None) -> None:
     import torch
 
     from diffquant.calibrate import channel_absmax
 
-    layers = _layers(model)
-    absmax = channel_absmax(model, calibration, ["*.attn_in", "*.mlp_in", "*.down_in"])
+    layers = layers if layers is not None else _layers(model)
+    why = _value_blocked(layers[0])
+    if absmax is None:
+        absmax = channel_absmax(model, calibration, ["*.attn_in", "*.mlp_in", "*.down_in"]
+                                + ([] if why is not None else ["*.attn_out"]))
     scales = {}
     for i, layer in enumerate(layers):
         attn, mlp = _readers(layer)
@@ -215,9 +295,38 @@ def _smoothquant(model, sq: SmoothQuant, calibration: torch.Tensor, applied: App
             w = torch.stack([r.weight.detach().abs().amax(dim=0) for r in readers]).amax(dim=0).double().cpu()
             s = x.pow(sq.alpha) / w.pow(1 - sq.alpha)
             per[point] = torch.where((x > 0) & (w > 0) & torch.isfinite(s), s, torch.ones_like(s)).clamp_min(1e-5)
+        if why is None:
+            per["attn_out"] = _value_scales(layer.self_attn, absmax[f"layers.{i}.attn_out"], sq.alpha)
         _fold_smoothing(layer, per, applied)
         scales[str(i)] = {k: v.tolist() for k, v in per.items()}
-    applied.record.update(scales=scales, alpha=sq.alpha, calibration_tokens=int(calibration.numel()))
+    applied.record.update(scales=scales, alpha=sq.alpha, calibration_tokens=int(calibration.numel()),
+                          o_proj_input="smoothed through v_proj" if why is None else f"not smoothed: {why}")
+
+
+def _value_blocked(layer) -> str | None:
+    """Why o_proj's input cannot be smoothed through v_proj (None: it can). Attention mixes positions with
+    weights that do not depend on V, so V/s per channel gives (P·V)/s; a norm over each head's output does not
+    commute with per-channel scales."""
+    attn = layer.self_attn
+    if getattr(attn, "groupnorm", None) is not None or getattr(attn, "head_norm", None) is not None:
+        return "a norm over each head's output (DIFF, head-norm) does not commute with per-channel scales"
+    if attn.o_proj.in_features != attn.config.num_attention_heads * attn.head_dim:
+        return "o_proj's input is not one head_dim block per attention head"
+    return None
+
+
+def _value_scales(attn, x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per o_proj input channel (heads·d): s = max|X|^α / max|W_o|^(1−α), one value per KV head channel, as
+    every query head sharing a KV head reads the same v_proj output (the maxima taken over the group)."""
+    import torch
+
+    d = attn.head_dim
+    kv = attn.v_proj.out_features // d
+    x = x.double().cpu().view(kv, -1, d).amax(dim=1)
+    w = attn.o_proj.weight.detach().abs().amax(dim=0).double().cpu().view(kv, -1, d).amax(dim=1)
+    s = x.pow(alpha) / w.pow(1 - alpha)
+    s = torch.where((x > 0) & (w > 0) & torch.isfinite(s), s, torch.ones_like(s)).clamp_min(1e-5)
+    return s.unsqueeze(1).expand(kv, attn.o_proj.in_features // (kv * d), d).flatten()
 
 
 def _fold_smoothing(layer, s: dict[str, torch.Tensor], applied: Applied) -> None:
@@ -235,6 +344,15 @@ def _fold_smoothing(layer, s: dict[str, torch.Tensor], applied: Applied) -> None
     if up.bias is not None:
         applied.set(up, "bias", up.bias.double() / sc.to(up.weight.device))
     applied.set(down, "weight", down.weight.double() * sc.to(down.weight.device))
+    if "attn_out" in s:  # o_proj's input through v_proj: V / s per KV channel, W_o·diag(s) per query head
+        v, o = layer.self_attn.v_proj, layer.self_attn.o_proj
+        d = layer.self_attn.head_dim
+        sc = s["attn_out"].to(o.weight.device)
+        kv = sc.view(v.out_features // d, -1, d)[:, 0].flatten()
+        applied.set(v, "weight", v.weight.double() / kv[:, None])
+        if v.bias is not None:
+            applied.set(v, "bias", v.bias.double() / kv)
+        applied.set(o, "weight", o.weight.double() * sc)
 
 
 # ------------------------------------------------------------------------------------------------- rotate
@@ -272,10 +390,41 @@ def _rotate(model, rot: Rotate, applied: Applied) -> None:
         kinds["down_in"] = hkind
         applied.set(down, "weight", down.weight.double() @ Hd)
         applied._handles.append(down.register_forward_pre_hook(_online(Hd), prepend=True))
+    kinds["v_o"] = _rotate_values(layers, rot.seed, applied)
     norm = _final_norm(model)
     applied.set(head, "weight", (head.weight.double() * norm.weight.double()) @ Qd)
     applied.set(norm, "weight", torch.ones_like(norm.weight))
     applied.record.update(seed=rot.seed, matrices=kinds)
+
+
+def _rotate_values(layers, seed: int, applied: Applied) -> str:
+    """Every value head V → V·H (v_proj's rows per KV head: Hᵀ·W_v, bias b·H) and o_proj's input heads back
+    (W_o·blockdiag(H)); a head norm's gain is folded into o_proj first. Returns H's kind, or why not done."""
+    import torch
+
+    from diffquant.quant.hadamard import orthogonal
+
+    attn = layers[0].self_attn
+    gate = getattr(attn, "gate", None)
+    d = attn.head_dim
+    if isinstance(gate, torch.nn.Linear) and gate.out_features != attn.o_proj.in_features // d:
+        return "not rotated: the elementwise output gate does not commute with a rotation of the heads"
+    H, kind = orthogonal(d, seed + 2)
+    for layer in layers:
+        a = layer.self_attn
+        v, o = a.v_proj, a.o_proj
+        Hd = H.to(v.weight.device)
+        norm = getattr(a, "groupnorm", None) or getattr(a, "head_norm", None)
+        gain = getattr(norm, "weight", None) if norm is not None else None
+        wo = o.weight.double()
+        if gain is not None:  # fold the gain into o_proj's columns: the norm becomes weightless, and commutes
+            wo = wo * gain.double().repeat(o.in_features // gain.numel())
+            applied.set(norm, "weight", torch.ones_like(gain))
+        applied.set(v, "weight", (Hd.T @ v.weight.double().unflatten(0, (-1, d))).flatten(0, 1))
+        if v.bias is not None:
+            applied.set(v, "bias", (v.bias.double().unflatten(0, (-1, d)) @ Hd).flatten())
+        applied.set(o, "weight", (wo.unflatten(1, (-1, d)) @ Hd).flatten(1))
+    return kind
 
 
 def _online(H: torch.Tensor):
