@@ -7,7 +7,7 @@
 
 Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/regime/results.json, docs/rivals/*/results.json,
 docs/mitigations/results.json, docs/weights/results.md, docs/fig8_real/results.md,
-docs/kv_cache/{results,decode,needle,parity}.md, docs/weights/llmcompressor.md, benchmarks/results-cpu.json and benchmarks/peers.json. A missing source leaves its
+docs/kv_cache/{results,decode,needle,parity}.md, docs/weights/wa/results.md, docs/weights/llmcompressor.md, benchmarks/results-cpu.json and benchmarks/peers.json. A missing source leaves its
 part out.
 """
 
@@ -269,7 +269,13 @@ def mitigations_part() -> list[str]:
     if not (ROOT / "docs/mitigations/results.md").is_file():
         return []
     return ["### Post-training fixes (`experiments/mitigations.py`)", "", *_md("docs/mitigations/results.md"),
-            *search_pair_note(), "![mitigations](docs/mitigations/mitigations.png)", ""]
+            *search_pair_note(), ROTATE_NOTE, "", "![mitigations](docs/mitigations/mitigations.png)", ""]
+
+
+# The mitigations table was measured with round two's rotation; `rotate` now does more (quant/mitigate.py).
+ROTATE_NOTE = ("`rotate` in this table is round two's rotation: the residual stream and the down_proj input only; "
+               "the per-head V/O rotation and the keys' Hadamard basis came later and are in the W×A table below, "
+               "where `rotate` is the complete one.")
 
 
 def fig8_real_part() -> list[str]:
@@ -304,7 +310,13 @@ def weights_part() -> list[str]:
     return ["### Weight solvers (`experiments/weight_solvers.py`)", "",
             "SmolLM2-135M-Instruct's weights were already on a 4-bit grid (Q4_1, groups of 32) before dequantization; "
             "one calibration set, one run. Solvers listed in the settings but absent from the table did not run.", "",
-            *_md("docs/weights/results.md"), *llmcompressor_part()]
+            *_md("docs/weights/results.md"), *wa_part(), *llmcompressor_part()]
+
+
+def wa_part() -> list[str]:
+    if not (ROOT / "docs/weights/wa/results.md").is_file():
+        return []
+    return ["#### Weight solvers × activation fixes (`experiments/wa_table.py`)", "", *_md("docs/weights/wa/results.md")]
 
 
 def llmcompressor_part() -> list[str]:

@@ -58,7 +58,8 @@ class QuantConfig:
         mode = "dyn" if self.dynamic else self.calibration
         keep = (f"/sink{self.keep_first}" if self.keep_first else "") + (f"/recent{self.keep_last}"
                                                                            if self.keep_last else "")
-        return f"{self.format.label()}/{G.label(self.granularity)}/{mode}{keep}" + ("/hadamard" if self.hadamard else "")
+        basis = "/hadamard" if self.hadamard else ""
+        return f"{self.format.label()}/{G.label(self.granularity)}/{mode}{keep}{basis}"
 
     def to_dict(self) -> dict:
         out = {"format": self.format.label(), "granularity": G.to_dict(self.granularity), "dynamic": self.dynamic,

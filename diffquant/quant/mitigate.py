@@ -100,7 +100,8 @@ class Clip:
 
 
 Mitigation = SmoothQuant | Rotate | Clip
-DOCS = {"none": "no transform", "smoothquant:ALPHA": "SmoothQuant scales (default α 0.5) folded into norms and up_proj",
+DOCS = {"none": "no transform",
+        "smoothquant:ALPHA": "SmoothQuant scales (default α 0.5) folded into norms, up_proj and v_proj",
         "smoothquant:search": "SmoothQuant with α chosen per model by the scheme's loss on calibration windows",
         "rotate[:SEED]": "QuaRot's rotation: fused norms, Hadamard-rotated residual stream, per-head V/O, online "
                          "Hadamard before down_proj and on keys after RoPE",
