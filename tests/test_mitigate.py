@@ -385,3 +385,55 @@ def test_smoothquant_smooths_the_o_proj_input_through_v_proj_per_kv_head():
     diff = mitigate_(_with_random_norms(FAMILIES["diffllama"].build()), SmoothQuant(0.5), calib)
     assert diff.record["o_proj_input"].startswith("not smoothed: a norm over each head's output")
     assert "attn_out" not in diff.record["scales"]["0"]
+
+
+def test_clip_output_picks_the_range_of_least_reader_output_error():
+    """A static per-tensor int4 scale on layer 1's down_proj input: clip:output chooses, among the clipping
+    ratios, the one minimising ‖(X − Q(X))·W_downᵀ‖² (computed here with a hand int4 quantizer and the plain
+    product), where clip:mse minimises ‖X − Q(X)‖²; a planted massive channel makes the two differ."""
+    from diffquant.quant.config import QuantConfig
+    from diffquant.quant.fake import MSE_ALPHAS
+    from diffquant.quant.formats import Format
+    from diffquant.quant.mitigate import reader_gram, weights_for
+    from diffquant.quant.scheme import QuantScheme
+
+    model = _with_random_norms(FAMILIES["llama"].build())
+    down = model.model.layers[1].mlp.down_proj
+    with torch.no_grad():
+        down.weight[:, 5] *= 40  # the channel whose rare large inputs matter most to the output
+    calib = _ids(8, 16, seed=1)
+    seen = []
+    h = down.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+    with torch.no_grad():
+        model(calib)
+    h.remove()
+    x = seen[0].double()
+    amax = x.abs().max()
+
+    def q4(t, alpha):
+        s = amax * alpha / 7
+        return torch.clamp(torch.round(t / s), -7, 7) * s
+
+    w = down.weight.detach().double()
+    out_err = [float((((x - q4(x, a)) @ w.T) ** 2).sum()) for a in MSE_ALPHAS.double()]
+    own_err = [float(((x - q4(x, a)) ** 2).sum()) for a in MSE_ALPHAS.double()]
+    chosen = {}
+    for method in ("output", "mse"):
+        cfg = QuantConfig(Format("int", 4), dynamic=False, calibration=method)
+        handle = quantize_(model, QuantScheme(method, (("layers.1.down_in", cfg),)))
+        calibrate(model, handle, [calib])
+        chosen[method] = float(handle.quantizers["layers.1.down_in"].scale) * 7 / float(amax)
+        handle.remove()
+    assert chosen["output"] == pytest.approx(float(MSE_ALPHAS[int(np.argmin(out_err))]), rel=1e-5)
+    assert chosen["mse"] == pytest.approx(float(MSE_ALPHAS[int(np.argmin(own_err))]), rel=1e-5)
+    assert chosen["output"] != pytest.approx(chosen["mse"])
+    g = reader_gram(model, "layers.0.attn_in")
+    a = model.model.layers[0].self_attn
+    ref = sum(m.weight.double().T @ m.weight.double() for m in (a.q_proj, a.k_proj, a.v_proj))
+    assert torch.allclose(g.double(), ref, rtol=1e-5)
+    with pytest.raises(DiffquantError, match="Linear inputs"):
+        reader_gram(model, "layers.0.attn_logits")
+    s = adjust_scheme(get_scheme("w4a4-static"), parse("clip:output"))
+    assert all(c.calibration == "output" for _, c in s.activations) and s.weights == get_scheme("w4a4-static").weights
+    assert weights_for(parse("clip:output"), "rtn") == "clip:output"
+    assert weights_for(parse("clip:output"), "gptq") == "gptq"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from diffquant.quant import granularity as G
 from diffquant.quant.formats import Format, parse_format
 
-CALIBRATIONS = ("minmax", "ema", "percentile", "mse")
+CALIBRATIONS = ("minmax", "ema", "percentile", "mse", "output")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ class QuantConfig:
             if self.calibration == "percentile" and not (isinstance(self.granularity, G.PerTensor)
                                                          and self.format.symmetric):
                 raise ValueError("percentile calibration supports symmetric per-tensor scales only")
+            if self.calibration == "output" and not isinstance(self.granularity, G.PerTensor):
+                raise ValueError("output-error calibration supports per-tensor activation scales only")
 
     def quantized_span(self, length: int) -> tuple[int, int]:
         """[start, end) of the positions quantized in a sequence of `length`: all but the first `keep_first`

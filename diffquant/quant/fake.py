@@ -50,6 +50,7 @@ class FakeQuant:
         self._hist = None
         self._range = None  # (lo, hi) of all query blocks of one attention call, see taps/attention.py
         self.fixed = False  # static scales given by a weight solver: calibration leaves them
+        self.gram: torch.Tensor | None = None  # Σ WᵀW of the site's readers, for output-error calibration
 
     def __repr__(self) -> str:
         return f"FakeQuant({self.config.label()})"
@@ -151,20 +152,30 @@ class FakeQuant:
             self._lo, self._hi = m * self._lo + (1 - m) * lo, m * self._hi + (1 - m) * hi
         else:
             self._lo, self._hi = torch.minimum(self._lo, lo), torch.maximum(self._hi, hi)
-        if cfg.calibration == "mse":
+        if cfg.calibration in ("mse", "output"):
             self._mse_observe(xg, reduce, vg)
 
     def _mse_observe(self, xg: torch.Tensor, reduce: tuple[int, ...], vg) -> None:
-        """Squared error of each candidate clipping ratio, per scale group, on this batch."""
+        """Squared error of each candidate clipping ratio, per scale group, on this batch: of the tensor itself
+        (`mse`), or of its readers' outputs (`output`: ‖E·Wᵀ‖² summed over the readers, = Σ_t e_t·G·e_tᵀ
+        with G = Σ WᵀW; per-tensor scales, x's last dim the readers' input channels)."""
         cfg = self.config
+        gram = None
+        if cfg.calibration == "output":
+            if self.gram is None:
+                raise DiffquantError("output-error calibration needs the readers' weights (scheme.calibrate sets "
+                                     "them on Llama-layout Linear inputs)")
+            gram = self.gram.to(device=xg.device, dtype=torch.float32)
         errs = []
         for alpha in MSE_ALPHAS.tolist():
             scale, zero = Q.qparams(self._lo * alpha, self._hi * alpha, cfg.format)
             y = Q.dequantize(Q.quantize(xg, scale, zero, cfg.format), scale, zero, cfg.format)
-            e = (y - xg) ** 2
+            e = y - xg
             if vg is not None:
                 e = torch.where(vg, e, 0)
-            errs.append(torch.where(torch.isfinite(e), e, 0).sum(dim=reduce, keepdim=True, dtype=torch.float64))
+            e = torch.where(torch.isfinite(e), e, 0)
+            e = e * e if gram is None else (e @ gram) * e
+            errs.append(e.sum(dim=reduce, keepdim=True, dtype=torch.float64))
         err = torch.stack(errs)
         self._mse_err = err if self._mse_err is None or self._mse_err.shape != err.shape else self._mse_err + err
 
@@ -182,7 +193,7 @@ class FakeQuant:
         if self._lo is None:
             raise DiffquantError("calibration saw no data for a static quantizer; feed calibration batches")
         lo, hi = self._lo, self._hi
-        if cfg.calibration == "mse" and self._mse_err is not None:
+        if cfg.calibration in ("mse", "output") and self._mse_err is not None:
             best = MSE_ALPHAS.to(lo.device)[self._mse_err.argmin(dim=0)].to(lo.dtype)
             lo, hi = lo * best, hi * best
         self.scale, self.zero = Q.qparams(lo, hi, cfg.format)

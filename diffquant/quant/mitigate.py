@@ -32,6 +32,12 @@
   MSE-optimal clipping (or the P-th percentile of |x|, per-tensor static scales only), and weight scales by
   MSE-optimal clipping per scale group, computed once (weights become static). Dynamic activation scales are
   unchanged. A change of the scheme, not of the model.
+- `clip:output`: the range search on the readers' output error instead of the tensor's own: static per-tensor
+  activation scales minimise Σ‖(X − Q(X))·Wᵀ‖² over the Linears that read X (`reader_gram`: e·G·eᵀ with
+  G = Σ WᵀW, the objective of AWQ's clip search and OmniQuant's LWC, without training), other static scales
+  fall back to MSE; weights go to the `clip:output` solver (quant/solvers.py), which never clips a
+  super-weight. Clipping the activation that carries a massive activation costs a tensor little of its own
+  MSE and its readers a great deal: this objective sees it.
 
 Supported layouts for smoothquant and rotate: pre-RMSNorm decoders with SwiGLU MLPs (Llama, DiffLlama, Qwen2,
 Qwen3, Mistral, SmolLM3, and diffquant's designs); other models get a clear refusal. `mitigate_` returns a
@@ -87,16 +93,13 @@ class Clip:
     percentile: float = 99.99
 
     def __post_init__(self) -> None:
-        if self.method == "output":
-            raise DiffquantError("clip:output needs the scheme's weight formats: it is a weight solver, "
-                                 "--weights clip:output")
-        if self.method not in ("mse", "percentile"):
-            raise DiffquantError(f"clip takes mse or percentile:P, got {self.method!r}")
+        if self.method not in ("mse", "percentile", "output"):
+            raise DiffquantError(f"clip takes mse, percentile:P or output, got {self.method!r}")
         if not 0 < self.percentile <= 100:
             raise DiffquantError(f"clip percentile must be in (0, 100], got {self.percentile}")
 
     def label(self) -> str:
-        return "clip:mse" if self.method == "mse" else f"clip:percentile:{self.percentile:g}"
+        return f"clip:percentile:{self.percentile:g}" if self.method == "percentile" else f"clip:{self.method}"
 
 
 Mitigation = SmoothQuant | Rotate | Clip
@@ -107,11 +110,14 @@ DOCS = {"none": "no transform",
                          "Hadamard before down_proj and on keys after RoPE",
         "quarot[:SEED]": "rotate with GPTQ weights (QuaRot's recipe)",
         "clip:mse | clip:percentile:P": "MSE-optimal (or percentile) ranges for static activations and for weights "
-                                        "(each tensor's own error; the layer-output search is --weights clip:output)"}
+                                        "(each tensor's own error)",
+        "clip:output": "ranges of least output error of the readers: static per-tensor activation scales, and "
+                       "weights by the clip:output solver (super-weights never clipped)"}
 
 
 def parse(text: str) -> Mitigation | None:
-    """`none`, `smoothquant[:ALPHA]`, `rotate[:SEED]`, `quarot[:SEED]`, `clip:mse`, `clip:percentile:P`."""
+    """`none`, `smoothquant[:ALPHA|search]`, `rotate[:SEED]`, `quarot[:SEED]`, `clip:mse`, `clip:percentile:P`,
+    `clip:output`."""
     kind, _, arg = text.strip().lower().partition(":")
     try:
         if kind == "none" and not arg:
@@ -129,7 +135,10 @@ def parse(text: str) -> Mitigation | None:
 
 
 def weights_for(mitigation: Mitigation | None, weights: str) -> str:
-    """The weight solver a run uses: `quarot` solves by GPTQ where `rtn` was asked; another solver is refused."""
+    """The weight solver a run uses: `quarot` solves by GPTQ where `rtn` was asked (another solver is refused),
+    `clip:output` by the clip:output solver (another solver is kept: its ranges are its own)."""
+    if isinstance(mitigation, Clip) and mitigation.method == "output":
+        return "clip:output" if weights.strip().lower() == "rtn" else weights
     if not (isinstance(mitigation, Rotate) and mitigation.gptq):
         return weights
     w = weights.strip().lower()
@@ -156,9 +165,12 @@ def adjust_scheme(scheme, mitigation: Mitigation | None):
             return c
         if mitigation.method == "percentile" and isinstance(c.granularity, G.PerTensor) and c.format.symmetric:
             return replace(c, calibration="percentile", percentile=mitigation.percentile)
+        if mitigation.method == "output" and isinstance(c.granularity, G.PerTensor):
+            return replace(c, calibration="output")
         return replace(c, calibration="mse")
 
-    weights = tuple((p, replace(c, dynamic=False, calibration="mse")) for p, c in scheme.weights)
+    weights = scheme.weights if mitigation.method == "output" else tuple(  # output: the weight solver's ranges
+        (p, replace(c, dynamic=False, calibration="mse")) for p, c in scheme.weights)
     return replace(scheme, name=f"{scheme.name}+{mitigation.label()}",
                    activations=tuple((p, act(c)) for p, c in scheme.activations), weights=weights)
 
@@ -196,6 +208,26 @@ def _layers(model):
         raise DiffquantError(f"smoothquant and rotate need a pre-RMSNorm SwiGLU decoder ({', '.join(SUPPORTED)}); "
                              f"{type(model).__name__} ({model.config.model_type}) is not one")
     return _decoder_layers(model)[1]
+
+
+def reader_gram(model, site: str) -> torch.Tensor:
+    """G = Σ WᵀW over the float weights of the Linears that read a Linear-input site (attn_in: q/k/v and the
+    gate; mlp_in: gate/up; down_in: down_proj; attn_out: o_proj), so ‖E·Wᵀ‖² summed over them is e·G·eᵀ."""
+    from diffquant.taps import site_table
+
+    info = site_table(model).sites.get(site)
+    point = None if info is None or info.point is None else info.point.name
+    if point not in ("attn_in", "mlp_in", "down_in", "attn_out"):
+        raise DiffquantError(f"{site}: output-error ranges are for Linear inputs (attn_in, attn_out, mlp_in, down_in)")
+    layer = _layers(model)[info.layer]
+    attn, mlp = _readers(layer)
+    readers = {"attn_in": attn, "mlp_in": mlp, "down_in": [layer.mlp.down_proj],
+               "attn_out": [layer.self_attn.o_proj]}[point]
+    gram = 0
+    for r in readers:
+        w = r.parametrizations["weight"].original if "weight" in getattr(r, "parametrizations", {}) else r.weight
+        gram = gram + w.detach().double().T @ w.detach().double()
+    return gram.float()
 
 
 def _readers(layer) -> tuple[list, list]:

@@ -236,6 +236,11 @@ def calibrate(model, attachment, batches, device=None) -> None:
     static = [q for q in attachment.quantizers.values() if not q.config.dynamic and not q.fixed]
     if not static:
         return
+    for name, q in attachment.quantizers.items():
+        if q.config.calibration == "output" and q.gram is None and not q.config.dynamic:
+            from diffquant.quant.mitigate import reader_gram
+
+            q.gram = reader_gram(model, name)
     for q in static:
         q.start_calibration()
     seen = 0
