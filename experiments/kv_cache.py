@@ -8,8 +8,8 @@ difference between one-query and whole-sequence attention can move a value acros
 and from then on the two are different draws of the same quantization noise (`--decode` shows both). Per-channel keys use KIVI's runs of 32 positions, and
 in one forward a query also sees the keys of its own run quantized with a scale that includes the run's
 later positions, where a decoding cache would still hold them in full precision (KIVI's convention). Grid:
-K/V bits 8/4/3/2 × key granularity (per token and KV head, or per channel and KV head in runs of 32; values
-are per token and KV head in both) × sink-aware off/on (the first token kept in full precision). Perplexity change against the same model in full precision is paired over sequences (95% t
+K/V bits 8/4/3/2 × key granularity (per token and KV head, per channel and KV head in runs of 32, or per token
+in each head's Hadamard basis, values too; values are per token and KV head in all three) × sink-aware off/on (the first token kept in full precision). Perplexity change against the same model in full precision is paired over sequences (95% t
 interval of the per-sequence loss difference, carried through exp).
 
     python experiments/kv_cache.py --quick                      # seconds: the micro pair, random init
@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
 OUT = ROOT / "docs" / "kv_cache"
-KEY_GRANULARITY = {"token": "per token and KV head", "channel": "per channel and KV head, runs of 32 positions"}
+KEY_GRANULARITY = {"token": "per token and KV head", "channel": "per channel and KV head, runs of 32 positions",
+                   "hadamard": "per token and KV head, Hadamard basis (values too; QuaRot)"}
 RUN = 32  # KIVI's group size: key scales per channel over runs of 32 consecutive positions
 
 
@@ -58,8 +59,10 @@ def scheme(bits: int, keys: str, sink: int):
     from diffquant.quant import granularity as G
     from diffquant.quant.scheme import kv_config, kv_scheme
 
-    kg = G.PerToken() if keys == "token" else G.KVChannel(RUN)
-    return kv_scheme(f"k{bits}v{bits}-{keys}-sink{sink}", kv_config(bits, kg, sink=sink), kv_config(bits, sink=sink),
+    kg = G.KVChannel(RUN) if keys == "channel" else G.PerToken()
+    had = keys == "hadamard"  # keys and values in each head's Hadamard basis (kv_config's `hadamard`)
+    return kv_scheme(f"k{bits}v{bits}-{keys}-sink{sink}", kv_config(bits, kg, sink=sink, hadamard=had),
+                     kv_config(bits, sink=sink, hadamard=had),
                      f"int{bits} keys {KEY_GRANULARITY[keys]}, values per token; first {sink} token(s) kept")
 
 
@@ -139,7 +142,7 @@ def decode_vs_prefill(source: str, s: Settings, prompt: int, new: int) -> dict:
             "rows": rows}
 
 
-NEEDLE_SCHEMES = ("kv8", "kv4", "kv4-sink1", "k4v2", "kivi2")  # kvquant4-sink1 quantizes pre-RoPE keys: no cache
+NEEDLE_SCHEMES = ("kv8", "kv4", "kv4-sink1", "kv4-had", "k4v2", "k4v2-had", "kivi2")  # kvquant4-sink1 quantizes pre-RoPE keys: no cache
 
 
 def needle_run(source: str, s: Settings, examples: int, context_chars: int) -> dict:
@@ -239,7 +242,9 @@ def table(doc: dict) -> str:
              f"{s['seq_len']} tokens per model ({s['sequences'] * (s['seq_len'] - 1):,} predicted tokens), one "
              "forward each with keys (after RoPE) and values quantized, min-max with a float offset; values per "
              f"token and KV head; per-channel keys in runs of {RUN} positions (KIVI; in one forward a run's scale "
-             "includes positions a decoding cache would not have written yet). Δppl: the change from the same "
+             "includes positions a decoding cache would not have written yet); Hadamard basis: keys and values "
+             "quantized per token after a normalised Hadamard over each head's channels and rotated back (QuaRot's "
+             "online Q/K rotation and V/O rotation: attention in float is unchanged). Δppl: the change from the same "
              f"model in full precision; [95% interval]: the paired t-interval over the {s['sequences']} sequences of "
              "the per-sequence loss difference, carried through exp. Models run: "
              + "; ".join(f"{m['label']} (`{m['source']}`)" for m in doc["models"]) + "."]
@@ -265,7 +270,7 @@ def figure(doc: dict, stem: Path) -> None:
     from diffquant.report.style import color
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
-    markers = {"token": "o", "channel": "s"}
+    markers = {"token": "o", "channel": "s", "hadamard": "^"}
     for m in doc["models"]:
         c = color(m["label"])
         for keys in KEY_GRANULARITY:
