@@ -48,6 +48,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from llmcompressor import oneshot
 from llmcompressor.modifiers.gptq import GPTQModifier
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from llmcompressor.modifiers.transform.awq import AWQModifier
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from safetensors.torch import save_file
 
@@ -55,10 +57,14 @@ torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(ARGS["model_dir"], dtype=torch.float32)
 calib, evals = np.load(ARGS["calib"]), np.load(ARGS["eval"])
 ds = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": np.ones_like(calib).tolist()})
-kwargs = {} if ARGS["actorder"] == "default" else {"actorder": None}
 weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": ARGS["group"]}
-recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"],
-                      dampening_frac=0.01, block_size=128, **kwargs)
+groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
+if ARGS["method"] == "gptq":
+    kwargs = {} if ARGS["actorder"] == "default" else {"actorder": None}
+    recipe = GPTQModifier(config_groups=groups, ignore=["lm_head"], dampening_frac=0.01, block_size=128, **kwargs)
+else:  # AWQ's scales, then round to nearest on the scaled weights (llm-compressor's AWQ has no clip search)
+    recipe = [AWQModifier(duo_scaling=ARGS["duo_scaling"]), QuantizationModifier(config_groups=groups,
+                                                                                  ignore=["lm_head"])]
 t = time.perf_counter()
 oneshot(model=model, tokenizer=AutoTokenizer.from_pretrained(ARGS["model_dir"]), dataset=ds, recipe=recipe, num_calibration_samples=len(calib), max_seq_length=calib.shape[1],
         shuffle_calibration_samples=False)
@@ -101,9 +107,23 @@ def venv_python() -> Path:
     return python
 
 
-def run_peer(model_dir: Path, calib_path: Path, eval_path: Path, weights: Path, actorder: str, group: int) -> dict:
+# llm-compressor configurations: (method, option) → row label. AWQ's duo_scaling off is the paper's s = mean|x|^α
+# (diffquant's `awq`), on (llm-compressor's default) divides by mean|W|^(1−α).
+PEERS = {"gptq": {("gptq", "none"): "llm-compressor gptq", ("gptq", "default"): "llm-compressor gptq (static act-order)"},
+         "awq": {("awq", False): "llm-compressor awq (scales mean|x|^α, as the paper)",
+                 ("awq", True): "llm-compressor awq (default duo scaling)"}}
+OURS = {"gptq": ("rtn", "gptq"), "awq": ("awq:no-clip", "awq")}
+REFERENCE = {"gptq": "diffquant gptq", "awq": "diffquant awq:no-clip"}  # the paired column's counterpart
+
+
+def run_peer(model_dir: Path, calib_path: Path, eval_path: Path, weights: Path, method: str, option, group: int
+             ) -> dict:
+    """llm-compressor's run of one configuration, cached beside its weights (a rerun reads the cache)."""
+    cached = weights.with_suffix(".json")
+    if cached.is_file() and weights.is_file():
+        return json.loads(cached.read_text())
     args = {"model_dir": str(model_dir), "calib": str(calib_path), "eval": str(eval_path), "weights": str(weights),
-            "actorder": actorder, "group": group}
+            "method": method, "actorder": option, "duo_scaling": option, "group": group}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     code = f"ARGS = {json.dumps(args)!r}\nimport json\nARGS = json.loads(ARGS)\n" + CHILD
@@ -112,6 +132,7 @@ def run_peer(model_dir: Path, calib_path: Path, eval_path: Path, weights: Path, 
     if out.returncode or line is None:
         tail = [ln for ln in out.stderr.strip().splitlines() if ln.strip()][-3:]
         raise SystemExit(f"llm-compressor run failed (exit {out.returncode}): {' | '.join(tail)}")
+    cached.write_text(line[len("RESULT "):])
     return json.loads(line[len("RESULT "):])
 
 
@@ -158,6 +179,8 @@ def main(argv=None) -> None:
     p.add_argument("--calibration", type=int, default=CALIBRATION_WINDOWS,
                    help="calibration windows of 256 tokens from the training split (weight_solvers.py's)")
     p.add_argument("--group", type=int, default=64, help="int4 group size (must divide 576 and 1536)")
+    p.add_argument("--methods", nargs="+", choices=("gptq", "awq"), default=["gptq", "awq"],
+                   help="sections to (re)compute; the others are kept from OUT/llmcompressor.json")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -170,43 +193,49 @@ def main(argv=None) -> None:
     fp = language_modeling(model, seqs)
     scheme = QuantScheme(f"w4a16-g{a.group}", (), ((LAYER_WEIGHTS, int_config(4, G.PerGroup(a.group))),),
                          f"int4 weights in groups of {a.group}, activations in full precision")
-    rows, errors = [], {}
-    for name in ("rtn", "gptq"):
-        t0 = time.perf_counter()
-        solved = solvers.solve_weights_(model, solvers.parse(name), scheme, calib, progress=False)
-        seconds = time.perf_counter() - t0
-        attachment = quantize_(model, solved.scheme(scheme))
-        solved.install(attachment)
-        try:
-            r = language_modeling(model, seqs)
-            dequant = {f"{n}.weight": m.weight.detach().clone() for n, m in model.named_modules()
-                       if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
-        finally:
-            attachment.remove()
-            solved.remove()
-        rows.append({"weights": f"diffquant {name}", "seconds": seconds, **_eval_row(r, fp, versus_float)})
-        errors[f"diffquant {name}"] = layer_errors(model, dequant, calib)
-    for actorder, row_label in (("none", "llm-compressor gptq"), ("default", "llm-compressor gptq (static act-order)")):
-        weights_path = SCRATCH / f"llmc-{actorder}-{a.calibration}-g{a.group}.safetensors"
-        peer = run_peer(model_dir, calib_path, eval_path, weights_path, actorder, a.group)
-        theirs = load_file(weights_path)
-        errors[row_label] = layer_errors(model, theirs, calib)
-        saved = {k: v.detach().clone() for k, v in model.state_dict().items() if k in theirs}
-        with torch.no_grad():
-            for k, v in theirs.items():
-                model.get_parameter(k).copy_(v)
-            r = language_modeling(model, seqs)
-            for k, v in saved.items():
-                model.get_parameter(k).copy_(v)
-        own = sum(peer["per_sequence_loss"]) / len(peer["per_sequence_loss"])
-        rows.append({"weights": row_label, "seconds": peer["seconds"], "own_forward_loss": own, "grid": peer["grid"],
-                     "versions": peer["versions"], **_eval_row(r, fp, versus_float)})
+    out = Path(a.out)
+    old = json.loads((out / "llmcompressor.json").read_text()) if (out / "llmcompressor.json").is_file() else {}
+    sections = {m: old[m] for m in ("gptq", "awq") if m in old and m not in a.methods}
+    if "gptq" not in a.methods and "rows" in old:  # written before sections existed: the GPTQ section
+        sections["gptq"] = {"rows": old["rows"], "layer_errors": old["layer_errors"]}
+    for method in a.methods:
+        rows, errors = [], {}
+        for name in OURS[method]:
+            t0 = time.perf_counter()
+            solved = solvers.solve_weights_(model, solvers.parse(name), scheme, calib, progress=False)
+            seconds = time.perf_counter() - t0
+            attachment = quantize_(model, solved.scheme(scheme))
+            solved.install(attachment)
+            try:
+                r = language_modeling(model, seqs)
+                dequant = {f"{n}.weight": m.weight.detach().clone() for n, m in model.named_modules()
+                           if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
+            finally:
+                attachment.remove()
+                solved.remove()
+            rows.append({"weights": f"diffquant {name}", "seconds": seconds, **_eval_row(r, fp, versus_float)})
+            errors[f"diffquant {name}"] = layer_errors(model, dequant, calib)
+        for (kind, option), row_label in PEERS[method].items():
+            weights_path = SCRATCH / f"llmc-{kind}-{option}-{a.calibration}-g{a.group}.safetensors"
+            peer = run_peer(model_dir, calib_path, eval_path, weights_path, kind, option, a.group)
+            theirs = load_file(weights_path)
+            errors[row_label] = layer_errors(model, theirs, calib)
+            saved = {k: v.detach().clone() for k, v in model.state_dict().items() if k in theirs}
+            with torch.no_grad():
+                for k, v in theirs.items():
+                    model.get_parameter(k).copy_(v)
+                r = language_modeling(model, seqs)
+                for k, v in saved.items():
+                    model.get_parameter(k).copy_(v)
+            own = sum(peer["per_sequence_loss"]) / len(peer["per_sequence_loss"])
+            rows.append({"weights": row_label, "seconds": peer["seconds"], "own_forward_loss": own,
+                         "grid": peer["grid"], "versions": peer["versions"], **_eval_row(r, fp, versus_float)})
+        sections[method] = {"rows": _paired(rows, REFERENCE[method]), "layer_errors": errors}
     result = {"model": label, "scheme": f"int4 symmetric weights in groups of {a.group} (every Linear but lm_head), "
               "activations in float", "calibration": {"windows": len(calib), "tokens": int(calib.numel()),
                                                                 "corpus": "kjv (training split)"},
               "evaluation": {"sequences": len(seqs), "predicted_tokens": fp["tokens"], "corpus": "kjv (validation split)"},
-              "float": {k: fp[k] for k in ("loss", "ppl", "ppl_ci95")}, "rows": _paired(rows),
-              "layer_errors": errors}
+              "float": {k: fp[k] for k in ("loss", "ppl", "ppl_ci95")}, **sections}
     out = Path(a.out)
     atomic_write_json(out / "llmcompressor.json", result)
     atomic_write_text(out / "llmcompressor.md", report(result))
@@ -218,67 +247,86 @@ def _eval_row(r: dict, fp: dict, versus_float) -> dict:
             **versus_float(fp, r)}
 
 
-def _paired(rows: list[dict]) -> list[dict]:
-    """Each row's paired change from diffquant's GPTQ (95% t over the same sequences), per-sequence losses dropped."""
+def _paired(rows: list[dict], reference: str) -> list[dict]:
+    """Each row's paired change from `reference` (95% t over the same sequences), per-sequence losses dropped."""
     from diffquant.stats.intervals import paired
 
-    ref = next(r for r in rows if r["weights"] == "diffquant gptq")
+    ref = next(r for r in rows if r["weights"] == reference)
     out = []
     for r in rows:
         row = {k: v for k, v in r.items() if k != "per_sequence_loss"}
         if r is not ref:
             d = paired(ref["per_sequence_loss"], r["per_sequence_loss"])
-            row["delta_vs_diffquant_gptq"], row["delta_vs_diffquant_gptq_ci95"] = d["mean"], d["ci95"]
+            row["delta_vs_reference"], row["delta_vs_reference_ci95"] = d["mean"], d["ci95"]
         out.append(row)
     return out
 
 
 def report(r: dict) -> str:
-    import statistics
-
-    from diffquant.report.tables import markdown
-
-    fci = r["float"]["ppl_ci95"]
-    body = [["float", f"{r['float']['ppl']:.3f} [{fci[0]:.3f}, {fci[1]:.3f}]", "", "", "", "", ""]]
-    for row in r["rows"]:
-        err = r["layer_errors"][row["weights"]]
-        ci = row.get("delta_vs_diffquant_gptq_ci95")
-        body.append([row["weights"], f"{row['ppl']:.3f} [{row['ppl_ci95'][0]:.3f}, {row['ppl_ci95'][1]:.3f}]",
-                     f"{row['delta_loss']:+.4f} [{row['delta_loss_ci95'][0]:+.4f}, {row['delta_loss_ci95'][1]:+.4f}]",
-                     "-" if ci is None else
-                     f"{row['delta_vs_diffquant_gptq']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]",
-                     f"{statistics.median(err.values()):.2e}", f"{max(err.values()):.2e}",
-                     "-" if "own_forward_loss" not in row else f"{row['own_forward_loss']:.4f} (ours {row['loss']:.4f})"])
     c, e = r["calibration"], r["evaluation"]
-    versions = next((row["versions"] for row in r["rows"] if "versions" in row), {})
-    return (f"{r['model']}, {r['scheme']}. Calibration: {c['corpus']}, {c['windows']} windows ({c['tokens']:,} tokens); "
-            f"held-out: {e['corpus']}, {e['predicted_tokens']:,} predicted tokens ({e['sequences']} sequences). "
-            f"llm-compressor {versions.get('llmcompressor', '?')} (compressed-tensors "
+    rows = [row for m in ("gptq", "awq") if m in r for row in r[m]["rows"]]
+    versions = next((row["versions"] for row in rows if "versions" in row), {})
+    text = (f"{r['model']}, {r['scheme']}. Calibration: {c['corpus']}, {c['windows']} windows ({c['tokens']:,} "
+            f"tokens); held-out: {e['corpus']}, {e['predicted_tokens']:,} predicted tokens ({e['sequences']} "
+            f"sequences). llm-compressor {versions.get('llmcompressor', '?')} (compressed-tensors "
             f"{versions.get('compressed_tensors', '?')}, transformers {versions.get('transformers', '?')}) in its own "
             "venv; every row evaluated by diffquant's `language_modeling` on the same windows. Δloss: paired over the "
             "same sequences, [95% t]. Layer error: ‖X·Ŵᵀ − X·Wᵀ‖² / ‖X·Wᵀ‖² per Linear on float inputs from 4 "
             "calibration windows (median and worst over the model's Linears). Last column: the mean loss of "
-            "llm-compressor's own quantized forward next to ours on its dequantized weights.\n\n"
-            + markdown(["weights", "perplexity [95%]", "Δloss vs float", "Δloss vs diffquant GPTQ [95%]",
-                        "layer error (median)", "layer error (worst)", "llm-compressor's own forward"], body) + "\n"
-            + reading(r))
+            "llm-compressor's own quantized forward next to ours on its dequantized weights.\n")
+    for method, reading in (("gptq", gptq_reading), ("awq", awq_reading)):
+        if method in r:
+            text += "\n" + section_table(r, method) + reading(r[method])
+    return text
 
 
-def reading(r: dict) -> str:
+def section_table(r: dict, method: str) -> str:
+    import statistics
+
+    from diffquant.report.tables import markdown
+
+    sec = r[method]
+    fci = r["float"]["ppl_ci95"]
+    body = [["float", f"{r['float']['ppl']:.3f} [{fci[0]:.3f}, {fci[1]:.3f}]", "", "", "", "", ""]]
+    for row in sec["rows"]:
+        err = sec["layer_errors"][row["weights"]]
+        key = "delta_vs_reference" if "delta_vs_reference" in row or method == "awq" else "delta_vs_diffquant_gptq"
+        ci = row.get(key + "_ci95")
+        body.append([row["weights"], f"{row['ppl']:.3f} [{row['ppl_ci95'][0]:.3f}, {row['ppl_ci95'][1]:.3f}]",
+                     f"{row['delta_loss']:+.4f} [{row['delta_loss_ci95'][0]:+.4f}, {row['delta_loss_ci95'][1]:+.4f}]",
+                     "-" if ci is None else f"{row[key]:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]",
+                     f"{statistics.median(err.values()):.2e}", f"{max(err.values()):.2e}",
+                     "-" if "own_forward_loss" not in row else f"{row['own_forward_loss']:.4f} (ours {row['loss']:.4f})"])
+    return markdown(["weights", "perplexity [95%]", "Δloss vs float", f"Δloss vs {REFERENCE[method]} [95%]",
+                     "layer error (median)", "layer error (worst)", "llm-compressor's own forward"], body) + "\n"
+
+
+def _delta(row: dict) -> tuple[float, list[float]]:
+    key = "delta_vs_reference" if "delta_vs_reference" in row else "delta_vs_diffquant_gptq"
+    return row[key], row[key + "_ci95"]
+
+
+def _side(lo: float, hi: float) -> str:
+    return "no difference detected" if lo <= 0 <= hi else ("llm-compressor's is worse" if lo > 0 else
+                                                           "llm-compressor's is better")
+
+
+def _own_gap(sec: dict) -> float:
+    return max(abs(row["own_forward_loss"] - row["loss"]) for row in sec["rows"] if "own_forward_loss" in row)
+
+
+def gptq_reading(sec: dict) -> str:
     """What the table says about the two plain GPTQs, from its numbers; the cause of a gap is not claimed."""
     import statistics
 
-    rows = {row["weights"]: row for row in r["rows"]}
+    rows = {row["weights"]: row for row in sec["rows"]}
     ours, theirs = rows.get("diffquant gptq"), rows.get("llm-compressor gptq")
     if not ours or not theirs:
         return ""
-    lo, hi = theirs["delta_vs_diffquant_gptq_ci95"]
-    med = {k: statistics.median(r["layer_errors"][k].values()) for k in ("diffquant gptq", "llm-compressor gptq")}
-    gap = max(abs(row["own_forward_loss"] - row["loss"]) for row in r["rows"] if "own_forward_loss" in row)
-    side = "no difference detected" if lo <= 0 <= hi else (
-        "llm-compressor's is worse" if lo > 0 else "llm-compressor's is better")
-    return (f"\nThe two plain GPTQs: llm-compressor's minus diffquant's held-out loss {theirs['delta_vs_diffquant_gptq']:+.4f} "
-            f"nats [{lo:+.4f}, {hi:+.4f}] ({side}, one calibration set, one run), while llm-compressor's median "
+    mean, (lo, hi) = _delta(theirs)
+    med = {k: statistics.median(sec["layer_errors"][k].values()) for k in ("diffquant gptq", "llm-compressor gptq")}
+    return (f"\nThe two plain GPTQs: llm-compressor's minus diffquant's held-out loss {mean:+.4f} "
+            f"nats [{lo:+.4f}, {hi:+.4f}] ({_side(lo, hi)}, one calibration set, one run), while llm-compressor's median "
             f"per-Linear output error on float inputs is {med['llm-compressor gptq']:.2e} against diffquant's "
             f"{med['diffquant gptq']:.2e}. The implementations differ at least in the int4 grid (diffquant: −7..7 with "
             "scale absmax/7, 15 levels; compressed-tensors: −8..7 with scale absmax/7.5, 16 levels) and in when group "
@@ -287,8 +335,31 @@ def reading(r: dict) -> str:
             "does); which of these makes the gap was not isolated. The act-order row is compared with diffquant's GPTQ "
             "without act-order: diffquant's gptq:act-order was not run in this check. "
             f"llm-compressor's own quantized forward and ours on its "
-            f"dequantized weights differ by at most {gap:.1e} nats in mean loss (last column), so the comparison reads "
-            "its weights as it uses them.\n")
+            f"dequantized weights differ by at most {_own_gap(sec):.1e} nats in mean loss (last column), so the "
+            "comparison reads its weights as it uses them.\n")
+
+
+def awq_reading(sec: dict) -> str:
+    """The AWQ rows, read from their numbers: llm-compressor's AWQ searches scales only, so its counterpart is
+    diffquant's awq:no-clip; the clip search is diffquant's `awq` row."""
+    rows = {row["weights"]: row for row in sec["rows"]}
+    paper = rows.get(PEERS["awq"][("awq", False)])
+    if paper is None or "diffquant awq:no-clip" not in rows:
+        return ""
+    mean, (lo, hi) = _delta(paper)
+    text = (f"\nAWQ: llm-compressor's scale search in the paper's form (s = mean|x|^α, then round to nearest) minus "
+            f"diffquant's awq:no-clip: {mean:+.4f} nats [{lo:+.4f}, {hi:+.4f}] ({_side(lo, hi)}, one calibration set, "
+            "one run). The two search the same family of scales on different objectives: llm-compressor on the "
+            "output of the module that reads the scaled tensor (the attention block, the MLP, down_proj), diffquant on "
+            "the summed output error of the Linears that read it (their Hessians, no forward per candidate). "
+            "llm-compressor's AWQ has no clip search; diffquant's `awq` row adds it. "
+            f"Own-forward agreement: {_own_gap(sec):.1e} nats.\n")
+    duo = rows.get(PEERS["awq"][("awq", True)])
+    if duo is not None:
+        mean, (lo, hi) = _delta(duo)
+        text += (f"With its default duo scaling (s = mean|x|^α / mean|W|^(1−α)) llm-compressor's AWQ minus diffquant's "
+                 f"awq:no-clip is {mean:+.4f} nats [{lo:+.4f}, {hi:+.4f}] ({_side(lo, hi)}).\n")
+    return text
 
 
 if __name__ == "__main__":
