@@ -52,7 +52,12 @@ from llmcompressor.modifiers.quantization import QuantizationModifier
 from llmcompressor.modifiers.transform.awq import AWQModifier
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from safetensors.torch import save_file
+from llmcompressor.pipelines.cache import IntermediatesCache
 
+# llm-compressor 0.14's AWQ pins its cached activations (pin_memory), which raises on a machine without an
+# accelerator; pinning only speeds host-to-device copies, so here it is skipped (the numbers are unchanged).
+if not torch.accelerator.is_available():
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(ARGS["model_dir"], dtype=torch.float32)
 calib, evals = np.load(ARGS["calib"]), np.load(ARGS["eval"])
@@ -79,6 +84,9 @@ with torch.no_grad():
             grid[name] = {"num_bits": args.num_bits, "symmetric": args.symmetric, "strategy": str(args.strategy),
                           "group_size": args.group_size, "actorder": str(args.actorder),
                           "observer": str(args.observer)}
+    for name, p in model.named_parameters():  # norms: AWQ folds 1/s into them
+        if p.dim() == 1:
+            weights[name] = p.detach().float().contiguous()
     losses = []
     for row in evals:
         ids = torch.tensor(row[None], dtype=torch.long)
@@ -214,12 +222,14 @@ def main(argv=None) -> None:
                 attachment.remove()
                 solved.remove()
             rows.append({"weights": f"diffquant {name}", "seconds": seconds, **_eval_row(r, fp, versus_float)})
-            errors[f"diffquant {name}"] = layer_errors(model, dequant, calib)
+            if method == "gptq":  # AWQ rescales each Linear's input: float inputs would misread its weights
+                errors[f"diffquant {name}"] = layer_errors(model, dequant, calib)
         for (kind, option), row_label in PEERS[method].items():
             weights_path = SCRATCH / f"llmc-{kind}-{option}-{a.calibration}-g{a.group}.safetensors"
             peer = run_peer(model_dir, calib_path, eval_path, weights_path, kind, option, a.group)
             theirs = load_file(weights_path)
-            errors[row_label] = layer_errors(model, theirs, calib)
+            if method == "gptq":
+                errors[row_label] = layer_errors(model, theirs, calib)
             saved = {k: v.detach().clone() for k, v in model.state_dict().items() if k in theirs}
             with torch.no_grad():
                 for k, v in theirs.items():
@@ -289,13 +299,13 @@ def section_table(r: dict, method: str) -> str:
     fci = r["float"]["ppl_ci95"]
     body = [["float", f"{r['float']['ppl']:.3f} [{fci[0]:.3f}, {fci[1]:.3f}]", "", "", "", "", ""]]
     for row in sec["rows"]:
-        err = sec["layer_errors"][row["weights"]]
+        err = sec["layer_errors"].get(row["weights"])
         key = "delta_vs_reference" if "delta_vs_reference" in row or method == "awq" else "delta_vs_diffquant_gptq"
         ci = row.get(key + "_ci95")
         body.append([row["weights"], f"{row['ppl']:.3f} [{row['ppl_ci95'][0]:.3f}, {row['ppl_ci95'][1]:.3f}]",
                      f"{row['delta_loss']:+.4f} [{row['delta_loss_ci95'][0]:+.4f}, {row['delta_loss_ci95'][1]:+.4f}]",
                      "-" if ci is None else f"{row[key]:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]",
-                     f"{statistics.median(err.values()):.2e}", f"{max(err.values()):.2e}",
+                     f"{statistics.median(err.values()):.2e}" if err else "-", f"{max(err.values()):.2e}" if err else "-",
                      "-" if "own_forward_loss" not in row else f"{row['own_forward_loss']:.4f} (ours {row['loss']:.4f})"])
     return markdown(["weights", "perplexity [95%]", "Δloss vs float", f"Δloss vs {REFERENCE[method]} [95%]",
                      "layer error (median)", "layer error (worst)", "llm-compressor's own forward"], body) + "\n"
@@ -349,7 +359,8 @@ def awq_reading(sec: dict) -> str:
     mean, (lo, hi) = _delta(paper)
     text = (f"\nAWQ: llm-compressor's scale search in the paper's form (s = mean|x|^α, then round to nearest) minus "
             f"diffquant's awq:no-clip: {mean:+.4f} nats [{lo:+.4f}, {hi:+.4f}] ({_side(lo, hi)}, one calibration set, "
-            "one run). The two search the same family of scales on different objectives: llm-compressor on the "
+            "one run). Layer errors are not shown: AWQ divides each Linear's input by its scales, so the float "
+            "model's inputs would misread the scaled weights. The two search the same family of scales on different objectives: llm-compressor on the "
             "output of the module that reads the scaled tensor (the attention block, the MLP, down_proj), diffquant on "
             "the summed output error of the Linears that read it (their Hessians, no forward per candidate). "
             "llm-compressor's AWQ has no clip search; diffquant's `awq` row adds it. "
