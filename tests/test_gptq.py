@@ -226,3 +226,29 @@ def test_layer_input_hessians_match_each_modules_own_input(micro_pair):
         x = torch.cat(seen[n]).reshape(-1, seen[n][0].shape[-1]).double()
         torch.testing.assert_close(got[n][0], 2 * x.T @ x / x.shape[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[n][1], x.abs().mean(dim=0), rtol=1e-6, atol=1e-7)
+
+
+def test_quantize_cli_quarot_is_rotation_plus_gptq(micro_pair, tmp_path):
+    """`--mitigate quarot` rotates (record: residual, V/O and down_proj matrices) and solves the weights by GPTQ
+    (the scheme named +gptq, weights_record gptq), where `--mitigate rotate` leaves them to RTN."""
+    import json
+
+    from diffquant.cli import main
+    from diffquant.data.tokens import byte_tokenizer
+
+    micro_pair[0].save_pretrained(tmp_path / "m")
+    byte_tokenizer().save_pretrained(tmp_path / "m")
+    (tmp_path / "c.txt").write_text("\n".join(f"line {i}: and the lord spake unto moses" for i in range(2000)))
+    results = {}
+    for fix in ("quarot", "rotate"):
+        out = tmp_path / fix
+        assert main(["quantize", "--model", str(tmp_path / "m"), "--scheme", "w4a8", "--mitigate", fix,
+                     "--data", str(tmp_path / "c.txt"), "--tokens", "256", "--seq-len", "32", "--calib-batches", "4",
+                     "--out", str(out)]) == 0
+        results[fix] = json.loads((out / "quantize.json").read_text())
+    q, r = results["quarot"], results["rotate"]
+    assert q["weights"] == "gptq" and q["weights_record"]["weights"] == "gptq" and q["scheme"]["name"] == "w4a8"
+    assert r["weights"] == "rtn" and r["weights_record"]["weights"] == "rtn"
+    assert set(q["mitigation_record"]["matrices"]) == {"residual", "down_in", "v_o"}
+    assert q["mitigation_record"]["mitigation"] == "quarot"
+    assert q["simulated"]["loss"] != r["simulated"]["loss"]
