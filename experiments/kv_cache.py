@@ -82,7 +82,29 @@ def label_of(source: str, model) -> str:
     return f"{Path(source).name} ({type(model).__name__})"
 
 
+def previous(stem: str, s: Settings, source: str, same: tuple[str, ...], **fields) -> dict:
+    """The entry of `source` in the committed OUT/<stem>.json if it was measured with the same settings (`same`)
+    and `fields`, its rows keyed by their scheme's JSON under "kept" ({} otherwise, or with `--fresh`): a rerun
+    that adds conditions measures only the new ones."""
+    import json
+
+    path = OUT / f"{stem}{'-quick' if s.quick else ''}.json"
+    if FRESH or not path.is_file():
+        return {}
+    doc = json.loads(path.read_text())
+    if any(doc["settings"].get(k) != getattr(s, k) for k in same):
+        return {}
+    m = next((m for m in doc["models"] if m["source"] == source and all(m.get(k) == v for k, v in fields.items())),
+             None)
+    return {} if m is None else {**m, "kept": {json.dumps(r["scheme"], sort_keys=True): r for r in m["rows"]}}
+
+
+FRESH = False  # --fresh: recompute every condition
+
+
 def measure(source: str, s: Settings) -> dict:
+    import json
+
     from measure import quantization_cost
 
     from diffquant.evaluate import language_modeling
@@ -92,11 +114,16 @@ def measure(source: str, s: Settings) -> dict:
     seqs = held_out(tok, s)
     t0 = time.perf_counter()
     fp = language_modeling(model, seqs)
+    kept = previous("results", s, source, ("corpus", "seq_len", "sequences")).get("kept", {})
     rows = []
     for bits in s.bits:
         for keys in s.key_granularity:
             for sink in s.sinks:
                 sch = scheme(bits, keys, sink)
+                old = kept.get(json.dumps(sch.to_dict(), sort_keys=True))
+                if old is not None:
+                    rows.append(old)
+                    continue
                 cost = quantization_cost(model, seqs, fp["per_sequence_loss"], sch)
                 ppl = fp["ppl"] * (1 + cost["pct"] / 100)
                 rows.append({"bits": bits, "keys": keys, "sink": sink, "scheme": sch.to_dict(), "ppl": ppl,
@@ -148,6 +175,8 @@ NEEDLE_SCHEMES = ("kv8", "kv4", "kv4-sink1", "kv4-had", "k4v2", "k4v2-had", "kiv
 def needle_run(source: str, s: Settings, examples: int, context_chars: int) -> dict:
     """Needle retrieval (diffquant.data.needle: 6 needles, 2 questions per example) in full precision and
     decoded through a write-once quantized cache per preset; per-query outcomes kept for McNemar."""
+    import json
+
     from diffquant.data.corpora import load_text, split
     from diffquant.data.needle import needle_accuracy
     from diffquant.models.load import load_model
@@ -155,16 +184,24 @@ def needle_run(source: str, s: Settings, examples: int, context_chars: int) -> d
 
     model, tok = load_model(source)[:2]
     hay = split(load_text(s.corpus)[0])[1]  # held-out text as the haystack
+    before = previous("needle", s, source, ("corpus",), examples=examples, context_chars=context_chars)
+    kept = before.get("kept", {})
+    prompt_tokens = before.get("prompt_tokens")
     rows = []
     for name in (None, *NEEDLE_SCHEMES):
+        old = kept.get(json.dumps(name or "fp"))
+        if old is not None:
+            rows.append(old)
+            continue
         t0 = time.perf_counter()
         r = needle_accuracy(model, tok, hay, examples=examples, kv_scheme=get_scheme(name) if name else None,
                             context_chars=context_chars)
+        prompt_tokens = r["prompt_tokens"]
         rows.append({"scheme": name or "fp", "choice": r["choice"], "exact": r["exact"], "queries": r["queries"],
                      "chance": r["chance"], "per_query": r["per_query"], "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{source} needle {name or 'fp'}: choice {r['choice']:.3f} exact {r['exact']:.3f}", flush=True)
     return {"source": source, "label": label_of(source, model), "examples": examples, "context_chars": context_chars,
-            "prompt_tokens": r["prompt_tokens"], "rows": rows}
+            "prompt_tokens": prompt_tokens, "rows": rows}
 
 
 def needle_table(doc: dict) -> str:
@@ -323,7 +360,10 @@ def main(argv=None) -> None:
     p.add_argument("--examples", type=int, default=10, help="needle examples (two questions each)")
     p.add_argument("--chars", type=int, default=1000, help="needle haystack length in characters")
     p.add_argument("--render", action="store_true", help="only rewrite the reports (md, figure) from the committed json")
+    p.add_argument("--fresh", action="store_true", help="recompute conditions the committed json already has")
     a = p.parse_args(argv)
+    global FRESH
+    FRESH = a.fresh
     s = Settings(quick=a.quick)
     if a.quick:
         s.models, s.sequences, s.seq_len = ["micro:baseline", "micro:diff"], 4, 64

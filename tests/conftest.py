@@ -43,3 +43,24 @@ def any_model(request, micro_pair, qwen2):
 def set_attn(model, name):
     model.set_attn_implementation(name)
     return model
+
+
+def load_script_module(path: str, name: str):
+    """experiments/ or benchmarks/ script `path` (from the repository root) as module `name`, its folder first on
+    sys.path (scripts import their neighbours) and the module in sys.modules (dataclasses look it up there)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    file = Path(__file__).resolve().parent.parent / path
+    sys.path.insert(0, str(file.parent))
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def load_script():
+    return load_script_module

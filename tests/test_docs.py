@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import load_script_module as _module  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _module(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_benchmark_ranges_over_the_last_full_runs(tmp_path, monkeypatch):

@@ -122,16 +122,9 @@ def test_bos_windows_and_config_recorded(tmp_path):
 
 
 def _experiment():
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from conftest import load_script_module
 
-    folder = Path(__file__).resolve().parent.parent / "experiments"
-    sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location("emergence_experiment", folder / "emergence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script_module("experiments/emergence.py", "emergence_experiment")
 
 
 def test_extrapolated_budget_and_choice_hand_worked():

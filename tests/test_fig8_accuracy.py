@@ -159,17 +159,11 @@ def test_row_after_a_cut_line_survives(tmp_path):
 def test_fig8_real_model_quick(tmp_path):
     """The experiment end to end on a micro model: the known-answer task is chosen, the random one is not,
     every setting of the sweep is reported, and `diffquant plot` redraws the figure from the saved cells."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from conftest import load_script_module
 
     from diffquant.cli import main
 
-    path = Path(__file__).parent.parent / "experiments" / "fig8_real_model.py"
-    spec = importlib.util.spec_from_file_location("fig8_real_model_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up there
-    spec.loader.exec_module(mod)
+    mod = load_script_module("experiments/fig8_real_model.py", "fig8_real_model_under_test")
     mod.main(["--quick", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["selection"]["chosen"] == [str(tmp_path / "known.jsonl")]

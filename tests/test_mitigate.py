@@ -217,16 +217,15 @@ def test_cli_quantize_with_mitigation_round_trip(tmp_path, capsys):
 def test_mitigations_experiment_evaluates_each_pair_on_its_own_corpus(tmp_path):
     """A pair trained on a synthetic corpus is scored on that corpus's held-out windows (not on KJV through a
     tokenizer that has never seen English), a text-trained pair on its own validation text."""
-    import importlib.util
     from dataclasses import replace
+
+    from conftest import load_script_module
 
     from diffquant.data.corpora import split
     from diffquant.data.tokens import encode
     from diffquant.train import TrainConfig, prepare_data
 
-    spec = importlib.util.spec_from_file_location("mitigations_experiment", ROOT / "experiments" / "mitigations.py")
-    exp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(exp)
+    exp = load_script_module("experiments/mitigations.py", "mitigations_experiment")
 
     synth = TrainConfig(preset="micro", corpus="synth:bb", tokens=4096, batch_size=4, seq_len=32, archs=("baseline",))
     data = prepare_data(synth, tmp_path / "s")

@@ -3,23 +3,17 @@ against scipy, and the peers.json -> markdown rendering on a small fixture. No v
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats as sps
 
+from conftest import load_script_module as _module  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _module(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 peer_stats = _module("benchmarks/peer_stats.py", "peer_stats_under_test")

@@ -4,25 +4,19 @@ definition that experiments/emergence.py (and rivals.py, through it) writes into
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from diffquant.errors import DiffquantError
 
+from conftest import load_script_module as _module  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 EPS = 0.3
 
 
-def _module(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

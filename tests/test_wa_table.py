@@ -1,27 +1,14 @@
 """experiments/wa_table.py --quick: every cell present, quarot solved by GPTQ on the rotated model, and the
 table's paired intervals recomputed here from the committed per-sequence losses with scipy."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 from scipy import stats
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def _script():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    spec = importlib.util.spec_from_file_location("wa_table_under_test", ROOT / "experiments/wa_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_quick_table(tmp_path):
-    wa = _script()
+def test_quick_table(tmp_path, load_script):
+    wa = load_script("experiments/wa_table.py", "wa_table_under_test")
     wa.main(["--quick", "--out", str(tmp_path)])
     r = json.loads((tmp_path / "results.json").read_text())
     cells = {(c["fix"], c["weights"]): c for c in r["cells"]}
