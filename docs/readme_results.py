@@ -322,7 +322,7 @@ def wa_part() -> list[str]:
 def llmcompressor_part() -> list[str]:
     if not (ROOT / "docs/weights/llmcompressor.md").is_file():
         return []
-    return ["#### Against llm-compressor's GPTQ (`python benchmarks/llmcompressor_check.py`)", "",
+    return ["#### Against llm-compressor's GPTQ and AWQ (`python benchmarks/llmcompressor_check.py`)", "",
             *_md("docs/weights/llmcompressor.md")]
 
 
