@@ -322,7 +322,8 @@ def wa_part() -> list[str]:
 def llmcompressor_part() -> list[str]:
     if not (ROOT / "docs/weights/llmcompressor.md").is_file():
         return []
-    return ["#### Against llm-compressor's GPTQ and AWQ (`python benchmarks/llmcompressor_check.py`)", "",
+    methods = " and ".join(m.upper() for m in ("gptq", "awq") if m in (_load("docs/weights/llmcompressor.json") or {}))
+    return [f"#### Against llm-compressor's {methods or 'GPTQ'} (`python benchmarks/llmcompressor_check.py`)", "",
             *_md("docs/weights/llmcompressor.md")]
 
 
