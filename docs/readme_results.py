@@ -171,6 +171,10 @@ def regime_part() -> list[str]:
                   f"own learning rate, {len(plan['seeds'])} seeds, matched tokens and loss) is in progress: {done} of "
                   f"its {plan['runs']} runs are measured (docs/rivals/fair-guo/cells); no comparison is reported "
                   "before every seed is in.", ""]
+    if (ROOT / "docs/rivals/fair-guo/results.md").is_file():
+        body = (ROOT / "docs/rivals/fair-guo/results.md").read_text().split("\n", 1)[1].strip()
+        lines += ["#### Every design compared fairly in this setting (`experiments/fair_rivals.py`)", "",
+                  body.replace("## ", "##### "), ""]
     return lines
 
 
