@@ -1,0 +1,196 @@
+"""How much fixing does DIFF need compared with the baseline? Post-training fixes on the fair comparison's
+checkpoints (experiments/fair_rivals.py, Guo et al.'s recipe): the baseline and DIFF, each at its own learning
+rate (chosen by its own held-out loss, sweep.json), every trained seed.
+
+    python experiments/fixes_needed.py [--quick] [--designs baseline diff] [--out docs/rivals/fair-guo/fixes]
+
+Per model: the held-out loss in float and under each scheme (W8A8-static, W4A4-static: static per-tensor
+activations, what outliers hurt) with each fix: none, `smoothquant:search` (α per model), `rotate` (the complete
+QuaRot rotation, weights by RTN), `quarot` (rotate + GPTQ weights), `clip:output` (ranges of least reader output
+error, activations and weights). The fair cells' held-out sequences and calibration sequences (static scales,
+SmoothQuant's search, GPTQ) are reused. A cell's cost is its mean loss change from the same model in float
+(paired over the same sequences). Per design: mean ± 95% t over seeds of each cost, and the share of the
+no-fix cost a fix recovers. DIFF against the baseline: Welch's t over seeds per (scheme, fix), Holm-adjusted
+over the table. Results per model are written as they finish (a stopped run resumes).
+`--quick` runs on the fair comparison's --quick checkpoints (trained here in seconds when missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
+
+SCHEMES = ("w8a8-static", "w4a4-static")
+FIXES = ("none", "smoothquant:search", "rotate", "quarot", "clip:output")
+
+
+def measure_model(model, seqs, calib) -> dict:
+    """{"float": per-sequence losses, "cells": {scheme: {fix: {"delta", "delta_ci95", "loss"}}}}."""
+    from diffquant.evaluate import language_modeling
+    from diffquant.quant import solvers
+    from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse, weights_for
+    from diffquant.quant.scheme import calibrate, get_scheme, quantize_
+    from diffquant.stats.intervals import paired
+
+    fp = language_modeling(model, seqs)["per_sequence_loss"]
+    cells = {}
+    for name in SCHEMES:
+        for fix_text in FIXES:
+            fix = parse(fix_text)
+            scheme = adjust_scheme(get_scheme(name), fix)
+            applied = mitigate_(model, fix, calib, scheme)
+            solved = solvers.solve_weights_(model, solvers.parse(weights_for(fix, "rtn")), scheme, calib,
+                                            progress=False)
+            attachment = quantize_(model, solved.scheme(scheme))
+            solved.install(attachment)
+            try:
+                calibrate(model, attachment, calib.split(8))
+                q = language_modeling(model, seqs)["per_sequence_loss"]
+            finally:
+                attachment.remove()
+                solved.remove()
+                applied.remove()
+            d = paired(fp, q)
+            cells.setdefault(name, {})[fix_text] = {"delta": d["mean"], "delta_ci95": d["ci95"],
+                                                    "loss": sum(q) / len(q), "alpha": applied.record.get("alpha")}
+    return {"float_loss": sum(fp) / len(fp), "cells": cells}
+
+
+def summarise(models: dict, designs: list[str]) -> dict:
+    """Per design × scheme × fix: mean ± t over seeds of the cost and of the share of no-fix cost recovered;
+    DIFF − baseline Welch tests, Holm-adjusted over every (scheme, fix)."""
+    from diffquant.stats.intervals import holm_adjust, t_interval, welch
+
+    def costs(design, scheme, fix):
+        return [m["cells"][scheme][fix]["delta"] for m in models.values() if m["design"] == design]
+
+    per = {}
+    for d in designs:
+        for s in SCHEMES:
+            for f in FIXES:
+                none, fixed = costs(d, s, "none"), costs(d, s, f)
+                recovered = [1 - b / a if a > 0 else None for a, b in zip(none, fixed)]
+                per.setdefault(d, {}).setdefault(s, {})[f] = {"cost": t_interval(fixed),
+                                                              "recovered": t_interval(recovered)}
+    tests = []
+    if len(designs) == 2:
+        a, b = designs[1], designs[0]  # DIFF − baseline
+        for s in SCHEMES:
+            for f in FIXES:
+                w = welch(costs(a, s, f), costs(b, s, f))
+                tests.append({"scheme": s, "fix": f, "diff": None if w is None else w["diff"],
+                              "p": None if w is None else w["p"], "n": [len(costs(a, s, f)), len(costs(b, s, f))]})
+        for t, adj in zip(tests, holm_adjust([t["p"] for t in tests])):
+            t["p_holm"] = adj
+    return {"per_design": per, "tests": tests, "versus": designs[::-1]}
+
+
+def render(doc: dict) -> str:
+    from diffquant.report.style import display
+    from diffquant.report.tables import markdown
+    from diffquant.stats.intervals import fmt_pm
+
+    s = doc["summary"]
+    seeds = {d: sorted(m["seed"] for m in doc["models"].values() if m["design"] == d) for d in doc["designs"]}
+    head = (f"Post-training fixes on the fair comparison's {doc['experiment']} checkpoints "
+            f"({doc['tokens_per_model']:,} training tokens per model), each design at its own learning rate ("
+            + ", ".join(f"{display(d)} {doc['rates'][d]:g}, seeds {seeds[d]}" for d in doc["designs"])
+            + f"). Held-out: {doc['eval_sequences']} sequences × {doc['seq_len']} tokens of the synthetic corpus; "
+            f"calibration (static scales, SmoothQuant's α search, GPTQ, clip search): {doc['calibration_sequences']} "
+            "training sequences. Cost: the mean held-out loss change from the same model in float, in nats; mean ± "
+            "95% t over seeds. Recovered: 1 − cost(fix) / cost(none) per seed, then its mean ± t, shown where the no-fix "
+            "cost's interval lies above 0 (elsewhere there is no cost to recover). rotate's weights are "
+            "rounded to nearest, quarot's solved by GPTQ; clip:output clips activations (static per-tensor ranges) "
+            "and weights on their readers' output error. These are 3-layer models of width 256 on a synthetic "
+            "bigram-backcopy task, not the paper's scale; experiments/regime.py found no outlier regime at this "
+            "budget.\n\n")
+    rows = []
+    for d in doc["designs"]:
+        for sc in SCHEMES:
+            for f in FIXES:
+                c, none = s["per_design"][d][sc][f], s["per_design"][d][sc]["none"]["cost"]
+                costly = none["half"] is not None and none["mean"] - none["half"] > 0
+                rec = ("-" if f == "none" else "no cost to recover" if not costly
+                       else fmt_pm(c["recovered"]["mean"], c["recovered"]["half"], 2))
+                rows.append([display(d), sc, f, fmt_pm(c["cost"]["mean"], c["cost"]["half"], 4), rec])
+    text = head + markdown(["design", "scheme", "fix", "cost (nats)", "recovered"], rows) + "\n"
+    if s["tests"]:
+        a, b = (display(x) for x in s["versus"])
+        body = [[t["scheme"], t["fix"], "-" if t["diff"] is None else f"{t['diff']:+.4f}",
+                 "-" if t["p"] is None else f"{t['p']:.3g}", "-" if t.get("p_holm") is None else f"{t['p_holm']:.3g}",
+                 verdict(t)] for t in s["tests"]]
+        text += (f"\n{a} against {b}: cost difference ({a} − {b}), Welch's t over seeds, Holm-adjusted over the "
+                 f"{len(s['tests'])} rows.\n\n"
+                 + markdown(["scheme", "fix", f"cost difference ({a} − {b})", "p", "p (Holm)", "verdict"], body) + "\n")
+    return text
+
+
+def verdict(t: dict) -> str:
+    if t.get("p_holm") is None:
+        return "n/a"
+    n = min(t["n"])
+    if t["p_holm"] >= 0.05:
+        return f"no difference detected (n = {n})"
+    return "DIFF costs more" if t["diff"] > 0 else "DIFF costs less"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--designs", nargs=2, default=["baseline", "diff"], help="the reference design, then DIFF")
+    p.add_argument("--out", default=None, help="default: the fair comparison's folder + /fixes")
+    p.add_argument("--runs", default=None, help="the fair comparison's checkpoints (default runs/fair/<experiment>)")
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args(argv)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import fair_rivals as F
+
+    from diffquant.errors import DiffquantError
+    from diffquant.models.fused import fuse
+
+    torch.set_num_threads(a.threads)
+    e = F.EXPERIMENTS["quick" if a.quick else "guo"]
+    fair_out = Path("docs/rivals") / f"fair-{e.name}" if not a.quick else Path(a.out or "/tmp/fixes-quick") / "fair"
+    runs = Path(a.runs) if a.runs else (fair_out / "runs" if a.quick else Path("runs/fair") / e.name)
+    if a.quick and not (fair_out / "sweep.json").is_file():
+        F.main(["--quick", "--out", str(fair_out), "--runs", str(runs)])
+    out = Path(a.out) if a.out else fair_out / "fixes"
+    sweep = json.loads((fair_out / "sweep.json").read_text())
+    rates = {d: sweep["rates"][d]["chosen"] for d in a.designs}
+    seqs, calib = F.held_out_and_calibration(e, runs / "data")
+    path = out / "results.json"
+    doc = json.loads(path.read_text()) if path.is_file() else {"models": {}}
+    doc.update({"experiment": e.name, "designs": a.designs, "rates": rates, "tokens_per_model": sweep["tokens_per_model"],
+                "eval_sequences": len(seqs), "seq_len": seqs.shape[1], "calibration_sequences": len(calib),
+                "schemes": list(SCHEMES), "fixes": list(FIXES)})
+    for design in a.designs:
+        for seed in e.seeds:
+            key = f"{design}/lr{rates[design]:g}/s{seed}"
+            folder = F.cell_folder(runs, design, rates[design], seed) / design
+            if key in doc["models"] or not (folder / "config.json").is_file():
+                continue
+            model = AutoModelForCausalLM.from_pretrained(folder).eval()
+            fuse(model)
+            doc["models"][key] = {"design": design, "seed": seed, **measure_model(model, seqs, calib)}
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, doc)
+            print(f"{key}: done", flush=True)
+    counts = [sum(m["design"] == d for m in doc["models"].values()) for d in a.designs]
+    if min(counts) < 2:
+        raise DiffquantError(f"fixes_needed needs two trained seeds per design; found {dict(zip(a.designs, counts))}")
+    doc["summary"] = summarise(doc["models"], a.designs)
+    atomic_write_json(path, doc)
+    atomic_write_text(out / "results.md", render(doc))
+    print(render(doc))
+
+
+if __name__ == "__main__":
+    main()
