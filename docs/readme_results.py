@@ -6,7 +6,7 @@
                                                   # into docs/demo, then rewrite
 
 Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/regime/results.json, docs/rivals/*/results.json,
-docs/mitigations/results.json, docs/weights/results.md, docs/fig8_real/results.md,
+docs/mitigations/results.json, docs/rivals/fair-guo/fixes/results.md, docs/weights/results.md, docs/fig8_real/results.md,
 docs/kv_cache/{results,decode,needle,parity}.md, docs/weights/wa/results.md, docs/weights/llmcompressor.md, benchmarks/results-cpu.json and benchmarks/peers.json. A missing source leaves its
 part out.
 """
@@ -175,6 +175,9 @@ def regime_part() -> list[str]:
         body = (ROOT / "docs/rivals/fair-guo/results.md").read_text().split("\n", 1)[1].strip()
         lines += ["#### Every design compared fairly in this setting (`experiments/fair_rivals.py`)", "",
                   body.replace("## ", "##### "), ""]
+    if (ROOT / "docs/rivals/fair-guo/fixes/results.md").is_file():
+        lines += ["#### How much fixing DIFF needs against the baseline (`experiments/fixes_needed.py`)", "",
+                  *_md("docs/rivals/fair-guo/fixes/results.md")]
     return lines
 
 
