@@ -85,7 +85,8 @@ def label_of(source: str, model) -> str:
 def previous(stem: str, s: Settings, source: str, same: tuple[str, ...], **fields) -> dict:
     """The entry of `source` in the committed OUT/<stem>.json if it was measured with the same settings (`same`)
     and `fields`, its rows keyed by their scheme's JSON under "kept" ({} otherwise, or with `--fresh`): a rerun
-    that adds conditions measures only the new ones."""
+    that adds conditions measures only the new ones. Callers reuse a row only where the float loss recomputed
+    now equals the stored one bit for bit (perplexity grid) or the preset's definition is unchanged (needle)."""
     import json
 
     path = OUT / f"{stem}{'-quick' if s.quick else ''}.json"
@@ -114,8 +115,10 @@ def measure(source: str, s: Settings) -> dict:
     seqs = held_out(tok, s)
     t0 = time.perf_counter()
     fp = language_modeling(model, seqs)
-    kept = previous("results", s, source, ("corpus", "seq_len", "sequences")).get("kept", {})
-    rows = []
+    before = previous("results", s, source, ("corpus", "seq_len", "sequences"))
+    same_float = before.get("fp", {}).get("loss") == fp["loss"]  # the same model and tokens, bit for bit
+    kept = before.get("kept", {}) if same_float else {}
+    rows, reused = [], 0
     for bits in s.bits:
         for keys in s.key_granularity:
             for sink in s.sinks:
@@ -123,6 +126,7 @@ def measure(source: str, s: Settings) -> dict:
                 old = kept.get(json.dumps(sch.to_dict(), sort_keys=True))
                 if old is not None:
                     rows.append(old)
+                    reused += 1
                     continue
                 cost = quantization_cost(model, seqs, fp["per_sequence_loss"], sch)
                 ppl = fp["ppl"] * (1 + cost["pct"] / 100)
@@ -132,7 +136,7 @@ def measure(source: str, s: Settings) -> dict:
     return {"source": source, "label": label_of(source, model), "architecture": type(model).__name__,
             "kv_heads": model.config.num_key_value_heads, "head_dim": model.config.head_dim,
             "fp": {k: fp[k] for k in ("loss", "ppl", "ppl_ci95", "tokens", "sequences")}, "rows": rows,
-            "seconds": round(time.perf_counter() - t0, 1)}
+            "reused_rows": reused, "seconds": round(time.perf_counter() - t0, 1)}  # seconds: this run's rows
 
 
 def decode_vs_prefill(source: str, s: Settings, prompt: int, new: int) -> dict:
@@ -189,15 +193,17 @@ def needle_run(source: str, s: Settings, examples: int, context_chars: int) -> d
     prompt_tokens = before.get("prompt_tokens")
     rows = []
     for name in (None, *NEEDLE_SCHEMES):
+        config = get_scheme(name).to_dict() if name else None
         old = kept.get(json.dumps(name or "fp"))
-        if old is not None:
+        if old is not None and old.get("config", "?") == config:  # the same preset definition
             rows.append(old)
             continue
         t0 = time.perf_counter()
         r = needle_accuracy(model, tok, hay, examples=examples, kv_scheme=get_scheme(name) if name else None,
                             context_chars=context_chars)
         prompt_tokens = r["prompt_tokens"]
-        rows.append({"scheme": name or "fp", "choice": r["choice"], "exact": r["exact"], "queries": r["queries"],
+        rows.append({"scheme": name or "fp", "config": config, "choice": r["choice"], "exact": r["exact"],
+                     "queries": r["queries"],
                      "chance": r["chance"], "per_query": r["per_query"], "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{source} needle {name or 'fp'}: choice {r['choice']:.3f} exact {r['exact']:.3f}", flush=True)
     return {"source": source, "label": label_of(source, model), "examples": examples, "context_chars": context_chars,

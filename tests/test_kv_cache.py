@@ -440,7 +440,7 @@ def test_hadamard_cache_quantizes_each_head_in_a_hadamard_basis(llama_gqa, ids):
     assert torch.allclose(out, ref, atol=1e-3)
 
 
-def test_hadamard_keeps_sinks_bit_exact_decodes_as_prefill_and_is_refused_off_channels(llama_gqa, ids):
+def test_hadamard_keeps_sinks_bit_exact_decodes_as_prefill_and_is_refused_off_the_cache(llama_gqa, ids):
     cfg = QuantConfig(Format("int", 4, False, minmax=True), G.PerToken(), keep_first=1, hadamard=True)
     scheme = QuantScheme("kv4-had-sink1", (("*.k_cache", cfg), ("*.v_cache", cfg)))
     fp, q = observe(llama_gqa, ids, scheme=scheme)
@@ -453,7 +453,27 @@ def test_hadamard_keeps_sinks_bit_exact_decodes_as_prefill_and_is_refused_off_ch
     handle.remove()
     assert torch.equal(teacher, new)
     assert QuantConfig.from_dict(cfg.to_dict()) == cfg and cfg.label().endswith("/hadamard")
-    with pytest.raises(DiffquantError, match="rotates an activation's channels"):
-        quantize_(llama_gqa, QuantScheme("bad", (("*.attn_logits", QuantConfig(hadamard=True)),)))
-    with pytest.raises(DiffquantError, match="rotates an activation's channels"):
-        quantize_(llama_gqa, QuantScheme("bad", (), (("*.q_proj.weight", QuantConfig(hadamard=True)),)))
+    for bad in (QuantScheme("bad", (("*.attn_logits", QuantConfig(hadamard=True)),)),
+                QuantScheme("bad", (("*.attn_in", QuantConfig(hadamard=True)),)),
+                QuantScheme("bad", (), (("*.q_proj.weight", QuantConfig(hadamard=True)),))):
+        with pytest.raises(DiffquantError, match="hadamard quantizers are for the KV cache"):
+            quantize_(llama_gqa, bad)
+
+
+def test_hadamard_leaves_masked_positions_as_they_were(llama_gqa, ids):
+    """Left padding: the padded positions of a hadamard cache come back bit-exact (not as x·H·Hᵀ)."""
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    seen = {}
+    first = attach(llama_gqa, {"layers.0.v_cache": lambda x, ctx: seen.__setitem__("before", x.clone())})
+    handle = quantize_(llama_gqa, get_scheme("kv4-had"))
+    last = attach(llama_gqa, {"layers.0.v_cache": lambda x, ctx: seen.__setitem__("after", x.clone())})
+    try:
+        with torch.no_grad():
+            llama_gqa(ids, attention_mask=mask)
+    finally:
+        for h in (last, handle, first):
+            h.remove()
+    before, after = seen["before"], seen["after"]
+    assert torch.equal(after[0, :, :3], before[0, :, :3])
+    assert not torch.equal(after[0, :, 3:], before[0, :, 3:])

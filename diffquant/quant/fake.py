@@ -76,13 +76,17 @@ class FakeQuant:
 
     def apply_all(self, x: torch.Tensor, ctx) -> torch.Tensor | None:
         """Quantize every position of x, ignoring the config's kept windows (the caller chose the span).
-        `hadamard`: x is quantized in the basis of a normalised Hadamard H over its last dimension and
-        rotated back, Q(x·H)·Hᵀ, which is what a reader that absorbs H computes (QuaRot's online Q/K
-        rotation for keys: (q·H)·Q(k·H)ᵀ = q·(Q(k·H)·Hᵀ)ᵀ)."""
+        `hadamard` (KV-cache sites only, see `scheme.plan`): each head's channels are quantized in the basis
+        of a normalised Hadamard H and rotated back, Q(x·H)·Hᵀ: for keys what QuaRot's online rotation of Q
+        and K after RoPE gives the logits, (q·H)·Q(k·H)ᵀ = q·(Q(k·H)·Hᵀ)ᵀ; for values what a rotation fused
+        into v_proj and o_proj gives the output. Masked positions come back as they were, not as x·H·Hᵀ."""
         if self.config.hadamard:
             h = rotation(x.shape[-1], x.dtype, x.device, ctx.site.name)
             y = self._apply(x @ h, ctx)
-            return None if y is None else y @ h.T
+            if y is None:
+                return None
+            y = y @ h.T
+            return y if ctx.valid is None else Q.keep_masked(y, x, ctx.valid)
         return self._apply(x, ctx)
 
     def _apply(self, x: torch.Tensor, ctx) -> torch.Tensor | None:

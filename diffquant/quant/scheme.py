@@ -122,7 +122,8 @@ def kv_config(bits: int, granularity=None, sink: int = 0, recent: int = 0, hadam
     """A KV-cache quantizer: integer min-max with a float offset (KIVI's and quanto's cache quantizers),
     dynamic, `sink` first and `recent` last positions kept in full precision; `hadamard`: each head's
     channels quantized in a Hadamard basis (QuaRot's KV cache: Q and K rotated alike after RoPE, V's
-    rotation fused into v_proj and o_proj, so attention is unchanged in float)."""
+    rotation fused into v_proj and o_proj, a head norm's gain folded into o_proj first, as `rotate` does;
+    attention is unchanged in float)."""
     return QuantConfig(Format("int", bits, False, minmax=True), granularity or G.PerToken(), keep_first=sink,
                        keep_last=recent, hadamard=hadamard)
 
@@ -195,9 +196,10 @@ def plan(model, scheme: QuantScheme) -> dict[str, QuantConfig]:
             if (config.keep_first or config.keep_last) and "pos" not in site.dims:
                 raise DiffquantError(f"{site.name}: keep_first/keep_last keep positions in full precision, but its "
                                      f"dims [{', '.join(site.dims)}] have no pos dimension")
-            if config.hadamard and (site.is_weight or site.dims[-1] not in ("channel", "dim")):
-                raise DiffquantError(f"{site.name}: a hadamard quantizer rotates an activation's channels "
-                                     f"(last dim channel or dim); its dims are [{', '.join(site.dims)}]")
+            if config.hadamard and site.kind not in ("k_cache", "v_cache"):
+                raise DiffquantError(f"{site.name}: hadamard quantizers are for the KV cache (k_cache, v_cache), "
+                                     "whose readers absorb the rotation exactly; elsewhere the weights would need "
+                                     "it too (use --mitigate rotate)")
             out[site.name] = config
     return out
 
