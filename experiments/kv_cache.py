@@ -245,12 +245,29 @@ def needle_table(doc: dict) -> str:
                     cells.append(f"{100 * t['delta']:+.1f} ({t['gained']}/{t['lost']}, p {t['p']:.2g}, "
                                  f"Holm {holm[(r['scheme'], i)]:.2g})")
             body.append(cells)
+        pairs = {(r["scheme"], i): mcnemar_exact([q[i] for q in by[r["scheme"][:-4]]["per_query"]],
+                                                  [q[i] for q in r["per_query"]])
+                 for by in [{x["scheme"]: x for x in m["rows"]}] for r in m["rows"]
+                 if r["scheme"].endswith("-had") and r["scheme"][:-4] in by for i in (0, 1)}
         lo, hi = m["prompt_tokens"]
+        if pairs:
+            pholm = dict(zip(pairs, holm_adjust([t["p"] for t in pairs.values()])))
+            hadamard = markdown(["Hadamard basis against the same scheme unrotated", "Δ choice (gained/lost, McNemar p)",
+                                 "Δ exact (gained/lost, McNemar p)"],
+                                [[f"`{name}` − `{name[:-4]}`", *[
+                                    f"{100 * pairs[(name, i)]['delta']:+.1f} ({pairs[(name, i)]['gained']}/"
+                                    f"{pairs[(name, i)]['lost']}, p {pairs[(name, i)]['p']:.2g}, Holm "
+                                    f"{pholm[(name, i)]:.2g})" for i in (0, 1)]]
+                                 for name in dict.fromkeys(n for n, _ in pairs)])
         parts.append(f"**{m['label']}**: {m['examples']} examples × 2 questions = {fp['queries']} questions; haystack "
                      f"≥ {m['context_chars']:,} characters, {lo:,}–{hi:,} tokens with the question; chance (choice) "
                      f"{100 * fp['chance']:.1f}%; Holm over the table's {len(tests)} tests.\n\n"
                      + markdown(["cache", "scheme", "choice % [95%]", "Δ choice (gained/lost, McNemar p)",
                                  "exact % [95%]", "Δ exact (gained/lost, McNemar p)"], body))
+        if pairs:
+            parts.append(f"The same questions, each Hadamard-basis cache against its unrotated scheme (paired exact "
+                         f"McNemar, Holm over these {len(pairs)} tests; the two questions of an example share its "
+                         "haystack, so the questions are not independent):\n\n" + hadamard)
     return "\n\n".join(parts) + "\n"
 
 
