@@ -128,10 +128,11 @@ def report(result: dict) -> str:
         rows.append([name + (f" (α {alpha:g})" if fix == "smoothquant:search" else ""),
                      f"{c['ppl']:.3f} [{c['ppl_ci95'][0]:.3f}, {c['ppl_ci95'][1]:.3f}]", delta(d["float"]),
                      delta(d.get("solver")), delta(d.get("fix")), f"{c['seconds']:.0f} s"])
-    fp, e, k = result["float"], result["evaluation"], result["calibration"]
-    head = (f"{result['model']}, scheme {result['scheme']} ({result['description']}). Held-out: {e['corpus']}, "
-            f"{e['predicted_tokens']:,} predicted tokens ({e['sequences']} × {e['seq_len']}); calibration: "
-            f"{k['corpus']}, {k['sequences']} windows ({k['tokens']:,} tokens). Float perplexity {fp['ppl']:.3f} "
+    from weight_solvers import data_text
+
+    fp = result["float"]
+    head = (f"{result['model']}, scheme {result['scheme']} ({result['description']}). {data_text(result)}. "
+            f"Float perplexity {fp['ppl']:.3f} "
             f"[{fp['ppl_ci95'][0]:.3f}, {fp['ppl_ci95'][1]:.3f}]. Δloss: paired over the same sequences, 95% "
             "t-intervals per comparison (not adjusted for the table's multiplicity); vs RTN: the same fix with "
             "round-to-nearest weights; vs no fix: the same solver without the fix. quarot = rotate + GPTQ. "

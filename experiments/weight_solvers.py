@@ -128,6 +128,13 @@ def versus_rtn(rows: list[dict]) -> list[dict]:
     return out
 
 
+def data_text(r: dict) -> str:
+    """The held-out and calibration tokens of a result, in one sentence (no final stop)."""
+    e, c = r["evaluation"], r["calibration"]
+    return (f"Held-out: {e['corpus']}, {e['predicted_tokens']:,} predicted tokens ({e['sequences']} × {e['seq_len']}); "
+            f"calibration: {c['corpus']}, {c['sequences']} windows ({c['tokens']:,} tokens)")
+
+
 def report(r: dict) -> str:
     from diffquant.report.tables import markdown
 
@@ -148,10 +155,8 @@ def report(r: dict) -> str:
                       f"{row['delta_loss_vs_rtn']:+.4f} {ci(row['delta_loss_vs_rtn_ci95'])}"
                       if "delta_loss_vs_rtn" in row else "-",
                       rec_text, f"{row['solve_seconds']:.0f} s"])
-    e, c = r["evaluation"], r["calibration"]
     head = (f"{r['model']}, scheme {r['scheme']['name']} (int4 symmetric, groups of 128, activations in float). "
-            f"Held-out: {e['corpus']}, {e['predicted_tokens']:,} predicted tokens ({e['sequences']} × {e['seq_len']}); "
-            f"calibration: {c['corpus']}, {c['sequences']} windows ({c['tokens']:,} tokens). Brackets: 95% intervals "
+            f"{data_text(r)}. Brackets: 95% intervals "
             "(perplexity: over sequences; Δloss: paired over the same sequences). Recovered: 1 − Δloss(solver) / "
             "Δloss(RTN), in brackets the paired Δloss-vs-RTN interval over Δloss(RTN) (RTN's own uncertainty not "
             "carried), so solvers whose brackets overlap are not told apart. Solve time: wall clock, one thread on a "
