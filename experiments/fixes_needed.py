@@ -175,7 +175,8 @@ def main(argv=None) -> None:
         for seed in e.seeds:
             key = f"{design}/lr{rates[design]:g}/s{seed}"
             folder = F.cell_folder(runs, design, rates[design], seed) / design
-            if key in doc["models"] or not (folder / "config.json").is_file():
+            finished = fair_out / "cells" / design / f"lr{rates[design]:g}" / f"s{seed}.json"  # written after training
+            if key in doc["models"] or not finished.is_file():  # a checkpoint mid-training is never measured
                 continue
             model = AutoModelForCausalLM.from_pretrained(folder).eval()
             fuse(model)
