@@ -182,7 +182,8 @@ def describe_plan(plan: dict) -> str:
 
 
 def held_out_and_calibration(e: Experiment, folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """Held-out sequences (the validation split) and calibration sequences (the training split's first)."""
+    """Held-out sequences (the validation split) and calibration sequences (a draw of the training split of its
+    own: the generator is vectorised, so they are not the first windows a training run sees)."""
     from diffquant.train import prepare_data
 
     seq_len = e.train["seq_len"]

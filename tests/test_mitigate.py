@@ -393,7 +393,8 @@ def test_clip_output_picks_the_range_of_least_reader_output_error():
     from diffquant.quant.config import QuantConfig
     from diffquant.quant.fake import MSE_ALPHAS
     from diffquant.quant.formats import Format
-    from diffquant.quant.mitigate import reader_gram, weights_for
+    from diffquant.quant.layout import reader_gram
+    from diffquant.quant.mitigate import weights_for
     from diffquant.quant.scheme import QuantScheme
 
     model = _with_random_norms(FAMILIES["llama"].build())

@@ -51,14 +51,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
+from diffquant.quant.layout import layers as _layers, readers as _readers
 
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED = ("llama", "diffllama", "qwen2", "qwen3", "mistral", "smollm3", "diffquant_gated", "diffquant_clipsoftmax",
-             "diffquant_headnorm", "diffquant_diff_gain",
-             "diffquant_sink")
-ATTN_READERS = ("q_proj", "k_proj", "v_proj", "gate")  # Linears that read the attention input
 
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # smoothquant:search's grid
@@ -199,43 +196,6 @@ class Applied:
         if self._untied:
             self.model.lm_head.weight = self.model.get_input_embeddings().weight
         self._saved, self._handles, self._untied = [], [], False
-
-
-def _layers(model):
-    from diffquant.taps.sites import _decoder_layers
-
-    if getattr(model.config, "model_type", None) not in SUPPORTED:
-        raise DiffquantError(f"smoothquant and rotate need a pre-RMSNorm SwiGLU decoder ({', '.join(SUPPORTED)}); "
-                             f"{type(model).__name__} ({model.config.model_type}) is not one")
-    return _decoder_layers(model)[1]
-
-
-def reader_gram(model, site: str) -> torch.Tensor:
-    """G = Σ WᵀW over the float weights of the Linears that read a Linear-input site (attn_in: q/k/v and the
-    gate; mlp_in: gate/up; down_in: down_proj; attn_out: o_proj), so ‖E·Wᵀ‖² summed over them is e·G·eᵀ."""
-    from diffquant.taps import site_table
-
-    info = site_table(model).sites.get(site)
-    point = None if info is None or info.point is None else info.point.name
-    if point not in ("attn_in", "mlp_in", "down_in", "attn_out"):
-        raise DiffquantError(f"{site}: output-error ranges are for Linear inputs (attn_in, attn_out, mlp_in, down_in)")
-    layer = _layers(model)[info.layer]
-    attn, mlp = _readers(layer)
-    readers = {"attn_in": attn, "mlp_in": mlp, "down_in": [layer.mlp.down_proj],
-               "attn_out": [layer.self_attn.o_proj]}[point]
-    gram = 0
-    for r in readers:
-        w = r.parametrizations["weight"].original if "weight" in getattr(r, "parametrizations", {}) else r.weight
-        gram = gram + w.detach().double().T @ w.detach().double()
-    return gram.float()
-
-
-def _readers(layer) -> tuple[list, list]:
-    import torch
-
-    attn = [getattr(layer.self_attn, n) for n in ATTN_READERS if isinstance(getattr(layer.self_attn, n, None),
-                                                                             torch.nn.Linear)]
-    return attn, [layer.mlp.gate_proj, layer.mlp.up_proj]
 
 
 def mitigate_(model, mitigation: Mitigation | None, calibration: torch.Tensor | None = None,

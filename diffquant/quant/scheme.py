@@ -240,7 +240,7 @@ def calibrate(model, attachment, batches, device=None) -> None:
         return
     for name, q in attachment.quantizers.items():
         if q.config.calibration == "output" and q.gram is None and not q.config.dynamic:
-            from diffquant.quant.mitigate import reader_gram
+            from diffquant.quant.layout import reader_gram
 
             q.gram = reader_gram(model, name)
     for q in static:

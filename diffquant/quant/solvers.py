@@ -180,7 +180,7 @@ def solve_weights_(model, solver: Solver | None, scheme, calibration: torch.Tens
         return solved
     steps = []
     if isinstance(solver, AWQ):
-        from diffquant.quant.mitigate import _layers
+        from diffquant.quant.layout import layers as _layers
 
         from diffquant.quant import superweights
 
@@ -235,7 +235,8 @@ def _awq_step(table, configs, awq: AWQ, solved: Solved, supers: list[dict]):
     import torch
 
     from diffquant.quant import awq as A
-    from diffquant.quant.mitigate import _fold_smoothing, _readers
+    from diffquant.quant.layout import readers as _readers
+    from diffquant.quant.mitigate import _fold_smoothing
 
     layers = table.layers
     names = {id(m): n for n, m in table.modules.items() if n in configs}
