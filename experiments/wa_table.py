@@ -135,8 +135,12 @@ def report(result: dict) -> str:
             f"Float perplexity {fp['ppl']:.3f} "
             f"[{fp['ppl_ci95'][0]:.3f}, {fp['ppl_ci95'][1]:.3f}]. Δloss: paired over the same sequences, 95% "
             "t-intervals per comparison (not adjusted for the table's multiplicity); vs RTN: the same fix with "
-            "round-to-nearest weights; vs no fix: the same solver without the fix. quarot = rotate + GPTQ. "
-            "Time: fix, solve and calibration, wall clock, one thread on a shared 2-core CPU.\n\n")
+            "round-to-nearest weights; vs no fix: the same solver without the fix. quarot = rotate + GPTQ (without "
+            "act-order; QuaRot's online Hadamard across heads before o_proj is not applied). smoothquant:search "
+            "chooses α on the first 16 calibration windows with RTN weights (each row searches again and finds the "
+            "same α); after rotate, AWQ applies no scales to down_proj's input (they would not commute with the "
+            "online Hadamard). Time: fix, solve and calibration, wall clock, one thread on a shared 2-core CPU "
+            "(not a cost comparison).\n\n")
     return head + markdown(["fix + weights", "perplexity [95%]", "Δloss vs float", "Δloss vs RTN", "Δloss vs no fix",
                             "time"], rows) + "\n"
 
