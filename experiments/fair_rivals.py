@@ -322,7 +322,11 @@ def render(doc: dict) -> str:
 
 
 def run(e: Experiment, out: Path, runs: Path, budget_hours: float, device: str, plan_only: bool = False,
-        replan: bool = False) -> dict | None:
+        replan: bool = False, worker: tuple[int, int] | None = None) -> dict | None:
+    """The whole comparison, resuming from OUT's cells. `worker` (k, n): train only the cells whose place in the
+    fixed order (the sweep's, then each design's further seeds) is k mod n, reading the others where done, so n
+    processes share the runs without meeting; a worker stops where it lacks another's cells, and a run without
+    `worker` (or the last one) writes the results once every cell is in."""
     from diffquant.runs import start_run
 
     from measure import aggregate
@@ -341,11 +345,25 @@ def run(e: Experiment, out: Path, runs: Path, budget_hours: float, device: str, 
     start_run(out, {**asdict(e), "plan": plan}, device)
     tokens = plan["tokens_per_model"]
     seqs, calib = held_out_and_calibration(e, runs / "data")
-    cell = lambda d, lr, s: run_cell(e, d, lr, s, tokens, runs, device, seqs, calib, out / "cells")  # noqa: E731
-    sweep = {d: {lr: cell(d, lr, e.seeds[0]) for lr in e.lrs} for d in e.designs}
+    order = iter(range(10**9))  # each cell's place in the fixed order, for `worker`
+
+    def cell(d, lr, s, place):
+        done = out / "cells" / d / f"lr{lr:g}" / f"s{s}.json"
+        if worker is not None and place % worker[1] != worker[0] and not done.is_file():
+            return None  # another worker's, not done yet
+        return run_cell(e, d, lr, s, tokens, runs, device, seqs, calib, out / "cells")
+
+    sweep = {d: {lr: cell(d, lr, e.seeds[0], next(order)) for lr in e.lrs} for d in e.designs}
+    if any(c is None for cells in sweep.values() for c in cells.values()):
+        print(f"worker {worker[0]}/{worker[1]}: its sweep cells are done; the sweep waits for the others", flush=True)
+        return None
     rates = choose_rates(sweep)
     atomic_write_json(out / "sweep.json", {"seed": e.seeds[0], "tokens_per_model": tokens, "rates": rates})
-    per_design = {d: [cell(d, rates[d]["chosen"], s) for s in e.seeds] for d in e.designs}
+    per_design = {d: [sweep[d][rates[d]["chosen"]]] + [cell(d, rates[d]["chosen"], s, next(order))
+                                                       for s in e.seeds[1:]] for d in e.designs}
+    if any(c is None for cells in per_design.values() for c in cells):
+        print(f"worker {worker[0]}/{worker[1]}: its cells are done; the others' are not in yet", flush=True)
+        return None
     metrics = ["loss", *[f"{s.replace('-', '_')}_cost" for s in e.schemes], *OUTLIER_METRICS]
     doc = {"experiment": {**asdict(e), "lrs": list(e.lrs), "seeds": list(e.seeds)}, "plan": plan, "rates": rates,
            "aggregate": {d: aggregate(cells) for d, cells in per_design.items()},
@@ -378,12 +396,20 @@ def main(argv=None, experiments: dict | None = None) -> dict | None:
     p.add_argument("--replan", action="store_true", help="make a new plan even where OUT/plan.json exists")
     p.add_argument("--out", default=None, help="results (default docs/rivals/fair-<experiment>)")
     p.add_argument("--runs", default=None, help="checkpoints (default runs/fair/<experiment>; --quick: OUT/runs)")
+    p.add_argument("--worker", default=None, metavar="K/N",
+                   help="train only every N-th cell, starting at K (0 ≤ K < N): N processes share the runs")
     a = p.parse_args(argv)
+    worker = None
+    if a.worker:
+        k, _, n = a.worker.partition("/")
+        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+            raise DiffquantError(f"--worker takes K/N with 0 ≤ K < N, got {a.worker!r}")
+        worker = (int(k), int(n))
     e = experiments["quick" if a.quick else a.experiment]
     out = Path(a.out or f"docs/rivals/fair-{e.name}")
     runs = Path(a.runs) if a.runs else (out / "runs" if a.quick else Path("runs/fair") / e.name)
     budget = a.budget_hours if not a.quick or "--budget-hours" in (argv or sys.argv) else 1.0
-    return run(e, out, runs, budget, device(), a.plan_only, a.replan)
+    return run(e, out, runs, budget, device(), a.plan_only, a.replan, worker)
 
 
 if __name__ == "__main__":

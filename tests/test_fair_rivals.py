@@ -137,3 +137,26 @@ def test_gpu_script_runs_offline(quick_run):
         pytest.skip("unshare -n is not permitted here (needs a user or network namespace); the GPU script's offline "
                     "run is not checked on this machine")
     assert (out / "results.json").is_file() and (out / "sweep.json").is_file()
+
+
+def test_workers_share_the_cells_without_meeting(tmp_path):
+    """--worker 0/2 trains the sweep's cells 0, 2, 4 and stops (the sweep is incomplete); 1/2 trains 1, 3, 5 and
+    the second seed of the second design (place 7), then stops; a plain run trains place 6 and writes the
+    results. No cell is trained twice."""
+    out = tmp_path / "out"
+    args = ["--quick", "--out", str(out)]
+    e = fr.EXPERIMENTS["quick"]
+    assert fr.main(args + ["--worker", "0/2"]) is None
+    cells = lambda: sorted(str(p.relative_to(out / "cells")) for p in (out / "cells").rglob("s*.json"))  # noqa: E731
+    sweep = [f"{d}/lr{lr:g}/s0.json" for d in e.designs for lr in e.lrs]
+    assert cells() == sorted(sweep[0::2])
+    assert fr.main(args + ["--worker", "1/2"]) is None
+    rates = json.loads((out / "sweep.json").read_text())["rates"]
+    second = f"{e.designs[1]}/lr{rates[e.designs[1]]['chosen']:g}/s1.json"
+    assert cells() == sorted(sweep + [second])
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "cells").rglob("s*.json")}
+    doc = fr.main(args)
+    assert doc is not None and set(doc["aggregate"]) == set(e.designs)
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # nothing retrained
+    with pytest.raises(fr.DiffquantError, match="K/N"):
+        fr.main(args + ["--worker", "2/2"])
