@@ -245,10 +245,11 @@ def needle_table(doc: dict) -> str:
                     cells.append(f"{100 * t['delta']:+.1f} ({t['gained']}/{t['lost']}, p {t['p']:.2g}, "
                                  f"Holm {holm[(r['scheme'], i)]:.2g})")
             body.append(cells)
-        pairs = {(r["scheme"], i): mcnemar_exact([q[i] for q in by[r["scheme"][:-4]]["per_query"]],
-                                                  [q[i] for q in r["per_query"]])
-                 for by in [{x["scheme"]: x for x in m["rows"]}] for r in m["rows"]
-                 if r["scheme"].endswith("-had") and r["scheme"][:-4] in by for i in (0, 1)}
+        by = {r["scheme"]: r for r in m["rows"]}
+        pairs = {(name, i): mcnemar_exact([q[i] for q in by[name.removesuffix("-had")]["per_query"]],
+                                          [q[i] for q in r["per_query"]])
+                 for name, r in by.items() if name.endswith("-had") and name.removesuffix("-had") in by
+                 for i in (0, 1)}
         lo, hi = m["prompt_tokens"]
         if pairs:
             pholm = dict(zip(pairs, holm_adjust([t["p"] for t in pairs.values()])))
