@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -309,7 +310,10 @@ def table(doc: dict) -> str:
              f"model in full precision; [95% interval]: the paired t-interval over the {s['sequences']} sequences of "
              "the per-sequence loss difference, carried through exp. Models run: "
              + "; ".join(f"{m['label']} (`{m['source']}`)" for m in doc["models"]) + "."]
+    grouped = {id(m) for g in seed_groups(doc).values() for seeds in g.values() for m in seeds.values()}
     for m in doc["models"]:
+        if id(m) in grouped:
+            continue  # trained pairs: one table over seeds below (their rows are in the json)
         body = []
         for r in m["rows"]:
             ci = r["dppl_pct_ci95"]
@@ -319,7 +323,92 @@ def table(doc: dict) -> str:
         parts.append(f"**{m['label']}**: full precision ppl {m['fp']['ppl']:.3f} ({m['fp']['tokens']:,} tokens, "
                      f"{m['kv_heads']} KV heads of {m['head_dim']})\n\n"
                      + markdown(["K/V bits", "keys", "sink-aware", "ppl", "Δppl", "95% interval"], body))
+    parts += [design_table(setting, groups) for setting, groups in seed_groups(doc).items()]
     return "\n\n".join(parts) + "\n"
+
+
+def seed_groups(doc: dict) -> dict[str, dict[str, dict[int, dict]]]:
+    """{setting: {design: {seed: model entry}}} for checkpoints laid out as <runs>/<setting>/s<seed>/<design>
+    (train_pair's layout, as experiments/rivals.py writes it), where a setting has two designs or more, each with
+    two seeds or more: those are compared over seeds rather than shown one model at a time."""
+    groups: dict[str, dict[str, dict[int, dict]]] = {}
+    for m in doc["models"]:
+        path = Path(m["source"])
+        if re.fullmatch(r"s\d+", path.parent.name):
+            groups.setdefault(path.parent.parent.name, {}).setdefault(path.name, {})[int(path.parent.name[1:])] = m
+    return {setting: g for setting, g in groups.items() if len(g) >= 2 and all(len(v) >= 2 for v in g.values())}
+
+
+def seed_costs(seeds: dict[int, dict], row: int) -> list[float]:
+    """Each seed's mean held-out loss change (nats) of one condition: log(1 + Δppl%/100)."""
+    return [math.log1p(m["rows"][row]["dppl_pct"] / 100) for _, m in sorted(seeds.items())]
+
+
+def design_table(setting: str, groups: dict[str, dict[int, dict]]) -> str:
+    """One setting's designs over seeds: each condition's loss cost, mean ± 95% t over seeds, and DIFF against
+    the baseline (Welch's t over seeds, Holm over the table's conditions)."""
+    from diffquant.report.style import display
+    from diffquant.report.tables import markdown
+    from diffquant.stats.intervals import fmt_pm, holm_adjust, t_interval, welch
+
+    designs = sorted(groups, key=lambda d: (d != "baseline", d != "diff", d))
+    first = next(iter(groups[designs[0]].values()))
+    conditions = [(r["bits"], r["keys"], r["sink"]) for r in first["rows"]]
+    for d in designs:
+        for seed, m in groups[d].items():
+            if [(r["bits"], r["keys"], r["sink"]) for r in m["rows"]] != conditions:
+                raise SystemExit(f"kv_cache: {m['source']} was measured on other conditions than {first['source']}")
+    test = "diff" in groups and "baseline" in groups
+    tests = [welch(seed_costs(groups["diff"], i), seed_costs(groups["baseline"], i)) if test else None
+             for i in range(len(conditions))]
+    holm = holm_adjust([t["p"] if t else None for t in tests])
+    body = []
+    for i, (bits, keys, sink) in enumerate(conditions):
+        cells = [f"int{bits}", KEY_GRANULARITY[keys], "first token kept" if sink else "-"]
+        for d in designs:
+            ci = t_interval(seed_costs(groups[d], i))
+            cells.append(fmt_pm(ci["mean"], ci["half"]))
+        if test:
+            t, n = tests[i], min(len(groups["diff"]), len(groups["baseline"]))
+            verdict = ("-" if t is None else f"no difference detected (n = {n})" if holm[i] >= 0.05
+                       else "DIFF costs less" if t["diff"] < 0 else "DIFF costs more")
+            cells += ["-" if t is None else f"{t['diff']:+.4f}", "-" if t is None else f"{t['p']:.3g}",
+                      "-" if holm[i] is None else f"{holm[i]:.3g}", verdict]
+        body.append(cells)
+    fp = {d: t_interval([m["fp"]["loss"] for m in groups[d].values()]) for d in designs}
+    m0 = first
+    head = (f"**Trained pair `{setting}`** ({', '.join(f'{display(d)}: seeds {sorted(groups[d])}' for d in designs)}; "
+            f"{m0['kv_heads']} KV heads of {m0['head_dim']}; full-precision held-out loss "
+            + ", ".join(f"{display(d)} {fmt_pm(fp[d]['mean'], fp[d]['half'])} nats" for d in designs)
+            + "). Cost: the held-out loss change from the same model in full precision, log(1 + Δppl), in nats, mean "
+            "± 95% t over seeds (each seed's value is its mean over the held-out sequences)"
+            + ("; DIFF − Transformer: Welch's t over seeds, Holm over the table's "
+               f"{sum(t is not None for t in tests)} tests." if test else "."))
+    columns = ["K/V bits", "keys", "sink-aware", *[f"{display(d)} cost (nats)" for d in designs]]
+    if test:
+        columns += ["DIFF − Transformer", "p", "p (Holm)", "verdict"]
+    return head + "\n\n" + markdown(columns, body)
+
+
+def curves(doc: dict) -> list[tuple[str, list[tuple[str, list[dict], float]]]]:
+    """The figure's panels: [(title, [(label, rows, full-precision ppl)])]: the models run one at a time in the
+    first, each trained pair's designs (geometric mean of perplexity over seeds) in one panel per setting."""
+    from diffquant.report.style import display
+
+    groups = seed_groups(doc)
+    grouped = {id(m) for g in groups.values() for seeds in g.values() for m in seeds.values()}
+    single = [(m["label"], m["rows"], m["fp"]["ppl"]) for m in doc["models"] if id(m) not in grouped]
+    panels = [("", single)] if single else []
+    for setting, g in groups.items():
+        lines = []
+        for design, seeds in g.items():
+            ms = list(seeds.values())
+            rows = [{**r, "ppl": math.exp(sum(math.log(m["rows"][i]["ppl"]) for m in ms) / len(ms))}
+                    for i, r in enumerate(ms[0]["rows"])]
+            fp = math.exp(sum(math.log(m["fp"]["ppl"]) for m in ms) / len(ms))
+            lines.append((f"{display(design)} ({len(ms)} seeds)", rows, fp))
+        panels.append((f"trained pair `{setting}`", lines))
+    return panels
 
 
 def figure(doc: dict, stem: Path) -> None:
@@ -330,24 +419,27 @@ def figure(doc: dict, stem: Path) -> None:
 
     from diffquant.report.style import color
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
+    panels = curves(doc)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.2), layout="constrained", squeeze=False)
     markers = {"token": "o", "channel": "s", "hadamard": "^"}
-    for m in doc["models"]:
-        c = color(m["label"])
-        for keys in KEY_GRANULARITY:
-            for sink in (0, 1):
-                pts = sorted((r["bits"], r["ppl"]) for r in m["rows"] if r["keys"] == keys and r["sink"] == sink)
-                if not pts:
-                    continue
-                ax.plot(*zip(*pts), color=c, marker=markers[keys], linestyle="--" if sink else "-",
-                        label=f"{m['label']}, keys {keys}" + (", sink kept" if sink else ""))
-        ax.axhline(m["fp"]["ppl"], color=c, linestyle=":", linewidth=1)
-    ax.set_xlabel("K/V bits")
-    ax.set_ylabel("perplexity (log scale)")
-    ax.set_yscale("log")
-    ax.set_xticks(sorted({r["bits"] for m in doc["models"] for r in m["rows"]}))
-    ax.set_title("KV-cache quantization (dotted: full precision; dashed: first token kept)", fontsize=9)
-    ax.legend(fontsize=7)
+    for ax, (title, lines) in zip(axes[0], panels):
+        for label, rows, fp in lines:
+            c = color(label.split(" (")[0])
+            for keys in KEY_GRANULARITY:
+                for sink in (0, 1):
+                    pts = sorted((r["bits"], r["ppl"]) for r in rows if r["keys"] == keys and r["sink"] == sink)
+                    if not pts:
+                        continue
+                    ax.plot(*zip(*pts), color=c, marker=markers[keys], linestyle="--" if sink else "-",
+                            label=f"{label}, keys {keys}" + (", sink kept" if sink else ""))
+            ax.axhline(fp, color=c, linestyle=":", linewidth=1)
+        ax.set_xlabel("K/V bits")
+        ax.set_ylabel("perplexity (log scale)")
+        ax.set_yscale("log")
+        ax.set_xticks(sorted({r["bits"] for _, rows, _ in lines for r in rows}))
+        ax.set_title(("KV-cache quantization" + (f", {title}" if title else "")
+                      + " (dotted: full precision; dashed: first token kept)"), fontsize=9)
+        ax.legend(fontsize=6)
     for ext in ("png", "svg"):
         fig.savefig(stem.with_suffix(f".{ext}.part"), format=ext, dpi=150)
         stem.with_suffix(f".{ext}.part").replace(stem.with_suffix(f".{ext}"))

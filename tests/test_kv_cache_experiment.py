@@ -38,3 +38,56 @@ def test_needle_table_tests_each_hadamard_cache_against_its_unrotated_scheme(loa
     p = binomtest(6, 6, 0.5).pvalue
     line = next(ln for ln in text.splitlines() if ln.startswith("| `kv4-had` − `kv4`"))
     assert f"+30.0 (6/0, p {p:.2g}, Holm {min(1, 2 * p):.2g})" in line
+
+
+def test_trained_pairs_are_compared_over_seeds(load_script):
+    """Hand-made rows for a pair saved as <runs>/demo/s<seed>/<design> (3 seeds each, two conditions): each cell is
+    the mean ± t of log(1 + Δppl) over seeds, DIFF − Transformer is scipy's Welch test, Holm over the conditions;
+    a model outside the layout keeps its own table and the pair's models get none."""
+    import math
+
+    from scipy.stats import t as student
+    from scipy.stats import ttest_ind
+
+    kv = load_script("experiments/kv_cache.py", "kv_cache_pairs_under_test")
+    pcts = {"baseline": [[10.0, 1.0], [12.0, 2.0], [14.0, 0.5]], "diff": [[4.0, 1.5], [5.0, 0.5], [4.5, 1.0]]}
+
+    def model(source, dppl):
+        rows = [{"bits": b, "keys": "token", "sink": 0, "ppl": 20 * (1 + p / 100), "dppl_pct": p, "dppl_pct_ci95": None}
+                for b, p in zip((4, 8), dppl)]
+        return {"source": source, "label": source, "kv_heads": 2, "head_dim": 16, "rows": rows,
+                "fp": {"loss": 3.0, "ppl": 20.0, "tokens": 100}}
+
+    doc = {"settings": {"corpus": "kjv", "sequences": 8, "seq_len": 256},
+           "models": [model("smollm2-135m", [13.0, 0.1])]
+           + [model(f"runs/rivals/demo/s{s}/{d}", pcts[d][s]) for d in pcts for s in range(3)]}
+    groups = kv.seed_groups(doc)
+    assert list(groups) == ["demo"] and {d: sorted(g) for d, g in groups["demo"].items()} == {
+        "baseline": [0, 1, 2], "diff": [0, 1, 2]}
+    text = kv.table(doc)
+    assert text.count("full precision ppl") == 1  # SmolLM2 alone gets a per-model table
+    lines = [ln for ln in text.splitlines() if ln.startswith("| int")]
+    pair_lines = [ln for ln in lines if ln.count("|") > 8]
+    ps = []
+    for i, line in enumerate(pair_lines):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        base = [math.log1p(v[i] / 100) for v in pcts["baseline"]]
+        diff = [math.log1p(v[i] / 100) for v in pcts["diff"]]
+        for vals, cell in ((base, cells[3]), (diff, cells[4])):
+            mean = sum(vals) / 3
+            sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / 2)
+            half = student.ppf(0.975, 2) * sd / math.sqrt(3)
+            got_mean, got_half = (float(x) for x in cell.split(" ± "))
+            assert abs(got_mean - mean) < 1e-3 * max(abs(mean), 1e-3) + 5e-4 and abs(got_half - half) < 1e-3 + 1e-3 * half
+        p = ttest_ind(diff, base, equal_var=False).pvalue
+        assert float(cells[5]) == round(sum(diff) / 3 - sum(base) / 3, 4)
+        assert abs(float(cells[6]) - p) < 5e-3 * p + 1e-12  # shown to 3 significant digits
+        ps.append((p, cells))
+    (p1, c1), (p2, c2) = ps
+    small, large = sorted((p1, p2))
+    want = {p1: None, p2: None}
+    want[small] = min(1, 2 * small)
+    want[large] = max(want[small], large)
+    for p, cells in ps:
+        assert abs(float(cells[7]) - want[p]) < 5e-3 * want[p] + 1e-12
+    assert c1[8] == "DIFF costs less" if want[p1] < 0.05 else c1[8].startswith("no difference detected (n = 3)")
