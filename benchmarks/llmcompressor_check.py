@@ -206,6 +206,9 @@ def main(argv=None) -> None:
     sections = {m: old[m] for m in ("gptq", "awq") if m in old and m not in a.methods}
     if "gptq" not in a.methods and "rows" in old:  # written before sections existed: the GPTQ section
         sections["gptq"] = {"rows": old["rows"], "layer_errors": old["layer_errors"]}
+    for sec in sections.values():  # written when one calibration held for the whole file
+        sec.setdefault("calibration", old.get("calibration"))
+    calibration = {"windows": len(calib), "tokens": int(calib.numel()), "corpus": "kjv (training split)"}
     for method in a.methods:
         rows, errors = [], {}
         for name in OURS[method]:
@@ -240,10 +243,10 @@ def main(argv=None) -> None:
             own = sum(peer["per_sequence_loss"]) / len(peer["per_sequence_loss"])
             rows.append({"weights": row_label, "seconds": peer["seconds"], "own_forward_loss": own,
                          "grid": peer["grid"], "versions": peer["versions"], **_eval_row(r, fp, versus_float)})
-        sections[method] = {"rows": _paired(rows, REFERENCE[method]), "layer_errors": errors}
+        sections[method] = {"rows": _paired(rows, REFERENCE[method]), "layer_errors": errors,
+                            "calibration": calibration}
     result = {"model": label, "scheme": f"int4 symmetric weights in groups of {a.group} (every Linear but lm_head), "
-              "activations in float", "calibration": {"windows": len(calib), "tokens": int(calib.numel()),
-                                                                "corpus": "kjv (training split)"},
+              "activations in float",
               "evaluation": {"sequences": len(seqs), "predicted_tokens": fp["tokens"], "corpus": "kjv (validation split)"},
               "float": {k: fp[k] for k in ("loss", "ppl", "ppl_ci95")}, **sections}
     out = Path(a.out)
@@ -273,12 +276,12 @@ def _paired(rows: list[dict], reference: str) -> list[dict]:
 
 
 def report(r: dict) -> str:
-    c, e = r["calibration"], r["evaluation"]
+    e = r["evaluation"]
     rows = [row for m in ("gptq", "awq") if m in r for row in r[m]["rows"]]
     versions = next((row["versions"] for row in rows if "versions" in row), {})
-    text = (f"{r['model']}, {r['scheme']}. Calibration: {c['corpus']}, {c['windows']} windows ({c['tokens']:,} "
-            f"tokens); held-out: {e['corpus']}, {e['predicted_tokens']:,} predicted tokens ({e['sequences']} "
-            f"sequences). llm-compressor {versions.get('llmcompressor', '?')} (compressed-tensors "
+    text = (f"{r['model']}, {r['scheme']}. Calibration: per section (below), windows of 256 tokens from the "
+            f"training split, the same windows for both libraries; held-out: {e['corpus']}, {e['predicted_tokens']:,} "
+            f"predicted tokens ({e['sequences']} sequences). llm-compressor {versions.get('llmcompressor', '?')} (compressed-tensors "
             f"{versions.get('compressed_tensors', '?')}, transformers {versions.get('transformers', '?')}) in its own "
             "venv; every row evaluated by diffquant's `language_modeling` on the same windows. Δloss: paired over the "
             "same sequences, [95% t]. Layer error: ‖X·Ŵᵀ − X·Wᵀ‖² / ‖X·Wᵀ‖² per Linear on float inputs from 4 "
@@ -296,6 +299,7 @@ def section_table(r: dict, method: str) -> str:
     from diffquant.report.tables import markdown
 
     sec = r[method]
+    c = sec.get("calibration") or r["calibration"]
     fci = r["float"]["ppl_ci95"]
     body = [["float", f"{r['float']['ppl']:.3f} [{fci[0]:.3f}, {fci[1]:.3f}]", "", "", "", "", ""]]
     for row in sec["rows"]:
@@ -307,7 +311,8 @@ def section_table(r: dict, method: str) -> str:
                      "-" if ci is None else f"{row[key]:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]",
                      f"{statistics.median(err.values()):.2e}" if err else "-", f"{max(err.values()):.2e}" if err else "-",
                      "-" if "own_forward_loss" not in row else f"{row['own_forward_loss']:.4f} (ours {row['loss']:.4f})"])
-    return markdown(["weights", "perplexity [95%]", "Δloss vs float", f"Δloss vs {REFERENCE[method]} [95%]",
+    return f"{method.upper()}: calibration {c['corpus']}, {c['windows']} windows ({c['tokens']:,} tokens).\n\n" + markdown(
+        ["weights", "perplexity [95%]", "Δloss vs float", f"Δloss vs {REFERENCE[method]} [95%]",
                      "layer error (median)", "layer error (worst)", "llm-compressor's own forward"], body) + "\n"
 
 

@@ -3,6 +3,7 @@ checkpoints (experiments/fair_rivals.py, Guo et al.'s recipe): the baseline and 
 rate (chosen by its own held-out loss, sweep.json), every trained seed.
 
     python experiments/fixes_needed.py [--quick] [--designs baseline diff] [--out docs/rivals/fair-guo/fixes]
+    python experiments/fixes_needed.py --pair demo [--runs runs/rivals]   # the demo pair (experiments/rivals.py)
 
 Per model: the held-out loss in float and under each scheme (W8A8-static, W4A4-static: static per-tensor
 activations, what outliers hurt) with each fix: none, `smoothquant:search` (α per model), `rotate` (the complete
@@ -13,6 +14,9 @@ SmoothQuant's search, GPTQ) are reused. A cell's cost is its mean loss change fr
 no-fix cost a fix recovers. DIFF against the baseline: Welch's t over seeds per (scheme, fix), Holm-adjusted
 over the table. Results per model are written as they finish (a stopped run resumes).
 `--quick` runs on the fair comparison's --quick checkpoints (trained here in seconds when missing).
+`--pair demo` runs on the demo pair instead: experiments/rivals.py's demo setting (tiny preset, 600K KJV tokens,
+lr 3e-3 for every design: TrainConfig's default, not chosen by a sweep), every seed trained under
+RUNS/demo/s<seed>/<design>; held-out and calibration windows from KJV's validation and training splits.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
 
 SCHEMES = ("w8a8-static", "w4a4-static")
+PAIRS = {"demo": {"preset": "tiny", "corpus": "kjv", "seq_len": 256, "batch_size": 16, "lr": 3e-3,
+                  "weight_decay": 0.1, "tokens": 600_000}}  # experiments/rivals.py's DEMO (a test asserts they agree)
 FIXES = ("none", "smoothquant:search", "rotate", "quarot", "clip:output")
 
 
@@ -98,7 +104,8 @@ def render(doc: dict) -> str:
 
     s = doc["summary"]
     seeds = {d: sorted(m["seed"] for m in doc["models"].values() if m["design"] == d) for d in doc["designs"]}
-    head = (f"Post-training fixes on the fair comparison's {doc['experiment']} checkpoints "
+    head = pair_head(doc, seeds) if doc.get("pair") else (
+            f"Post-training fixes on the fair comparison's {doc['experiment']} checkpoints "
             f"({doc['tokens_per_model']:,} training tokens per model), each design at its own learning rate ("
             + ", ".join(f"{display(d)} {doc['rates'][d]:g}, seeds {seeds[d]}" for d in doc["designs"])
             + f"). Held-out: {doc['eval_sequences']} sequences × {doc['seq_len']} tokens of the synthetic corpus; "
@@ -134,6 +141,29 @@ def render(doc: dict) -> str:
     return text
 
 
+def pair_head(doc: dict, seeds: dict) -> str:
+    """The table's preamble for a trained pair (`--pair`): its setting in place of the fair comparison's."""
+    from diffquant.report.style import display
+    from diffquant.train import TrainConfig
+
+    o = doc["setting"]
+    return (f"Post-training fixes on the `{doc['pair']}` pair (experiments/rivals.py's setting: preset {o['preset']}, "
+            f"{o['corpus'].upper()}, {doc['tokens_per_model']:,} training tokens per model, lr {o['lr']:g} and weight "
+            f"decay {o.get('weight_decay', TrainConfig.weight_decay):g} for every design, not chosen by a sweep; "
+            + ", ".join(f"{display(d)} seeds {seeds[d]}" for d in doc["designs"])
+            + ", " + ", ".join(f"{display(d)} {n:,} parameters" for d, n in doc["parameters"].items())
+            + f"). Held-out: {doc['eval_sequences']} sequences × {doc['seq_len']} tokens of "
+            f"{o['corpus'].upper()}'s validation split; calibration (static scales, SmoothQuant's α search, GPTQ, clip "
+            f"search): {doc['calibration_sequences']} training windows. Cost: the mean held-out loss change from the "
+            "same model in float, in nats; mean ± 95% t over seeds. Recovered: 1 − cost(fix) / cost(none) per seed, "
+            "then its mean ± t, shown where the no-fix cost's interval lies above 0. rotate's weights are rounded to "
+            "nearest, quarot's solved by GPTQ; clip:output clips activations (static per-tensor ranges) and weights on "
+            "their readers' output error; SmoothQuant smooths o_proj's input through v_proj for the baseline only "
+            "(DIFF's per-head norm does not commute with per-channel scales). " + ("These are 4-layer models of width 256 "
+            "trained on 600K tokens, not the paper's scale; the demo pair has no attention sink (docs/rivals/demo).\n\n"
+            if o["preset"] == "tiny" else f"{o['preset']} preset models, not the paper's scale.\n\n"))
+
+
 def rate_margins(doc: dict) -> str:
     """How clearly each design's learning rate won its sweep (seed 0): the runner-up's held-out loss minus the
     chosen one's, so a near-tie is stated beside the results that depend on it."""
@@ -166,7 +196,10 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="default: the fair comparison's folder + /fixes")
     p.add_argument("--runs", default=None, help="the fair comparison's checkpoints (default runs/fair/<experiment>)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--pair", choices=list(PAIRS), help="a trained pair of experiments/rivals.py instead (see above)")
     a = p.parse_args(argv)
+    if a.pair:
+        return pair_main(a)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -215,6 +248,58 @@ def main(argv=None) -> None:
         raise DiffquantError(f"fixes_needed needs two trained seeds per design; found {dict(zip(a.designs, counts))}")
     chosen = {k: m for k, m in doc["models"].items() if k.startswith(f"{m['design']}/lr{rates[m['design']]:g}/")}
     doc["summary"] = summarise(chosen, a.designs)  # only the models at each design's chosen rate
+    atomic_write_json(path, doc)
+    atomic_write_text(out / "results.md", render(doc))
+    print(render(doc))
+
+
+def pair_main(a) -> None:
+    """`--pair`: every seed of the two designs trained under RUNS/<pair>/s<seed>/<design> (rivals.py's layout)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from emergence import config, held_out
+
+    from diffquant.errors import DiffquantError
+    from diffquant.models.fused import fuse
+    from diffquant.train import prepare_data
+
+    torch.set_num_threads(a.threads)
+    runs = Path(a.runs or "runs/rivals") / a.pair
+    out = Path(a.out or f"docs/rivals/{a.pair}/fixes")
+    folders = sorted(f for f in runs.glob("s*") if (f / "metrics.json").is_file())  # metrics: written once trained
+    if not folders:
+        raise DiffquantError(f"fixes_needed --pair {a.pair}: no trained seed under {runs} (train it with "
+                             f"python experiments/rivals.py --only {a.pair} --archs {' '.join(a.designs)})")
+    setting = PAIRS[a.pair]
+    cfg = config(setting, 0, a.designs)
+    seqs = held_out(cfg, folders[0], 64)
+    calib = prepare_data(cfg, folders[0]).train[:32]
+    path = out / "results.json"
+    doc = json.loads(path.read_text()) if path.is_file() else {"models": {}}
+    params = {}
+    for folder in folders:
+        seed = int(folder.name[1:])
+        for design in a.designs:
+            model = AutoModelForCausalLM.from_pretrained(folder / design).eval()
+            params[design] = sum(p.numel() for p in model.parameters())
+            key = f"{design}/s{seed}"
+            if key in doc["models"]:
+                continue
+            fuse(model)
+            doc["models"][key] = {"design": design, "seed": seed, **measure_model(model, seqs, calib)}
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, doc)
+            print(f"{key}: done", flush=True)
+    tokens = json.loads((folders[0] / "metrics.json").read_text())["models"][a.designs[0]]["emergence"][-1]["tokens"]
+    doc.update({"pair": a.pair, "setting": setting, "designs": a.designs, "tokens_per_model": tokens,
+                "parameters": params,
+                "eval_sequences": len(seqs), "seq_len": seqs.shape[1], "calibration_sequences": len(calib),
+                "schemes": list(SCHEMES), "fixes": list(FIXES)})
+    counts = [sum(m["design"] == d for m in doc["models"].values()) for d in a.designs]
+    if min(counts) < 2:
+        raise DiffquantError(f"fixes_needed needs two trained seeds per design; found {dict(zip(a.designs, counts))}")
+    doc["summary"] = summarise(doc["models"], a.designs)
     atomic_write_json(path, doc)
     atomic_write_text(out / "results.md", render(doc))
     print(render(doc))

@@ -39,3 +39,37 @@ def test_summary_against_scipy(load_script):
     assert np.isclose(t["diff"], np.mean(costs[("diff", t["scheme"], t["fix"])])
                       - np.mean(costs[("baseline", t["scheme"], t["fix"])]))
     assert fx.verdict({**t, "p_holm": 0.2}) == "no difference detected (n = 4)"
+
+
+def test_pair_mode_on_a_trained_pair(tmp_path, load_script):
+    """`--pair`: rivals.py's layout (<runs>/<pair>/s<seed>/<design>), two seeds of a micro pair trained here in
+    seconds. Each model's float loss equals plain-torch cross-entropy on the same held-out windows, and the summary's
+    costs are the means of the per-model ones; the demo setting is rivals.py's own."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rivals = load_script("experiments/rivals.py", "rivals_for_pair_test")
+    emergence = load_script("experiments/emergence.py", "emergence_for_pair_test")
+    fx = load_script("experiments/fixes_needed.py", "fixes_needed_pair_under_test")
+    assert fx.PAIRS["demo"] == rivals.DEMO
+    rivals.main(["--quick", "--out", str(tmp_path / "rivals"), "--archs", "baseline", "diff"])
+    runs = tmp_path / "rivals" / "runs" / "rivals"
+    fx.PAIRS["quick"] = next(iter(emergence.QUICK.values()))
+    fx.main(["--pair", "quick", "--runs", str(runs), "--out", str(tmp_path / "fixes")])
+    doc = json.loads((tmp_path / "fixes" / "results.json").read_text())
+    assert sorted(doc["models"]) == ["baseline/s0", "baseline/s1", "diff/s0", "diff/s1"]
+    folder = runs / "quick" / "s1"
+    seqs = emergence.held_out(emergence.config(fx.PAIRS["quick"], 0, ["baseline", "diff"]), runs / "quick" / "s0", 64)
+    model = AutoModelForCausalLM.from_pretrained(folder / "diff").eval()
+    with torch.no_grad():
+        logits = model(seqs).logits[:, :-1].float()
+    per_seq = torch.nn.functional.cross_entropy(logits.transpose(1, 2), seqs[:, 1:], reduction="none").mean(1)
+    assert abs(float(per_seq.mean()) - doc["models"]["diff/s1"]["float_loss"]) < 1e-5
+    for design in ("baseline", "diff"):
+        cost = doc["summary"]["per_design"][design]["w4a4-static"]["none"]["cost"]
+        want = [doc["models"][f"{design}/s{s}"]["cells"]["w4a4-static"]["none"]["delta"] for s in (0, 1)]
+        assert abs(cost["mean"] - sum(want) / 2) < 1e-12
+    text = (tmp_path / "fixes" / "results.md").read_text()
+    assert "`quick` pair" in text and "not chosen by a sweep" in text
