@@ -283,6 +283,36 @@ def tests_against(per_design: dict[str, list[dict]], metrics, reference: str = "
     return rows
 
 
+STANDING = ("w8a8_static_cost", "w4a4_static_cost", "logits_int4_cost", "loss", "massive_ratio", "hidden_ratio")
+
+
+def standing(doc: dict) -> str:
+    """Where DIFF stands, read off the Holm-adjusted tests only (the family of the report's last table): per
+    headline metric, the designs DIFF is below and above at adjusted p < 0.05; every other comparison is "no
+    difference detected", never "equal"."""
+    from diffquant.report.style import display
+
+    from measure import METRICS
+
+    n = min(len(v) for v in doc["per_seed"].values())
+    family = len(doc["tests"])
+    parts = []
+    for metric in STANDING:
+        rows = [r for r in doc["tests"] if r["metric"] == metric and r["p_holm"] is not None]
+        if not rows:
+            continue
+        # r["diff"] is design − DIFF: DIFF is lower where the design is higher
+        below = [display(r["design"]) for r in rows if r["p_holm"] < 0.05 and r["diff"] > 0]
+        above = [display(r["design"]) for r in rows if r["p_holm"] < 0.05 and r["diff"] < 0]
+        rest = len(rows) - len(below) - len(above)
+        said = ([f"lower than {', '.join(below)}"] if below else []) + ([f"higher than {', '.join(above)}"] if above else [])
+        said.append(f"no difference detected against {'the other' if said else 'any of the'} {rest} (n = {n})"
+                    if rest else "")
+        parts.append(f"{METRICS[metric][0]}: DIFF " + "; ".join(x for x in said if x))
+    return (f"Where DIFF stands (Holm-adjusted over all {family} tests of the last table, adjusted p < 0.05; "
+            f"{doc['plan']['tokens_per_model']:,} tokens per model, {n} seeds per design): " + ". ".join(parts) + ".")
+
+
 def render(doc: dict) -> str:
     from diffquant.report.style import display
     from diffquant.report.tables import markdown
@@ -311,6 +341,7 @@ def render(doc: dict) -> str:
                             *[fmt_pm(r[k]["mean"], r[k]["half"]) for k in CURVE_METRICS]]
                            for d, r in ml["designs"].items()]))
     lines.append("\n## Against DIFF: Welch's t over seeds, Holm-adjusted over all rows\n")
+    lines.append(standing(doc) + "\n")
     lines.append(markdown(["metric", "design", "difference (design − DIFF)", "p", "p (Holm)", "verdict"],
                           [[r["metric"], display(r["design"]), "-" if r["diff"] is None else f"{r['diff']:.4g}",
                             "-" if r["p"] is None else f"{r['p']:.3g}", "-" if r["p_holm"] is None else f"{r['p_holm']:.3g}",

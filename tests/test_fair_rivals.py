@@ -77,6 +77,25 @@ def test_tests_against_diff_are_holm_adjusted_over_the_family():
     assert {r["design"]: r["verdict"] for r in rows}["x"] == "higher"
 
 
+def test_standing_reads_only_the_holm_adjusted_tests():
+    """Hand-made tests: design − DIFF > 0 at adjusted p < 0.05 puts DIFF below that design, < 0 above it; an
+    unadjusted p below 0.05 with an adjusted one above it is "no difference detected"."""
+    row = lambda metric, design, diff, p, p_holm: {"metric": metric, "design": design, "diff": diff, "p": p,  # noqa: E731
+                                                   "p_holm": p_holm}
+    doc = {"per_seed": {"diff": [{}] * 5, "baseline": [{}] * 5, "gated": [{}] * 5, "sink": [{}] * 5},
+           "plan": {"tokens_per_model": 1000},
+           "tests": [row("w4a4_static_cost", "baseline", +0.05, 0.001, 0.01),
+                     row("w4a4_static_cost", "gated", -0.02, 0.002, 0.03),
+                     row("w4a4_static_cost", "sink", +0.03, 0.01, 0.2),
+                     row("loss", "baseline", +0.01, 0.3, 1.0), row("loss", "gated", -0.1, 0.04, 0.5),
+                     row("loss", "sink", 0.0, 0.9, 1.0)]}
+    text = fr.standing(doc)
+    assert "W4A4 static per-tensor: Δppl %: DIFF lower than Transformer; higher than Gated; no difference detected " \
+           "against the other 1 (n = 5)" in text
+    assert "held-out loss (nats): DIFF no difference detected against any of the 3 (n = 5)" in text
+    assert "over all 6 tests" in text
+
+
 def _offline_allowed() -> bool:
     unshare = shutil.which("unshare")
     return unshare is not None and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0
