@@ -275,8 +275,12 @@ def search_pair_note() -> list[str]:
 def mitigations_part() -> list[str]:
     if not (ROOT / "docs/mitigations/results.md").is_file():
         return []
-    return ["### Post-training fixes (`experiments/mitigations.py`)", "", *_md("docs/mitigations/results.md"),
-            *search_pair_note(), ROTATE_NOTE, "", "![mitigations](docs/mitigations/mitigations.png)", ""]
+    lines = ["### Post-training fixes (`experiments/mitigations.py`)", "", *_md("docs/mitigations/results.md"),
+             *search_pair_note(), ROTATE_NOTE, "", "![mitigations](docs/mitigations/mitigations.png)", ""]
+    if (ROOT / "docs/rivals/demo/fixes/results.md").is_file():
+        lines += ["#### How much fixing DIFF needs on the demo pair (`experiments/fixes_needed.py --pair demo`)", "",
+                  *_md("docs/rivals/demo/fixes/results.md")]
+    return lines
 
 
 # The mitigations table was measured with round two's rotation; `rotate` now does more (quant/mitigate.py).
@@ -299,6 +303,7 @@ def kv_cache_part() -> list[str]:
     if (ROOT / "docs/kv_cache/results.md").is_file():
         lines += ["### KV-cache quantization (`experiments/kv_cache.py`)", "", *_md("docs/kv_cache/results.md"),
                   "![kv cache](docs/kv_cache/kv_cache.png)", ""]
+    lines += fair_kv_part()
     if (ROOT / "docs/kv_cache/decode.md").is_file():
         lines += ["#### Prefill against decoding through the cache (`experiments/kv_cache.py --decode`)", "",
                   *_md("docs/kv_cache/decode.md")]
@@ -309,6 +314,46 @@ def kv_cache_part() -> list[str]:
         lines += ["#### Against transformers' QuantizedCache (`experiments/kv_cache_parity.py`)", "",
                   *_md("docs/kv_cache/parity.md")]
     return lines
+
+
+FAIR_KV = ("kv4_cost", "kv4_sink1_cost", "k4v2_cost", "kivi2_cost")
+
+
+def fair_kv_part() -> list[str]:
+    """The KV-cache columns of the fair comparison (every design at its own learning rate, every seed), with its
+    Holm-adjusted tests against DIFF: the cache on trained models of every design, beside SmolLM2's."""
+    doc = _load("docs/rivals/fair-guo/results.json")
+    if doc is None:
+        return []
+    from diffquant.report.style import display
+    from diffquant.report.tables import markdown
+    from diffquant.stats.intervals import fmt_pm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+    from measure import METRICS
+
+    tests = {(t["metric"], t["design"]): t for t in doc["tests"]}
+    n = min(len(v) for v in doc["per_seed"].values())
+
+    def cell(design, metric):
+        a = doc["aggregate"][design][metric]
+        t = tests.get((metric, design))
+        mark = "" if t is None or t["p_holm"] is None or t["p_holm"] >= 0.05 else f" ({t['verdict']} than DIFF)"
+        return fmt_pm(a["mean"], a["half"], 3) + mark
+
+    body = [[display(d), f"{doc['rates'][d]['chosen']:g}", *[cell(d, m) for m in FAIR_KV]] for d in doc["aggregate"]]
+    return ["#### The cache on every design, trained fairly (`experiments/fair_rivals.py`)", "",
+            f"The fair comparison's models (Guo et al.'s Bigram-Backcopy recipe as run here, "
+            f"{doc['plan']['tokens_per_model']:,} training tokens per model, each design at its own learning rate, {n} "
+            f"seeds; {doc['experiment']['eval_sequences']} held-out sequences of the synthetic corpus) with the keys "
+            "after RoPE and the values quantized in one forward (prefill semantics): Δppl %, mean ± 95% t over seeds. "
+            "A design marked higher/lower differs from DIFF at Holm-adjusted p < 0.05 over the fair comparison's "
+            "whole family of tests; unmarked: no difference detected. kv4: int4 keys and values per token and KV head; "
+            "kv4-sink1: the same with the first token in full precision; k4v2: int4 keys, int2 values; kivi2: KIVI-2 "
+            "(per-channel int2 keys in runs of 32, values per token in groups of 32, the 128 most recent positions in "
+            "full precision). These 3-layer models with one head per layer did not reach the outlier regime at this "
+            "budget (docs/regime).", "",
+            markdown(["design", "lr", *[METRICS[m][0] for m in FAIR_KV]], body), ""]
 
 
 def weights_part() -> list[str]:

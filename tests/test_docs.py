@@ -67,6 +67,26 @@ def test_emergence_text_says_when_no_setting_reached_the_regime(tmp_path, monkey
     assert "1 of 2 settings reached the regime" in text and "None did" not in text
 
 
+def test_fair_kv_columns_mark_only_holm_differences(tmp_path, monkeypatch):
+    """The fair comparison's KV-cache columns in the README: mean ± t as the aggregate says, a design marked only
+    where its Holm-adjusted test against DIFF is below 0.05, in the direction of design − DIFF."""
+    rr = _module("docs/readme_results.py", "readme_results_under_test")
+    agg = lambda m: {k: {"mean": m, "half": m / 10} for k in rr.FAIR_KV}  # noqa: E731
+    tests = [{"metric": "kv4_cost", "design": "baseline", "diff": 2.0, "p_holm": 0.01, "verdict": "higher"},
+             {"metric": "kivi2_cost", "design": "baseline", "diff": 1.0, "p_holm": 0.2, "verdict": "≈"}]
+    doc = {"aggregate": {"baseline": agg(4.0), "diff": agg(2.0)}, "tests": tests, "rates": {
+        "baseline": {"chosen": 1e-3}, "diff": {"chosen": 3e-3}}, "per_seed": {"baseline": [{}] * 5, "diff": [{}] * 5},
+        "plan": {"tokens_per_model": 1000}, "experiment": {"eval_sequences": 64}}
+    (tmp_path / "docs/rivals/fair-guo").mkdir(parents=True)
+    (tmp_path / "docs/rivals/fair-guo/results.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(rr, "ROOT", tmp_path)
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
+            for ln in "\n".join(rr.fair_kv_part()).splitlines() if ln.startswith("| ") and "design" not in ln}
+    rows = {k: v for k, v in rows.items() if k in ("Transformer", "DIFF")}
+    assert rows["Transformer"] == ["0.001", "4.00 ± 0.40 (higher than DIFF)", "4.00 ± 0.40", "4.00 ± 0.40", "4.00 ± 0.40"]
+    assert rows["DIFF"] == ["0.003", "2.00 ± 0.20", "2.00 ± 0.20", "2.00 ± 0.20", "2.00 ± 0.20"]
+
+
 def test_update_between_markers(tmp_path, capsys):
     from diffquant.report.tables import update_between_markers
 
