@@ -173,8 +173,13 @@ def regime_part() -> list[str]:
                   "before every seed is in.", ""]
     if (ROOT / "docs/rivals/fair-guo/results.md").is_file():
         body = (ROOT / "docs/rivals/fair-guo/results.md").read_text().split("\n", 1)[1].strip()
+        tables, _, tests = body.partition("## Against DIFF")
+        said = [line for line in tests.splitlines() if line.startswith("Where DIFF stands")]
         lines += ["#### Every design compared fairly in this setting (`experiments/fair_rivals.py`)", "",
-                  body.replace("## ", "##### "), ""]
+                  *[x for line in said for x in (line, "")], tables.strip().replace("## ", "##### "), "",
+                  "Every test behind the paragraph above (design − DIFF, Welch's t over seeds, raw and Holm-adjusted "
+                  "p), the outlier curves during training (emergence.png) and each cell's numbers: "
+                  "docs/rivals/fair-guo/results.md, docs/rivals/fair-guo/cells.", ""]
     if (ROOT / "docs/rivals/fair-guo/fixes/results.md").is_file():
         lines += ["#### How much fixing DIFF needs against the baseline (`experiments/fixes_needed.py`)", "",
                   *_md("docs/rivals/fair-guo/fixes/results.md")]

@@ -289,27 +289,35 @@ STANDING = ("w8a8_static_cost", "w4a4_static_cost", "logits_int4_cost", "loss", 
 def standing(doc: dict) -> str:
     """Where DIFF stands, read off the Holm-adjusted tests only (the family of the report's last table): per
     headline metric, the designs DIFF is below and above at adjusted p < 0.05; every other comparison is "no
-    difference detected", never "equal"."""
+    difference detected", never "equal". Every other metric of the family where some adjusted difference was
+    found is said too, so the paragraph cannot hide a metric on which DIFF does worse; the rest are named."""
     from diffquant.report.style import display
 
     from measure import METRICS
 
     n = min(len(v) for v in doc["per_seed"].values())
     family = len(doc["tests"])
-    parts = []
-    for metric in STANDING:
+    metrics = list(dict.fromkeys(r["metric"] for r in doc["tests"]))
+    parts, quiet = [], []
+    for metric in [*[m for m in STANDING if m in metrics], *[m for m in metrics if m not in STANDING]]:
         rows = [r for r in doc["tests"] if r["metric"] == metric and r["p_holm"] is not None]
         if not rows:
             continue
         # r["diff"] is design − DIFF: DIFF is lower where the design is higher
         below = [display(r["design"]) for r in rows if r["p_holm"] < 0.05 and r["diff"] > 0]
         above = [display(r["design"]) for r in rows if r["p_holm"] < 0.05 and r["diff"] < 0]
+        if metric not in STANDING and not (below or above):
+            quiet.append(METRICS[metric][0] if metric in METRICS else metric)
+            continue
         rest = len(rows) - len(below) - len(above)
         said = ([f"lower than {', '.join(below)}"] if below else []) + ([f"higher than {', '.join(above)}"] if above else [])
         said.append(f"no difference detected against {'the other' if said else 'any of the'} {rest} (n = {n})"
                     if rest else "")
-        parts.append(f"{METRICS[metric][0]}: DIFF " + "; ".join(x for x in said if x))
-    return (f"Where DIFF stands (Holm-adjusted over all {family} tests of the last table, adjusted p < 0.05; "
+        parts.append(f"{METRICS[metric][0] if metric in METRICS else metric}: DIFF " + "; ".join(x for x in said if x))
+    if quiet:
+        parts.append(f"No difference detected against any design (n = {n}) on the other metrics: {'; '.join(quiet)}")
+    return (f"Where DIFF stands (Holm-adjusted over all {family} tests, each metric × design against DIFF by Welch's t "
+            f"over seeds; adjusted p < 0.05; "
             f"{doc['plan']['tokens_per_model']:,} tokens per model, {n} seeds per design): " + ". ".join(parts) + ".")
 
 

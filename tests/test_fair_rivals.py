@@ -88,12 +88,18 @@ def test_standing_reads_only_the_holm_adjusted_tests():
                      row("w4a4_static_cost", "gated", -0.02, 0.002, 0.03),
                      row("w4a4_static_cost", "sink", +0.03, 0.01, 0.2),
                      row("loss", "baseline", +0.01, 0.3, 1.0), row("loss", "gated", -0.1, 0.04, 0.5),
-                     row("loss", "sink", 0.0, 0.9, 1.0)]}
+                     row("loss", "sink", 0.0, 0.9, 1.0),
+                     row("hidden_top1", "baseline", -2.0, 0.0001, 0.002), row("hidden_top1", "sink", 0.1, 0.5, 1.0),
+                     row("kv4_cost", "baseline", 0.1, 0.01, 0.3)]}
     text = fr.standing(doc)
     assert "W4A4 static per-tensor: Δppl %: DIFF lower than Transformer; higher than Gated; no difference detected " \
            "against the other 1 (n = 5)" in text
     assert "held-out loss (nats): DIFF no difference detected against any of the 3 (n = 5)" in text
-    assert "over all 6 tests" in text
+    assert "over all 9 tests" in text
+    # a metric outside the headline set is said where an adjusted difference exists, named as quiet otherwise
+    assert "hidden-state top-1: DIFF higher than Transformer; no difference detected against the other 1" in text
+    assert text.endswith("No difference detected against any design (n = 5) on the other metrics: "
+                         "KV cache int4: Δppl %.")
 
 
 def _offline_allowed() -> bool:

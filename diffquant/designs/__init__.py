@@ -117,6 +117,6 @@ register(Design("baseline-headnorm", "Transformer + head norm", "#17becf", _head
 register(Design("diff-gain", "DIFF + norm gain", "#8c564b", _diff_gain,
                 "DiffLlama with a learnable gain on its head RMSNorm (as Microsoft's reference code)",
                 added=lambda h, heads: 4 * (h // heads) + 2 * (h // heads), maps_per_head=2))
-register(Design("gated-nobias", "Gated, no bias", "#bcbd22", _gated_nobias,
+register(Design("gated-nobias", "Gated without bias", "#bcbd22", _gated_nobias,
                 "Qiu et al.'s G1 gate without bias: output ⊙ σ(X·W_g); MLP narrowed",
                 added=lambda h, heads: gate_parameters(h, heads, bias=False), narrow_mlp=True))
