@@ -28,8 +28,10 @@ OUT = ROOT / "docs" / "kv_cache"
 TOLERANCE = {"max_abs_logit": 1e-4, "nll": 1e-5}  # fp32 on both sides: the same arithmetic, in another order
 
 
-def models(quick: bool):
-    """(label, model, token ids [1, prompt + continuation], prompt length) to compare on."""
+def models(quick: bool, checkpoints: list[str] = ()):
+    """(label, model, token ids [1, prompt + continuation], prompt length) to compare on: the micro pair, then
+    (unless quick) SmolLM2-135M-Instruct, then each trained checkpoint folder asked for, on 96 KJV held-out
+    tokens through its own tokenizer."""
     from diffquant.models.fused import fuse
     from diffquant.models.presets import PRESETS, build_pair
 
@@ -47,6 +49,15 @@ def models(quick: bool):
         _, val = split(load_text("kjv")[0])
         stream = torch.from_numpy(encode(tok, val)[:96].astype("int64"))[None]
         out.append(("SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)", model, stream, 48))
+    for folder in checkpoints:
+        from diffquant.data.corpora import load_text, split
+        from diffquant.data.tokens import encode
+        from diffquant.models.load import load_model
+
+        model, tok = load_model(folder)[:2]
+        _, val = split(load_text("kjv")[0])
+        stream = torch.from_numpy(encode(tok, val)[:96].astype("int64"))[None]
+        out.append((f"{type(model).__name__} `{folder}` (trained, KJV held-out)", model, stream, 48))
     return out
 
 
@@ -56,7 +67,7 @@ def nll(logits: torch.Tensor, ids: torch.Tensor, prompt: int) -> float:
     return float(-lp.gather(-1, ids[0, prompt:, None]).mean())
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, checkpoints: list[str] = ()) -> dict:
     from transformers.cache_utils import QuantizedCache
 
     from diffquant.quant import granularity as G
@@ -66,7 +77,7 @@ def run(quick: bool) -> dict:
     from diffquant.quant.scheme import QuantScheme
 
     rows = []
-    for label, model, ids, prompt in models(quick):
+    for label, model, ids, prompt in models(quick, checkpoints):
         head_dim = model.config.head_dim
         with torch.inference_mode():
             fp_logits = model(ids).logits
@@ -121,17 +132,22 @@ def table(doc: dict) -> str:
             "token per step through the cache), and 24 greedy tokens from the prompt. Tolerance: max |Δ logit| ≤ "
             f"{doc['tolerance']['max_abs_logit']:g}, |Δ mean NLL| ≤ {doc['tolerance']['nll']:g}, every greedy "
             "token equal. Micro models are random-init (their perplexities only show the caches agree); SmolLM2 "
-            "reads KJV held-out tokens.\n\n" + markdown(header, body))
+            "and trained checkpoints read KJV held-out tokens.\n\n" + markdown(header, body))
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="micro models only (seconds)")
+    p.add_argument("--model", action="append", default=[], metavar="FOLDER",
+                   help="a trained checkpoint folder to add (repeatable), e.g. runs/rivals/demo/s0/baseline")
     a = p.parse_args(argv)
     from diffquant.paths import atomic_write_json, atomic_write_text
 
     torch.manual_seed(0)
-    doc = run(a.quick)
+    for folder in a.model:
+        if not (Path(folder) / "config.json").is_file():
+            raise SystemExit(f"--model {folder}: not a checkpoint folder (no config.json)")
+    doc = run(a.quick, a.model)
     name = "parity-quick" if a.quick else "parity"
     atomic_write_json(OUT / f"{name}.json", doc)
     atomic_write_text(OUT / f"{name}.md", table(doc) + "\n")

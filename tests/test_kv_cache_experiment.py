@@ -91,3 +91,26 @@ def test_trained_pairs_are_compared_over_seeds(load_script):
     for p, cells in ps:
         assert abs(float(cells[7]) - want[p]) < 5e-3 * want[p] + 1e-12
     assert c1[8] == "DIFF costs less" if want[p1] < 0.05 else c1[8].startswith("no difference detected (n = 3)")
+
+
+def test_parity_reads_a_trained_checkpoint_on_kjv(tmp_path, load_script):
+    """`kv_cache_parity.py --model FOLDER`: the folder's own model and tokenizer, on the first 96 KJV held-out
+    tokens (48 prompt + 48 decoded), as the table's other trained rows; a folder without config.json is refused."""
+    import pytest
+    import torch
+
+    from diffquant.data.corpora import load_text, split
+    from diffquant.data.tokens import byte_tokenizer
+    from diffquant.models.presets import PRESETS, build
+
+    parity = load_script("experiments/kv_cache_parity.py", "kv_cache_parity_under_test")
+    folder = tmp_path / "ckpt"
+    build(PRESETS["micro"], "diff").save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    label, model, ids, prompt = parity.models(True, [str(folder)])[-1]
+    assert type(model).__name__ == "DiffLlamaForCausalLM" and str(folder) in label and prompt == 48
+    expected = list(split(load_text("kjv")[0])[1].encode("utf-8")[:96])  # the byte tokenizer: one token a byte
+    assert ids.shape == (1, 96) and ids.dtype == torch.int64
+    assert byte_tokenizer().decode(ids[0].tolist()) == bytes(expected).decode("utf-8", "ignore")
+    with pytest.raises(SystemExit, match="not a checkpoint folder"):
+        parity.main(["--quick", "--model", str(tmp_path / "nothing")])
