@@ -343,7 +343,8 @@ def fair_kv_part() -> list[str]:
     def cell(design, metric):
         a = doc["aggregate"][design][metric]
         t = tests.get((metric, design))
-        mark = "" if t is None or t["p_holm"] is None or t["p_holm"] >= 0.05 else f" ({t['verdict']} than DIFF)"
+        significant = t is not None and t["p_holm"] is not None and t["p_holm"] < 0.05
+        mark = f" ({t['verdict'].removeprefix('design ')})" if significant else ""
         return fmt_pm(a["mean"], a["half"], 3) + mark
 
     body = [[display(d), f"{doc['rates'][d]['chosen']:g}", *[cell(d, m) for m in FAIR_KV]] for d in doc["aggregate"]]
@@ -352,8 +353,9 @@ def fair_kv_part() -> list[str]:
             f"{doc['plan']['tokens_per_model']:,} training tokens per model, each design at its own learning rate, {n} "
             f"seeds; {doc['experiment']['eval_sequences']} held-out sequences of the synthetic corpus) with the keys "
             "after RoPE and the values quantized in one forward (prefill semantics): Δppl %, mean ± 95% t over seeds. "
-            "A design marked higher/lower differs from DIFF at Holm-adjusted p < 0.05 over the fair comparison's "
-            "whole family of tests; unmarked: no difference detected. kv4: int4 keys and values per token and KV head; "
+            "A design marked higher/lower differs from DIFF at Holm-adjusted p < 0.05 within the fair comparison's "
+            "secondary family of tests (docs/rivals/fair-guo/results.md); unmarked: no difference detected. "
+            "kv4: int4 keys and values per token and KV head; "
             "kv4-sink1: the same with the first token in full precision; k4v2: int4 keys, int2 values; kivi2: KIVI-2 "
             "(per-channel int2 keys in runs of 32, values per token in groups of 32, the 128 most recent positions in "
             "full precision). These 3-layer models with one head per layer did not reach the outlier regime at this "

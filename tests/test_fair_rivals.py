@@ -63,43 +63,63 @@ def test_matched_loss_reads_the_first_point_at_or_below_the_worst_final_loss():
     assert ml["designs"]["slow"]["sink_rate"]["mean"] == pytest.approx(0.2)
 
 
-def test_tests_against_diff_are_holm_adjusted_over_the_family():
+def test_tests_against_diff_are_holm_adjusted_within_each_family():
+    """Holm within a family, checked against scipy's Welch and a hand-written Holm; a metric with one value in
+    every run is reported as constant and is not a test (it leaves the family's size alone)."""
     from scipy.stats import ttest_ind
 
-    per = {"diff": [{"m": 1.0}, {"m": 1.1}, {"m": 0.9}], "x": [{"m": 2.0}, {"m": 2.2}, {"m": 1.9}],
-           "y": [{"m": 1.0}, {"m": 1.2}, {"m": 0.95}]}
-    rows = fr.tests_against(per, ["m"])
-    p = {r["design"]: ttest_ind([c["m"] for c in per[r["design"]]], [1.0, 1.1, 0.9], equal_var=False).pvalue for r in rows}
-    lo, hi = sorted(p.values())
-    want = {d: (2 * lo if v == lo else max(2 * lo, hi)) for d, v in p.items()}
-    for r in rows:
-        assert r["p_holm"] == pytest.approx(min(1.0, want[r["design"]]))
-    assert {r["design"]: r["verdict"] for r in rows}["x"] == "higher"
+    per = {"diff": [{"m": 1.0, "k": 0.0, "q": 5.0}, {"m": 1.1, "k": 0.0, "q": 5.2}, {"m": 0.9, "k": 0.0, "q": 4.9}],
+           "x": [{"m": 2.0, "k": 0.0, "q": 9.0}, {"m": 2.2, "k": 0.0, "q": 9.1}, {"m": 1.9, "k": 0.0, "q": 8.8}],
+           "y": [{"m": 1.0, "k": 0.0, "q": 5.1}, {"m": 1.2, "k": 0.0, "q": 5.0}, {"m": 0.95, "k": 0.0, "q": 4.8}]}
+    rows = fr.tests_against(per, {"primary": ["m"], "secondary": ["k", "q"]})
+    for family, metric in (("primary", "m"), ("secondary", "q")):
+        block = [r for r in rows if r["family"] == family and r["metric"] == metric]
+        ref = [c[metric] for c in per["diff"]]
+        p = {r["design"]: ttest_ind([c[metric] for c in per[r["design"]]], ref, equal_var=False).pvalue for r in block}
+        lo, hi = sorted(p.values())
+        want = {d: (2 * lo if v == lo else max(2 * lo, hi)) for d, v in p.items()}  # Holm over the family's 2 tests
+        for r in block:
+            assert r["p"] == pytest.approx(p[r["design"]])
+            assert r["p_holm"] == pytest.approx(min(1.0, want[r["design"]]))
+    verdicts = {(r["metric"], r["design"]): r["verdict"] for r in rows}
+    assert verdicts[("m", "x")] == "design higher than DIFF"
+    assert verdicts[("m", "y")] == "no difference detected (n = 3)"
+    assert verdicts[("k", "x")] == "constant (no test)"
+    assert fr.families(["loss", "w4a4_static_cost", "hidden_top1", "hidden_ratio"]) == {
+        "primary": ["w4a4_static_cost"], "secondary": ["loss", "hidden_ratio", "logit_ratio"]}
 
 
 def test_standing_reads_only_the_holm_adjusted_tests():
     """Hand-made tests: design − DIFF > 0 at adjusted p < 0.05 puts DIFF below that design, < 0 above it; an
-    unadjusted p below 0.05 with an adjusted one above it is "no difference detected"."""
-    row = lambda metric, design, diff, p, p_holm: {"metric": metric, "design": design, "diff": diff, "p": p,  # noqa: E731
-                                                   "p_holm": p_holm}
-    doc = {"per_seed": {"diff": [{}] * 5, "baseline": [{}] * 5, "gated": [{}] * 5, "sink": [{}] * 5},
+    unadjusted p below 0.05 with an adjusted one above it is "no difference detected"; a secondary metric is said
+    only where a difference exists, else named; the scale and a rate tie are said."""
+    row = lambda metric, design, diff, p, p_holm, family="primary": {  # noqa: E731
+        "family": family, "metric": metric, "design": design, "diff": diff, "p": p, "p_holm": p_holm,
+        "verdict": "x"}
+    seeds = [{"sink_rate": 0.0, "massive_ratio": 1.5}] * 5
+    doc = {"per_seed": {"diff": seeds, "baseline": seeds, "gated": seeds, "sink": [{"sink_rate": 0.1,
+                                                                                  "massive_ratio": 2.25}] * 5},
            "plan": {"tokens_per_model": 1000},
+           "rates": {"diff": {"losses": {"0.001": 2.8119, "0.003": 2.8127}, "chosen": 0.001, "loss_se": 0.0107},
+                     "baseline": {"losses": {"0.001": 2.79, "0.003": 2.96}, "chosen": 0.001, "loss_se": 0.01}},
            "tests": [row("w4a4_static_cost", "baseline", +0.05, 0.001, 0.01),
                      row("w4a4_static_cost", "gated", -0.02, 0.002, 0.03),
                      row("w4a4_static_cost", "sink", +0.03, 0.01, 0.2),
-                     row("loss", "baseline", +0.01, 0.3, 1.0), row("loss", "gated", -0.1, 0.04, 0.5),
-                     row("loss", "sink", 0.0, 0.9, 1.0),
-                     row("hidden_top1", "baseline", -2.0, 0.0001, 0.002), row("hidden_top1", "sink", 0.1, 0.5, 1.0),
-                     row("kv4_cost", "baseline", 0.1, 0.01, 0.3)]}
+                     row("loss", "baseline", +0.01, 0.3, 1.0, "secondary"),
+                     row("loss", "gated", -0.1, 0.04, 0.5, "secondary"),
+                     row("loss", "sink", 0.0, 0.9, 1.0, "secondary"),
+                     row("hidden_ratio", "baseline", -2.0, 0.0001, 0.002, "secondary"),
+                     row("hidden_ratio", "sink", 0.1, 0.5, 1.0, "secondary"),
+                     {**row("sink_rate", "baseline", 0.0, None, None, "secondary"), "verdict": "constant (no test)"}]}
     text = fr.standing(doc)
     assert "W4A4 static per-tensor: Δppl %: DIFF lower than Transformer; higher than Gated; no difference detected " \
            "against the other 1 (n = 5)" in text
-    assert "held-out loss (nats): DIFF no difference detected against any of the 3 (n = 5)" in text
-    assert "over all 9 tests" in text
-    # a metric outside the headline set is said where an adjusted difference exists, named as quiet otherwise
-    assert "hidden-state top-1: DIFF higher than Transformer; no difference detected against the other 1" in text
-    assert text.endswith("No difference detected against any design (n = 5) on the other metrics: "
-                         "KV cache int4: Δppl %.")
+    assert "primary family: the 3 tests" in text and "secondary: the other 5" in text
+    assert "hidden top-1 / median: DIFF higher than Transformer; no difference detected against the other 1" in text
+    assert "on the other tested metrics: held-out loss (nats)." in text
+    assert "sink rate at most 0.10 and max‖h‖/median‖h‖ at most 2.25 over all 20 runs" in text
+    assert "not tested (one value in every run): sink rate" in text
+    assert "best two rates of DIFF (by 0.0008 nats, standard error 0.0107)" in text and "Transformer (by" not in text
 
 
 def _offline_allowed() -> bool:
@@ -154,6 +174,30 @@ def test_a_later_session_without_checkpoints_redoes_nothing(quick_run, tmp_path)
     trained = [p for p in (tmp_path / "runs").rglob("*") if p.is_file() and "data" not in p.parts]
     assert trained == []
     assert again["aggregate"] == doc["aggregate"] and again["rates"] == doc["rates"]
+
+
+def test_a_cell_missing_a_scheme_is_measured_again_in_full(quick_run, tmp_path):
+    """A cell measured before a scheme joined the experiment is not aggregated with fewer seeds: it is trained
+    again from its resumed checkpoint and measured in full, keeping what it said before under "previous"; the
+    others are read as they are. (Training resumes from the finished checkpoint, so the loss is the same.)"""
+    out, doc, _ = quick_run
+    fresh = tmp_path / "out"
+    shutil.copytree(out / "cells", fresh / "cells")
+    shutil.copy(out / "plan.json", fresh / "plan.json")
+    shutil.copytree(out / "runs", tmp_path / "runs")
+    e = fr.EXPERIMENTS["quick"]
+    design = e.designs[0]
+    path = fresh / "cells" / design / f"lr{doc['rates'][design]['chosen']:g}" / "s0.json"
+    cell = json.loads(path.read_text())
+    del cell["kv4_sink1_cost"], cell["kv4_sink1_cost_ci95"]
+    path.write_text(json.dumps(cell))
+    others = {p: p.stat().st_mtime_ns for p in (fresh / "cells").rglob("s*.json") if p != path}
+    again = fr.main(["--quick", "--out", str(fresh), "--runs", str(tmp_path / "runs")])
+    redone = json.loads(path.read_text())
+    assert "kv4_sink1_cost" in redone and redone["previous"]["loss"] == cell["loss"]
+    assert abs(redone["loss"] - cell["loss"]) < 1e-6
+    assert again["aggregate"][design]["kv4_sink1_cost"]["n"] == len(e.seeds)
+    assert all(p.stat().st_mtime_ns == t for p, t in others.items())
 
 
 def test_gpu_script_runs_offline(quick_run):
