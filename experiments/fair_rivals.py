@@ -343,6 +343,19 @@ def lr_ties(doc: dict) -> list[str]:
     return out
 
 
+def one_family(tested: list[dict]) -> str:
+    """How the primary verdicts depend on the family: the same tests corrected as one family with the secondary
+    ones (how the comparison was first corrected), and which primary differences survive that."""
+    from diffquant.report.style import display
+    from diffquant.stats.intervals import holm_adjust
+
+    adjusted = holm_adjust([r["p"] for r in tested])
+    kept = [f"{_display(r['metric'])} {display(r['design'])}" for r, a in zip(tested, adjusted)
+            if r["family"] == "primary" and a is not None and a < 0.05]
+    return (f"Corrected instead as one family of all {len(tested)} tests, "
+            + (f"these primary differences survive: {'; '.join(kept)}" if kept else "no primary difference survives"))
+
+
 def standing(doc: dict) -> str:
     """Where DIFF stands, read off the Holm-adjusted tests only: per primary metric, the designs DIFF is below and
     above at adjusted p < 0.05 (every other comparison "no difference detected", never "equal"); then every
@@ -373,6 +386,7 @@ def standing(doc: dict) -> str:
     if quiet:
         parts.append(f"No difference detected against any design (n = {n}) on the other tested metrics: "
                      f"{'; '.join(quiet)}")
+    parts.append(one_family(tested))
     constant = sorted({_display(r["metric"]) for r in doc["tests"] if r["p_holm"] is None and r["p"] is None
                        and r["verdict"].startswith("constant")})
     cells = [c for v in per_seed.values() for c in v]
@@ -385,7 +399,7 @@ def standing(doc: dict) -> str:
     ties = lr_ties(doc)
     if ties:
         limits.append("the learning-rate sweep could not separate the best two rates of " + ", ".join(ties) +
-                      ": the table of every rate below shows how much the metrics move with that choice")
+                      ": the table of every rate (seed 0) shows how much the metrics move with that choice")
     return (f"Where DIFF stands ({doc['plan']['tokens_per_model']:,} training tokens per model, {n} seeds per design; "
             f"Welch's t over seeds, Holm-adjusted within each family, adjusted p < 0.05; primary family: the "
             f"{size['primary']} tests of the static-activation and int4-logit costs, secondary: the other "

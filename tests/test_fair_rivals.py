@@ -120,6 +120,10 @@ def test_standing_reads_only_the_holm_adjusted_tests():
     assert "sink rate at most 0.10 and max‖h‖/median‖h‖ at most 2.25 over all 20 runs" in text
     assert "not tested (one value in every run): sink rate" in text
     assert "best two rates of DIFF (by 0.0008 nats, standard error 0.0107)" in text and "Transformer (by" not in text
+    # one family of the 8 tests: Holm multiplies the smallest p (0.0001, secondary) by 8, the next (0.001,
+    # primary W4A4 Transformer) by 7 = 0.007 < 0.05; the third (0.002, Gated) by 6 = 0.012
+    assert "one family of all 8 tests, these primary differences survive: W4A4 static per-tensor: Δppl % " \
+           "Transformer; W4A4 static per-tensor: Δppl % Gated" in text
 
 
 def _offline_allowed() -> bool:
