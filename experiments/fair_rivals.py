@@ -261,11 +261,12 @@ def at_loss(curve: list[dict], target: float) -> dict | None:
 
 
 def matched_loss(per_design: dict[str, list[dict]]) -> dict:
-    """Outlier statistics at the loss every design reaches: the worst design's mean final tracked loss."""
+    """Outlier statistics at the loss every run reaches: the worst single run's final tracked loss (a design's
+    mean would leave out the seeds of every design that end above it, DIFF's included)."""
     from diffquant.stats.intervals import t_interval
 
     finals = {d: sum(c["curve"][-1]["loss"] for c in cells) / len(cells) for d, cells in per_design.items()}
-    target = max(finals.values())
+    target = max(c["curve"][-1]["loss"] for cells in per_design.values() for c in cells)
     out = {"target_loss": target, "final_loss": finals, "designs": {}}
     for design, cells in per_design.items():
         points = [at_loss(c["curve"], target) for c in cells]
@@ -277,18 +278,20 @@ def matched_loss(per_design: dict[str, list[dict]]) -> dict:
     return out
 
 
-# The families the tests are corrected in. Primary: the metrics outliers actually hurt (the issue's headline,
-# static per-tensor activations and int4 logits). Secondary: everything else a reader compares, scale-free only:
-# absolute magnitudes (hidden-state and attention-logit top-1) measure the residual's scale, which RMSNorm makes
-# irrelevant and which differs between designs, so they are shown in the tables but not tested.
+# The families the tests are corrected in. "planned": every metric of the report in one family, as the
+# comparison was planned before any result was in; it leads. Then an exploratory reading, adopted after the first
+# aggregation: "primary", the metrics outliers actually hurt (the issue's headline: static per-tensor
+# activations and int4 logits), and "secondary", the rest, scale-free only: absolute magnitudes (hidden-state
+# and attention-logit top-1) measure the residual's scale, which RMSNorm makes irrelevant and which differs
+# between designs, so that reading leaves them out and adds the attention-logit ratio.
 PRIMARY = tuple(f"{s.replace('-', '_')}_cost" for s in HEADLINE)
 NOT_TESTED = ("hidden_top1", "logit_top1")
 MIN_REACHED = 0.8  # matched loss: a design is summarised only where at least this share of its seeds got there
 
 
 def families(metrics: list[str]) -> dict[str, list[str]]:
-    """{"primary": [...], "secondary": [...]} from the report's metrics (absolute magnitudes left out)."""
-    return {"primary": [m for m in metrics if m in PRIMARY],
+    """{"planned": every metric, "primary": [...], "secondary": [...]} from the report's metrics."""
+    return {"planned": list(metrics), "primary": [m for m in metrics if m in PRIMARY],
             "secondary": [m for m in [*metrics, "logit_ratio"] if m not in PRIMARY and m not in NOT_TESTED]}
 
 
@@ -336,74 +339,102 @@ def lr_ties(doc: dict) -> list[str]:
 
     out = []
     for design, v in doc["rates"].items():
-        losses = sorted(v["losses"].values())
-        se = v.get("loss_se")
-        if len(losses) > 1 and se and losses[1] - losses[0] < se:
-            out.append(f"{display(design)} (by {losses[1] - losses[0]:.4f} nats, standard error {se:.4f})")
+        if _tie(v):
+            losses = sorted(v["losses"].values())
+            out.append(f"{display(design)} (by {losses[1] - losses[0]:.4f} nats, standard error {v['loss_se']:.4f})")
     return out
 
 
-def one_family(tested: list[dict]) -> str:
-    """How the primary verdicts depend on the family: the same tests corrected as one family with the secondary
-    ones (how the comparison was first corrected), and which primary differences survive that."""
+def _findings(tested: list[dict], family: str, n: int, say_quiet: bool) -> tuple[list[str], list[str]]:
+    """Per metric of `family`: the designs DIFF is below and above at Holm-adjusted p < 0.05 ("no difference
+    detected" for the rest, never "equal"); metrics without any difference go to the second list when
+    `say_quiet`, so a paragraph names them instead of spelling each out."""
     from diffquant.report.style import display
-    from diffquant.stats.intervals import holm_adjust
 
-    adjusted = holm_adjust([r["p"] for r in tested])
-    kept = [f"{_display(r['metric'])} {display(r['design'])}" for r, a in zip(tested, adjusted)
-            if r["family"] == "primary" and a is not None and a < 0.05]
-    return (f"Corrected instead as one family of all {len(tested)} tests, "
-            + (f"these primary differences survive: {'; '.join(kept)}" if kept else "no primary difference survives"))
+    parts, quiet = [], []
+    for metric in dict.fromkeys(r["metric"] for r in tested if r["family"] == family):
+        rows = [r for r in tested if r["metric"] == metric and r["family"] == family]
+        # r["diff"] is design − DIFF: DIFF is lower where the design is higher
+        below = [display(r["design"]) for r in rows if r["p_holm"] < 0.05 and r["diff"] > 0]
+        above = [display(r["design"]) for r in rows if r["p_holm"] < 0.05 and r["diff"] < 0]
+        if say_quiet and not (below or above):
+            quiet.append(_display(metric))
+            continue
+        rest = len(rows) - len(below) - len(above)
+        said = ([f"lower than {', '.join(below)}"] if below else []) + \
+               ([f"higher than {', '.join(above)}"] if above else [])
+        if rest:
+            said.append(f"no difference detected against {'the other' if said else 'any of the'} {rest} (n = {n})")
+        parts.append(f"{_display(metric)}: DIFF " + "; ".join(said))
+    return parts, quiet
+
+
+def _tie_effects(doc: dict, tested: list[dict]) -> list[str]:
+    """For each primary finding that involves a design whose rate was a tie: that design's seed-0 value of the
+    metric at its chosen rate and at the runner-up, so the reader sees how much the finding rests on the choice."""
+    from diffquant.report.style import display
+
+    tied = {d for d, v in doc["rates"].items() if _tie(v)}
+    out = []
+    for r in tested:
+        if r["family"] != "primary" or r["p_holm"] >= 0.05:
+            continue
+        for design in dict.fromkeys(("diff", r["design"])):
+            if design in tied and doc.get("sweep_metrics"):
+                v, by_lr = doc["rates"][design], doc["sweep_metrics"][design]
+                chosen, runner = f"{v['chosen']:g}", sorted(v["losses"], key=v["losses"].get)[1]
+                value = {lr: by_lr[lr].get(r["metric"]) for lr in (chosen, runner)}
+                out.append(f"{display(design)}'s {_display(r['metric'])} (seed 0) is {value[chosen]:.3g} at its "
+                           f"chosen rate and {value[runner]:.3g} at the runner-up {runner}")
+    return list(dict.fromkeys(out))
+
+
+def _tie(v: dict) -> bool:
+    losses = sorted(v["losses"].values())
+    return bool(len(losses) > 1 and v.get("loss_se") and losses[1] - losses[0] < v["loss_se"])
 
 
 def standing(doc: dict) -> str:
-    """Where DIFF stands, read off the Holm-adjusted tests only: per primary metric, the designs DIFF is below and
-    above at adjusted p < 0.05 (every other comparison "no difference detected", never "equal"); then every
-    secondary metric where some adjusted difference was found, so the paragraph cannot hide a metric on which DIFF
-    does worse; the rest are named. Then what limits the reading: the scale (no outlier regime) and rate ties."""
-    from diffquant.report.style import display
-
+    """Where DIFF stands, read off Holm-adjusted tests only. First the correction planned before any result (one
+    family of every metric); then the exploratory reading (primary / secondary families, adopted after the first
+    aggregation), every secondary metric with a difference said so none can hide; then what limits both: rate
+    ties next to the findings they touch, and the scale (no outlier regime)."""
     per_seed = doc["per_seed"]
     n = min(len(v) for v in per_seed.values())
     tested = [r for r in doc["tests"] if r["p_holm"] is not None]
-    size = {f: sum(r["family"] == f for r in tested) for f in ("primary", "secondary")}
-    parts, quiet = [], []
-    for family in ("primary", "secondary"):
-        for metric in dict.fromkeys(r["metric"] for r in tested if r["family"] == family):
-            rows = [r for r in tested if r["metric"] == metric and r["family"] == family]
-            # r["diff"] is design − DIFF: DIFF is lower where the design is higher
-            below = [display(r["design"]) for r in rows if r["p_holm"] < 0.05 and r["diff"] > 0]
-            above = [display(r["design"]) for r in rows if r["p_holm"] < 0.05 and r["diff"] < 0]
-            if family == "secondary" and not (below or above):
-                quiet.append(_display(metric))
-                continue
-            rest = len(rows) - len(below) - len(above)
-            said = ([f"lower than {', '.join(below)}"] if below else []) + \
-                   ([f"higher than {', '.join(above)}"] if above else [])
-            if rest:
-                said.append(f"no difference detected against {'the other' if said else 'any of the'} {rest} (n = {n})")
-            parts.append(f"{_display(metric)}: DIFF " + "; ".join(said))
+    size = {f: sum(r["family"] == f for r in tested) for f in ("planned", "primary", "secondary")}
+    planned, _ = _findings(tested, "planned", n, say_quiet=True)
+    primary, _ = _findings(tested, "primary", n, say_quiet=False)
+    secondary, quiet = _findings(tested, "secondary", n, say_quiet=True)
+    text = (f"Where DIFF stands ({doc['plan']['tokens_per_model']:,} training tokens per model, {n} seeds per design; "
+            f"Welch's t over seeds, Holm-adjusted, adjusted p < 0.05). As planned (every metric in one family, "
+            f"{size['planned']} tests): " + (". ".join(planned) + "; " if planned else "")
+            + "no difference detected (n = {}) on every other metric, the static W8A8 / W4A4 and int4-logit costs "
+              "among them{}. ".format(n, "" if not any(p.split(":")[0] in {_display(m) for m in PRIMARY}
+                                                     for p in planned) else " where not said")
+            + f"Exploratory reading, adopted after the first aggregation (the issue's headline costs as a primary "
+              f"family of {size['primary']} tests; the other metrics, scale-free only, as a secondary family of "
+              f"{size['secondary']}): " + ". ".join(primary + secondary))
     if quiet:
-        parts.append(f"No difference detected against any design (n = {n}) on the other tested metrics: "
-                     f"{'; '.join(quiet)}")
-    parts.append(one_family(tested))
-    constant = sorted({_display(r["metric"]) for r in doc["tests"] if r["p_holm"] is None and r["p"] is None
-                       and r["verdict"].startswith("constant")})
-    cells = [c for v in per_seed.values() for c in v]
-    limits = [f"At this scale no design is in an outlier regime: sink rate at most "
-              f"{max(c.get('sink_rate') or 0 for c in cells):.2f} and max‖h‖/median‖h‖ at most "
-              f"{max(c.get('massive_ratio') or 0 for c in cells):.2f} over all {len(cells)} runs, so this compares "
-              "designs early in training, before the outliers the paper measures exist"]
-    if constant:
-        limits.append(f"not tested (one value in every run): {'; '.join(constant)}")
-    ties = lr_ties(doc)
+        text += f". No difference detected (n = {n}) on the other secondary metrics: {'; '.join(quiet)}"
+    if lr_ties(doc):
+        text += (". The learning-rate sweep could not separate the best two rates of " + ", ".join(lr_ties(doc))
+                 + " (every rate's seed-0 metrics are tabled)")
+    ties = _tie_effects(doc, tested)
     if ties:
-        limits.append("the learning-rate sweep could not separate the best two rates of " + ", ".join(ties) +
-                      ": the table of every rate (seed 0) shows how much the metrics move with that choice")
-    return (f"Where DIFF stands ({doc['plan']['tokens_per_model']:,} training tokens per model, {n} seeds per design; "
-            f"Welch's t over seeds, Holm-adjusted within each family, adjusted p < 0.05; primary family: the "
-            f"{size['primary']} tests of the static-activation and int4-logit costs, secondary: the other "
-            f"{size['secondary']}): " + ". ".join(parts) + ". " + "; ".join(limits) + ".")
+        text += ". The exploratory primary findings rest on such ties: " + "; ".join(ties)
+    cells = [c for v in per_seed.values() for c in v]
+    swept = [c for by_lr in (doc.get("sweep_metrics") or {}).values() for c in by_lr.values()]
+    constant = sorted({_display(r["metric"]) for r in doc["tests"] if r["verdict"].startswith("constant")})
+    text += (f". At this scale no design is in an outlier regime: at the chosen rates the sink rate is at most "
+             f"{max(c.get('sink_rate') or 0 for c in cells):.2f} and max‖h‖/median‖h‖ at most "
+             f"{max(c.get('massive_ratio') or 0 for c in cells):.2f} over all {len(cells)} runs"
+             + (f" ({max(c.get('massive_ratio') or 0 for c in swept):.2f} in the sweep's runs at other rates)"
+                if swept else "") + ", so this compares designs early in training, before the outliers the paper "
+             "measures exist")
+    if constant:
+        text += f"; not tested (one value in every run): {'; '.join(constant)}"
+    return text + "."
 
 
 def render(doc: dict) -> str:
@@ -429,15 +460,17 @@ def render(doc: dict) -> str:
                               [[display(d), f"{lr}{' (chosen)' if float(lr) == doc['rates'][d]['chosen'] else ''}",
                                 *[f"{c[k]:.{METRICS[k][1]}g}" if c.get(k) is not None else "-" for k in shown]]
                                for d, by_lr in doc["sweep_metrics"].items() for lr, c in by_lr.items()]))
-    keys = ["loss", *[f"{s.replace('-', '_')}_cost" for s in e["schemes"]], *OUTLIER_METRICS]
+    keys = ["loss", *[f"{s.replace('-', '_')}_cost" for s in e["schemes"]], "logit_ratio", *OUTLIER_METRICS]
     lines.append(f"\n## Matched tokens ({plan['tokens_per_model']:,} per model), mean ± 95% t over seeds\n")
+    lines.append("The absolute top-1 magnitudes are tested only in the planned family (they measure the residual's "
+                 "scale); the attention-logit top-1 / median only in the exploratory one.\n")
     lines.append(markdown(["design", *[METRICS[k][0] for k in keys if k in METRICS]],
                           [[display(d), *[fmt_pm(a[k]["mean"], a[k]["half"], METRICS[k][1]) if k in a else "-"
                                           for k in keys if k in METRICS]] for d, a in doc["aggregate"].items()]))
     ml = doc["matched_loss"]
     need = math.ceil(MIN_REACHED * max(r["seeds"] for r in ml["designs"].values()))
-    lines.append(f"\n## Matched held-out loss ({ml['target_loss']:.4f} nats: the worst design's mean final loss on "
-                 f"the {ml.get('track_sequences', 'tracked')} tracked held-out sequences), first tracked point at or "
+    lines.append(f"\n## Matched held-out loss ({ml['target_loss']:.4f} nats: the worst run's final loss on the "
+                 f"{ml.get('track_sequences', 'tracked')} tracked held-out sequences), first tracked point at or "
                  f"below it; a design is summarised only where at least {need} seeds reach it\n")
     lines.append(markdown(["design", "seeds reaching it", "tokens", *CURVE_METRICS.values()],
                           [[display(d), f"{r['reached']}/{r['seeds']}",
@@ -445,7 +478,8 @@ def render(doc: dict) -> str:
                                *[fmt_pm(r[k]["mean"], r[k]["half"]) for k in CURVE_METRICS]] if r["reached"] >= need
                               else ["too few seeds reach it"] + [""] * len(CURVE_METRICS))]
                            for d, r in ml["designs"].items()]))
-    lines.append("\n## Against DIFF: Welch's t over seeds, Holm-adjusted within each family\n")
+    lines.append("\n## Against DIFF: Welch's t over seeds, Holm-adjusted within each family (planned: every metric; "
+                 "exploratory: primary and secondary)\n")
     lines.append(standing(doc) + "\n")
     lines.append(markdown(["family", "metric", "design", "difference (design − DIFF)", "p", "p (Holm)", "verdict"],
                           [[r["family"], _display(r["metric"]), display(r["design"]),
