@@ -181,8 +181,15 @@ def regime_part() -> list[str]:
                   "p), the outlier curves during training (emergence.png) and each cell's numbers: "
                   "docs/rivals/fair-guo/results.md, docs/rivals/fair-guo/cells.", ""]
     if (ROOT / "docs/rivals/fair-guo/fixes/results.md").is_file():
+        fair = _load("docs/rivals/fair-guo/results.json")
+        planned = sum(t.get("family") == "planned" and t["p_holm"] is not None for t in fair["tests"]) if fair else 0
         lines += ["#### How much fixing DIFF needs against the baseline (`experiments/fixes_needed.py`)", "",
                   *_md("docs/rivals/fair-guo/fixes/results.md")]
+        if planned:
+            lines += ["This table corrects over its own rows only (DIFF against the Transformer, the question it "
+                      "was run for); in the comparison of every design above, the same no-fix static-W4A4 cost is "
+                      f"one of {planned} tests in the planned family, which is why a difference can be detected here "
+                      "and not there.", ""]
     return lines
 
 

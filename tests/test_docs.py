@@ -144,3 +144,20 @@ def test_designs_against_diff_say_which_way_after_holm(tmp_path):
     text = "\n".join(rr.against_diff(results))
     assert all(len(r) == 1 for r in rows_of(text).values()) and "old definition that pools A1 and A2" in text
     assert rr.against_diff(None) == [] and rr.against_diff({"aggregate": {}}) == []
+
+
+def test_fixes_table_says_its_family_against_the_fair_comparisons(tmp_path, monkeypatch):
+    """Under the fixes table, the README says how many tests the planned family of the fair comparison holds (its
+    untestable rows left out), so "detected here, not there" is explained by the two corrections."""
+    rr = _module("docs/readme_results.py", "readme_results_family_under_test")
+    (tmp_path / "docs/regime").mkdir(parents=True)
+    (tmp_path / "docs/regime/results.json").write_text("{}")
+    (tmp_path / "docs/regime/results.md").write_text("# title\nverdict\n")
+    (tmp_path / "docs/rivals/fair-guo/fixes").mkdir(parents=True)
+    (tmp_path / "docs/rivals/fair-guo/fixes/results.md").write_text("| fixes |\n")
+    tests = [{"family": "planned", "p_holm": 0.5}, {"family": "planned", "p_holm": 0.01},
+             {"family": "planned", "p_holm": None}, {"family": "primary", "p_holm": 0.2}]
+    (tmp_path / "docs/rivals/fair-guo/results.json").write_text(json.dumps({"tests": tests}))
+    monkeypatch.setattr(rr, "ROOT", tmp_path)
+    text = "\n".join(rr.regime_part())
+    assert "| fixes |" in text and "one of 2 tests in the planned family" in text
