@@ -9,14 +9,16 @@ learning rate, several seeds, results at matched tokens and at matched held-out 
    logits per tensor), of the secondary ones (per-token dynamic W8A8 and W4A4) and of the KV-cache presets
    (kv4, kv4-sink1, k4v2, kivi2: keys after RoPE and values quantized in one forward, prefill semantics;
    kivi2 keeps the 128 most recent positions of each query in full precision), mean ± 95% t over seeds.
-   Welch's test of every design against DIFF per metric, Holm-adjusted over the whole family of tests.
+   Welch's test of every design against DIFF per metric, Holm-adjusted over the planned family (every metric)
+   and, labelled exploratory, within a primary (the headline costs) and a secondary family (see `families`).
 4. Matched loss: the tracked curves (`--track`) give each run's outlier statistics at the first snapshot whose
-   held-out loss is at or below the worst design's final mean loss (quantization costs need weights, so
+   held-out loss is at or below the worst single run's final loss (quantization costs need weights, so
    they are reported at matched tokens only).
 
 Every cell (design, rate, seed) trains with resume and writes its measurements atomically to
 OUT/cells/<design>/lr<rate>/s<seed>.json: an interrupted run continues where it stopped (checkpoints under
---runs), and a finished cell is never redone, in a later session too, since OUT is committed and RUNS is not.
+--runs), and a finished cell is never redone, in a later session too, since OUT is committed and RUNS is not (unless it
+lacks a scheme the experiment now measures: then it is trained and measured again in full).
 The token budget per model is fixed once in OUT/plan.json from a measured tokens/s and `--budget-hours`.
 
     python experiments/fair_rivals.py --plan-only                 # what it would run, and how long
