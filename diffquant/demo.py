@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.paths import atomic_write_json, atomic_write_text, cache_dir
+from diffquant.paths import atomic_write_json, atomic_write_text, cache_dir, folder_lock
 from diffquant.report.style import display
 
 
@@ -48,7 +48,8 @@ def _pair(cfg: DemoConfig, cache: str | None, device: str) -> tuple[Path, dict]:
                        eval_tokens=cfg.eval_tokens, track=True, track_points=cfg.track_points)
     folder = cache_dir(cache) / "demo" / (f"{cfg.preset}-{cfg.corpus}-{cfg.train_tokens}-e{cfg.eval_tokens}"
                                           f"-t{cfg.track_points}-s{cfg.seed}")
-    results = train_pair(tcfg, folder, device, resume=(folder / "train_config.json").exists(), cache=cache)
+    with folder_lock(folder):  # a second demo at once (another shell, a test worker) waits, then resumes it done
+        results = train_pair(tcfg, folder, device, resume=(folder / "train_config.json").exists(), cache=cache)
     return folder, results
 
 

