@@ -64,3 +64,20 @@ def load_script_module(path: str, name: str):
 @pytest.fixture
 def load_script():
     return load_script_module
+
+
+@pytest.fixture
+def quanto_without_a_compiler():
+    """optimum-quanto compiles a C++ kernel for `quanto::unpack` on its first call (about 50 s on a fresh CI
+    machine, every run). Unpacking packed int2/int4 codes is bit arithmetic (shifts and masks), so for the tests
+    that use it the CPU kernel is the same arithmetic in torch; quantization, scales and matmuls stay quanto's."""
+    pytest.importorskip("optimum.quanto")
+    import optimum.quanto  # noqa: F401  (defines quanto::unpack)
+
+    def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+        return torch.cat([(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(8 // bits)]).to(torch.uint8)
+
+    lib = torch.library.Library("quanto", "IMPL")
+    lib.impl("unpack", unpack, "CPU")
+    yield
+    lib._destroy()

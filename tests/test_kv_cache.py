@@ -276,23 +276,6 @@ def test_cache_sites_on_a_fused_qkv_family():
     handle.remove()
 
 
-@pytest.fixture(scope="module")
-def quanto_without_a_compiler():
-    """optimum-quanto compiles a C++ kernel for `quanto::unpack` on its first call (about 50 s on a fresh CI
-    machine, every run). Unpacking is bit arithmetic (values_per_byte shifts and masks), so for this test the
-    CPU kernel is the same arithmetic in torch; the quantization rule the parity is about is quanto's own."""
-    pytest.importorskip("optimum.quanto")
-    import optimum.quanto  # noqa: F401  (defines quanto::unpack)
-
-    def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-        return torch.cat([(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(8 // bits)]).to(torch.uint8)
-
-    lib = torch.library.Library("quanto", "IMPL")
-    lib.impl("unpack", unpack, "CPU")
-    yield
-    lib._destroy()
-
-
 @pytest.mark.parametrize("family", ["llama", "diffllama-gqa"])
 def test_simulation_matches_transformers_quanto_cache(family, quanto_without_a_compiler):
     """transformers' QuantizedCache (quanto backend: min-max groups along the head dim, axis 0, a residual

@@ -58,8 +58,10 @@ def _snr_db(ref, out):
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
-def test_real_backend_against_float_and_simulation(ckpt, name):
+def test_real_backend_against_float_and_simulation(ckpt, name, request):
     backend = BACKENDS[name]
+    if backend.package.startswith("optimum.quanto"):
+        request.getfixturevalue("quanto_without_a_compiler")
     if importlib.util.find_spec(backend.package.split(".")[0]) is None:
         pytest.skip(f"{backend.package} not installed")
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
