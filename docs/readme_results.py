@@ -360,9 +360,9 @@ def fair_kv_part() -> list[str]:
               if (m, d) in tests and tests[(m, d)]["p_holm"] is not None and tests[(m, d)]["p_holm"] < 0.05]
     lost = [f"{display(d)} on {METRICS[m][0].split(':')[0]}" for m, d in marked
             if (m, d) in planned and (planned[(m, d)]["p_holm"] or 1) >= 0.05]
-    survival = ((f" Under the comparison's planned correction (every metric in one family) these marks do not "
-                 f"survive: {'; '.join(lost)}." if lost else " Every mark survives the comparison's planned "
-                 "correction (every metric in one family).") if marked and planned else "")
+    planned_family = "the comparison's planned correction (every metric planned before the run, in one family)"
+    survival = ((f" Under {planned_family} these marks do not survive: {'; '.join(lost)}." if lost
+                 else f" Every mark survives {planned_family}.") if marked and planned else "")
     return ["#### The cache on every design, trained fairly (`experiments/fair_rivals.py`)", "",
             f"The fair comparison's models (Guo et al.'s Bigram-Backcopy recipe as run here, "
             f"{doc['plan']['tokens_per_model']:,} training tokens per model, each design at its own learning rate, {n} "

@@ -9,7 +9,8 @@ learning rate, several seeds, results at matched tokens and at matched held-out 
    logits per tensor), of the secondary ones (per-token dynamic W8A8 and W4A4) and of the KV-cache presets
    (kv4, kv4-sink1, k4v2, kivi2: keys after RoPE and values quantized in one forward, prefill semantics;
    kivi2 keeps the 128 most recent positions of each query in full precision), mean ± 95% t over seeds.
-   Welch's test of every design against DIFF per metric, Holm-adjusted over the planned family (every metric)
+   Welch's test of every design against DIFF per metric, Holm-adjusted over the planned family (every metric
+   planned before the run; the attention-logit ratio came later and is tested only in the exploratory reading)
    and, labelled exploratory, within a primary (the headline costs) and a secondary family (see `families`).
 4. Matched loss: the tracked curves (`--track`) give each run's outlier statistics at the first snapshot whose
    held-out loss is at or below the worst single run's final loss (quantization costs need weights, so
@@ -409,7 +410,8 @@ def standing(doc: dict) -> str:
     primary, _ = _findings(tested, "primary", n, say_quiet=False)
     secondary, quiet = _findings(tested, "secondary", n, say_quiet=True)
     text = (f"Where DIFF stands ({doc['plan']['tokens_per_model']:,} training tokens per model, {n} seeds per design; "
-            f"Welch's t over seeds, Holm-adjusted, adjusted p < 0.05). As planned (every metric in one family, "
+            f"Welch's t over seeds, Holm-adjusted, adjusted p < 0.05). As planned (every metric planned before the "
+            f"run, in one family, "
             f"{size['planned']} tests): " + (". ".join(planned) + "; " if planned else "")
             + "no difference detected (n = {}) on every other metric, the static W8A8 / W4A4 and int4-logit costs "
               "among them{}. ".format(n, "" if not any(p.split(":")[0] in {_display(m) for m in PRIMARY}
@@ -480,7 +482,8 @@ def render(doc: dict) -> str:
                                *[fmt_pm(r[k]["mean"], r[k]["half"]) for k in CURVE_METRICS]] if r["reached"] >= need
                               else ["too few seeds reach it"] + [""] * len(CURVE_METRICS))]
                            for d, r in ml["designs"].items()]))
-    lines.append("\n## Against DIFF: Welch's t over seeds, Holm-adjusted within each family (planned: every metric; "
+    lines.append("\n## Against DIFF: Welch's t over seeds, Holm-adjusted within each family (planned: every metric "
+                 "planned before the run; "
                  "exploratory: primary and secondary)\n")
     lines.append(standing(doc) + "\n")
     lines.append(markdown(["family", "metric", "design", "difference (design − DIFF)", "p", "p (Holm)", "verdict"],

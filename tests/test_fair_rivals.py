@@ -117,9 +117,9 @@ def test_standing_reads_only_the_holm_adjusted_tests():
                      row("hidden_ratio", "sink", 0.1, 0.5, 1.0, "secondary"),
                      {**row("sink_rate", "baseline", 0.0, None, None, "secondary"), "verdict": "constant (no test)"}]}
     text = fr.standing(doc)
-    assert "As planned (every metric in one family, 2 tests): hidden-state top-1: DIFF higher than Transformer; " \
+    assert "As planned (every metric planned before the run, in one family, 2 tests): hidden-state top-1: DIFF higher than Transformer; " \
            "W4A4 static per-tensor: Δppl %: DIFF no difference detected against any of the 1 (n = 5)" not in text
-    assert "As planned (every metric in one family, 2 tests): hidden-state top-1: DIFF higher than Transformer; " \
+    assert "As planned (every metric planned before the run, in one family, 2 tests): hidden-state top-1: DIFF higher than Transformer; " \
            "no difference detected (n = 5) on every other metric" in text
     assert "primary family of 3 tests" in text and "secondary family of 4" in text
     assert "W4A4 static per-tensor: Δppl %: DIFF lower than Transformer; higher than Gated; no difference detected " \
