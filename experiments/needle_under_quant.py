@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     s = Settings(seeds=a.seeds)
     if a.quick:
-        s.train_tokens, s.bits = 20_000, [16, 4]
+        s.train_tokens, s.bits = 10_000, [16, 4]
     run(s, Path(a.out), Path(a.pairs) if a.pairs else None)
 
 
