@@ -375,8 +375,8 @@ def fair_kv_part() -> list[str]:
             "kv4-sink1: the same with the first token in full precision; k4v2: int4 keys, int2 values; kivi2: KIVI-2 "
             "(per-channel int2 keys in runs of 32, values per token in groups of 32, the 128 most recent positions in "
             "full precision: on these 257-token sequences about half the cache stays in full precision, so its cost "
-            "is understated against a long context). These 3-layer models with one head per layer did not reach the outlier regime at this "
-            "budget (docs/regime).", "",
+            "is understated against a long context). These 3-layer models with one head per layer did not reach the "
+            "outlier regime at this budget (docs/regime).", "",
             markdown(["design", "lr", *[METRICS[m][0] for m in FAIR_KV]], body), ""]
 
 

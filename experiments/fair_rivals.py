@@ -335,6 +335,12 @@ def _display(metric: str) -> str:
     return METRICS[metric][0] if metric in METRICS else metric
 
 
+def _tie(v: dict) -> bool:
+    """The chosen rate beat the runner-up by less than the seed-0 loss's standard error."""
+    losses = sorted(v["losses"].values())
+    return bool(len(losses) > 1 and v.get("loss_se") and losses[1] - losses[0] < v["loss_se"])
+
+
 def lr_ties(doc: dict) -> list[str]:
     """Designs whose chosen rate beat the runner-up by less than the seed-0 loss's standard error (a tie the
     sweep cannot resolve), with the margin."""
@@ -392,11 +398,6 @@ def _tie_effects(doc: dict, tested: list[dict]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _tie(v: dict) -> bool:
-    losses = sorted(v["losses"].values())
-    return bool(len(losses) > 1 and v.get("loss_se") and losses[1] - losses[0] < v["loss_se"])
-
-
 def standing(doc: dict) -> str:
     """Where DIFF stands, read off Holm-adjusted tests only. First the correction planned before any result (one
     family of every metric); then the exploratory reading (primary / secondary families, adopted after the first
@@ -411,8 +412,7 @@ def standing(doc: dict) -> str:
     secondary, quiet = _findings(tested, "secondary", n, say_quiet=True)
     text = (f"Where DIFF stands ({doc['plan']['tokens_per_model']:,} training tokens per model, {n} seeds per design; "
             f"Welch's t over seeds, Holm-adjusted, adjusted p < 0.05). As planned (every metric planned before the "
-            f"run, in one family, "
-            f"{size['planned']} tests): " + (". ".join(planned) + "; " if planned else "")
+            f"run, in one family, {size['planned']} tests): " + (". ".join(planned) + "; " if planned else "")
             + "no difference detected (n = {}) on every other metric, the static W8A8 / W4A4 and int4-logit costs "
               "among them{}. ".format(n, "" if not any(p.split(":")[0] in {_display(m) for m in PRIMARY}
                                                      for p in planned) else " where not said")
@@ -421,8 +421,9 @@ def standing(doc: dict) -> str:
               f"{size['secondary']}): " + ". ".join(primary + secondary))
     if quiet:
         text += f". No difference detected (n = {n}) on the other secondary metrics: {'; '.join(quiet)}"
-    if lr_ties(doc):
-        text += (". The learning-rate sweep could not separate the best two rates of " + ", ".join(lr_ties(doc))
+    tied = lr_ties(doc)
+    if tied:
+        text += (". The learning-rate sweep could not separate the best two rates of " + ", ".join(tied)
                  + " (every rate's seed-0 metrics are tabled)")
     ties = _tie_effects(doc, tested)
     if ties:
@@ -483,8 +484,7 @@ def render(doc: dict) -> str:
                               else ["too few seeds reach it"] + [""] * len(CURVE_METRICS))]
                            for d, r in ml["designs"].items()]))
     lines.append("\n## Against DIFF: Welch's t over seeds, Holm-adjusted within each family (planned: every metric "
-                 "planned before the run; "
-                 "exploratory: primary and secondary)\n")
+                 "planned before the run; exploratory: primary and secondary)\n")
     lines.append(standing(doc) + "\n")
     lines.append(markdown(["family", "metric", "design", "difference (design − DIFF)", "p", "p (Holm)", "verdict"],
                           [[r["family"], _display(r["metric"]), display(r["design"]),
@@ -547,7 +547,8 @@ def run(e: Experiment, out: Path, runs: Path, budget_hours: float, device: str, 
            "sweep_metrics": sweep_metrics,
            "aggregate": {d: aggregate(cells) for d, cells in per_design.items()},
            "per_seed": {d: [{k: v for k, v in c.items() if k != "curve"} for c in cells] for d, cells in per_design.items()},
-           "matched_loss": {**matched_loss(per_design), "track_sequences": train_config(e, e.designs[0], e.lrs[0], e.seeds[0], tokens).track_sequences},
+           "matched_loss": {**matched_loss(per_design),
+                            "track_sequences": train_config(e, e.designs[0], e.lrs[0], e.seeds[0], tokens).track_sequences},
            "tests": tests_against(per_design, families(metrics))}
     atomic_write_json(out / "results.json", doc)
     atomic_write_text(out / "results.md", render(doc))

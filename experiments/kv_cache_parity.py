@@ -33,6 +33,7 @@ def models(quick: bool, checkpoints: list[str] = ()):
     (unless quick) SmolLM2-135M-Instruct, then each trained checkpoint folder asked for, on 96 KJV held-out
     tokens through its own tokenizer."""
     from diffquant.models.fused import fuse
+    from diffquant.models.load import load_model
     from diffquant.models.presets import PRESETS, build_pair
 
     base, diff = build_pair(PRESETS["micro"], seed=0)
@@ -41,24 +42,21 @@ def models(quick: bool, checkpoints: list[str] = ()):
     out = [("micro Transformer (random init, seed 0)", base, ids, 48),
            ("micro DIFF (random init, seed 0)", diff, ids, 48)]
     if not quick:
-        from diffquant.data.corpora import load_text, split
-        from diffquant.data.tokens import encode
-        from diffquant.models.load import load_model
-
         model, tok = load_model("smollm2-135m")[:2]
-        _, val = split(load_text("kjv")[0])
-        stream = torch.from_numpy(encode(tok, val)[:96].astype("int64"))[None]
-        out.append(("SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)", model, stream, 48))
+        out.append(("SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)", model, kjv_stream(tok), 48))
     for folder in checkpoints:
-        from diffquant.data.corpora import load_text, split
-        from diffquant.data.tokens import encode
-        from diffquant.models.load import load_model
-
         model, tok = load_model(folder)[:2]
-        _, val = split(load_text("kjv")[0])
-        stream = torch.from_numpy(encode(tok, val)[:96].astype("int64"))[None]
-        out.append((f"{type(model).__name__} `{folder}` (trained, KJV held-out)", model, stream, 48))
+        out.append((f"{type(model).__name__} `{folder}` (trained, KJV held-out)", model, kjv_stream(tok), 48))
     return out
+
+
+def kjv_stream(tokenizer) -> torch.Tensor:
+    """The first 96 tokens of KJV's validation split through `tokenizer`, as [1, 96] ids."""
+    from diffquant.data.corpora import load_text, split
+    from diffquant.data.tokens import encode
+
+    _, val = split(load_text("kjv")[0])
+    return torch.from_numpy(encode(tokenizer, val)[:96].astype("int64"))[None]
 
 
 def nll(logits: torch.Tensor, ids: torch.Tensor, prompt: int) -> float:

