@@ -14,11 +14,16 @@ def input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progress: bool = False) -> dict:
+def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progress: bool = False,
+                      positions: torch.Tensor | None = None) -> dict:
     """Mean next-token cross-entropy (nats), perplexity and top-1 accuracy over all predicted positions,
     with their standard errors over sequences (all sequences have the same length, so the mean over
     sequences is the mean over tokens), perplexity's 95% interval exp(loss ± t(0.975, n−1) SE), the counts, and the
-    per-sequence losses (for paired comparisons of two settings on the same sequences)."""
+    per-sequence losses (for paired comparisons of two settings on the same sequences).
+
+    `positions` ([n, seq_len − 1] bool, aligned with the targets sequences[:, 1:]) selects predictions to report
+    apart as well: `positions_loss` is their mean cross-entropy pooled over all sequences, `positions_tokens`
+    their count (e.g. the copies of Bigram-Backcopy, data/synthetic.copy_targets)."""
     from tqdm.auto import tqdm
 
     from diffquant.stats.intervals import ppl_interval, standard_error
@@ -26,7 +31,10 @@ def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progr
     if sequences.numel() == 0 or sequences.shape[1] < 2:
         raise DiffquantError("evaluation needs sequences of at least 2 tokens")
     device = input_device(model)
-    losses, accs = [], []
+    if positions is not None and tuple(positions.shape) != (sequences.shape[0], sequences.shape[1] - 1):
+        raise DiffquantError(f"positions must be [{sequences.shape[0]}, {sequences.shape[1] - 1}] (the targets), "
+                             f"got {list(positions.shape)}")
+    losses, accs, picked = [], [], []
     with torch.inference_mode(), frozen_weights():
         for start in tqdm(range(0, len(sequences), batch_size), desc="eval", unit="batch", disable=not progress,
                           leave=False):
@@ -35,6 +43,8 @@ def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progr
             target = ids[:, 1:]
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
             losses += nll.double().mean(dim=1).tolist()
+            if positions is not None:
+                picked.append(nll.double()[positions[start:start + batch_size].to(nll.device)].cpu())
             accs += (logits.argmax(-1) == target).double().mean(dim=1).tolist()
     loss = math.fsum(losses) / len(losses)
     se = standard_error(losses)
@@ -42,6 +52,10 @@ def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progr
            "ppl_ci95": ppl_interval(loss, se, len(losses)),
            "accuracy": math.fsum(accs) / len(accs), "accuracy_se": standard_error(accs),
            "tokens": len(losses) * (sequences.shape[1] - 1), "sequences": len(losses), "per_sequence_loss": losses}
+    if positions is not None:
+        chosen = torch.cat(picked)
+        out["positions_tokens"] = int(chosen.numel())
+        out["positions_loss"] = math.fsum(chosen.tolist()) / chosen.numel() if chosen.numel() else None
     return out
 
 

@@ -62,12 +62,22 @@ def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme,
     return {"pct": pct(d["mean"]), "ci95": [pct(x) for x in d["ci95"]] if d["ci95"] else None, "n": d["n"]}
 
 
-def measure(model, seqs: torch.Tensor, schemes=("logits-int4",), calibration: torch.Tensor | None = None) -> dict:
+def cost_key(scheme) -> str:
+    """The result key of a scheme's cost: "w8a8_static_cost", "a8_static_attn_in_cost" (name or QuantScheme)."""
+    name = scheme if isinstance(scheme, str) else scheme.name
+    return name.replace("-", "_").replace(":", "_") + "_cost"
+
+
+def measure(model, seqs: torch.Tensor, schemes=("logits-int4",), calibration: torch.Tensor | None = None,
+            metric_sets=(), positions: torch.Tensor | None = None) -> dict:
     """Loss, Table 5 analog (pooled logits and hidden states), sink rate (DIFF: over differential heads by
     their share of A1 − λ·A2 on token 0, stats/sinks.py), the mean first-token share, λ per layer (DIFF),
-    massive-activation ratio and the perplexity cost of each scheme, all on the same held-out sequences."""
-    fp = language_modeling(model, seqs)
-    prof = profile_model(model, seqs, ["*.attn_logits", "*.hidden"], progress=False, sinks=True, k=10)
+    massive-activation ratio and the perplexity cost of each scheme (a preset name or a QuantScheme), all on
+    the same held-out sequences; `metric_sets` adds the papers' sets (under "metric_sets"), `positions` the
+    loss at selected predictions ("positions_loss", evaluate.language_modeling)."""
+    fp = language_modeling(model, seqs, positions=positions)
+    prof = profile_model(model, seqs, ["*.attn_logits", "*.hidden"], progress=False, sinks=True, k=10,
+                         metrics=metric_sets)
     logits, hidden = prof.pooled("attn_logits").summary(full=False), prof.pooled("hidden").summary(full=False)
     sinks = prof.sink_summary()["model"]
     out = {"loss": fp["loss"], "loss_se": fp["loss_se"], "tokens": fp["tokens"], "sequences": fp["sequences"],
@@ -78,10 +88,14 @@ def measure(model, seqs: torch.Tensor, schemes=("logits-int4",), calibration: to
            "lambda": sinks.get("lambda"), "massive_ratio": sinks.get("massive_ratio_max"), "sinks": sinks}
     out["hidden_ratio"] = out["hidden_top1"] / out["hidden_median"]
     out["logit_ratio"] = out["logit_top1"] / out["logit_median"]
+    if positions is not None:
+        out["positions_loss"], out["positions_tokens"] = fp["positions_loss"], fp["positions_tokens"]
+    if metric_sets:
+        out["metric_sets"] = prof.metric_results()
     for scheme in schemes:
         cost = quantization_cost(model, seqs, fp["per_sequence_loss"], scheme, calibration)
-        out[f"{scheme.replace('-', '_')}_cost"] = cost["pct"]
-        out[f"{scheme.replace('-', '_')}_cost_ci95"] = cost["ci95"]
+        out[cost_key(scheme)] = cost["pct"]
+        out[cost_key(scheme) + "_ci95"] = cost["ci95"]
     return out
 
 

@@ -165,3 +165,54 @@ def test_betas_reach_adamw_and_survive_a_json_round_trip(tmp_path):
     assert json.loads(json.dumps(asdict(cfg)))["betas"] == [0.9, 0.99]
     with pytest.raises(ValueError, match="betas"):
         TrainConfig(betas=(0.9, 1.2))
+
+
+def test_diff_nonorm_with_norm_is_diff_and_without_is_its_formula():
+    """diff-nonorm (issue 42): head_norm=True is DIFF exactly; without the norm, layer 0's o_proj input is
+    (1 − λ_init(0))·(A1 − λ·A2)·V, computed here in plain torch from DiffLlama's weights (both maps from q/k
+    chunks, V at width 2d shared), never through the design's own code."""
+    from diffquant.designs import diffnonorm
+
+    diff = build(PRESETS["micro"], "diff")
+    ids = _ids()
+    for on in (True, False):
+        model = diffnonorm.DiffNoNormForCausalLM(diffnonorm.DiffNoNormConfig(head_norm=on, **_common(diff))).eval()
+        assert model.load_state_dict(diff.state_dict(), strict=True)
+        logits, got = _o_proj_inputs(model, ids)
+        diff_logits, _ = _o_proj_inputs(diff, ids)
+        if on:
+            assert (logits - diff_logits).abs().max().item() <= 1e-5
+            continue
+        assert (logits - diff_logits).abs().max().item() > 1e-3  # the norm is gone
+        assert is_parameter_free_change(model, diff)
+        attn = model.model.layers[0].self_attn
+        x = _q_proj_input(model, ids)
+        b, t, _ = x.shape
+        h, d = model.config.num_attention_heads, attn.head_dim
+        q = (x @ attn.q_proj.weight.T).view(b, t, h, d).transpose(1, 2)
+        k = (x @ attn.k_proj.weight.T).view(b, t, h, d).transpose(1, 2)
+        v = (x @ attn.v_proj.weight.T).view(b, t, h, d).transpose(1, 2)
+        pos = torch.arange(t)
+        inv = 1.0 / (model.config.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
+        ang = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)
+        rot = lambda z: z * ang.cos() + torch.cat([-z[..., d // 2:], z[..., :d // 2]], -1) * ang.sin()  # noqa: E731
+        q, k = rot(q), rot(k)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        a = torch.softmax((q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~causal, float("-inf")), -1)
+        lam = (torch.exp((attn.lambda_q1 * attn.lambda_k1).sum()) - torch.exp((attn.lambda_q2 * attn.lambda_k2).sum())
+               + attn.lambda_init)
+        half = h // 2
+        v2 = torch.cat([v[:, :half], v[:, half:]], dim=-1)  # each differential head reads V of width 2d
+        out = (a[:, :half] - lam * a[:, half:]) @ v2  # [b, half, t, 2d]
+        want = (1 - attn.lambda_init) * out.transpose(1, 2).reshape(b, t, -1)
+        assert torch.allclose(got[0], want, atol=1e-5), (got[0] - want).abs().max()
+
+
+def is_parameter_free_change(model, parent) -> bool:
+    return sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in parent.parameters())
+
+
+def test_diff_nonorm_is_treated_as_diff_by_the_taps():
+    from diffquant.taps.sites import is_diff
+
+    assert is_diff(build(PRESETS["micro"], "diff-nonorm"))

@@ -17,7 +17,7 @@ from diffquant.stats.site_stats import SiteStats
 from diffquant.taps.sites import TOKENS
 from test_diff_sinks import _steer, paper_lambda, softmax_maps
 
-ALL = ["diff-table5", "sun2024", "gu2024", "bondarenko2023"]
+ALL = ["diff-table5", "sun2024", "gu2024", "bondarenko2023", "bondarenko2023-linear"]
 
 
 def module_outputs(model, ids) -> dict[str, list[np.ndarray]]:
@@ -153,6 +153,49 @@ def test_bondarenko2023_matches_hand_computation(model):
     assert r["max_inf_norm"] == pytest.approx(max(infs.values()), rel=1e-6)
     assert r["avg_kurtosis"] == pytest.approx(np.mean(list(kurts.values())), rel=1e-4)
     assert r["max_layer_inf_norm"] == pytest.approx(max(v for n, v in infs.items() if n.endswith("hidden")), rel=1e-6)
+
+
+def linear_inputs(model, ids) -> dict[str, np.ndarray]:
+    """What q_proj, o_proj, gate_proj and down_proj of every layer read (plain forward pre-hooks, one run)."""
+    got, handles = {}, []
+    for i, layer in enumerate(model.model.layers):
+        for kind, module in (("attn_in", layer.self_attn.q_proj), ("attn_out", layer.self_attn.o_proj),
+                             ("mlp_in", layer.mlp.gate_proj), ("down_in", layer.mlp.down_proj)):
+            def hook(mod, args, name=f"layers.{i}.{kind}"):
+                got[name] = args[0].detach().double().numpy()
+            handles.append(module.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(ids)
+    for h in handles:
+        h.remove()
+    return got
+
+
+def test_bondarenko2023_linear_matches_hand_computation(model):
+    ids = torch.randint(0, 512, (3, 12), generator=torch.Generator().manual_seed(9))
+    ins = linear_inputs(model, ids)
+    r = profile_model(model, ids, [], progress=False,
+                      metrics=["bondarenko2023-linear"]).metric_results()["bondarenko2023-linear"]
+    assert set(r["sites"]) == set(ins)
+    by_kind: dict[str, dict] = {}
+    for name, x in ins.items():
+        per = x.reshape(x.shape[0], -1)
+        inf = np.abs(per).max(axis=1).mean()
+        kurt = np.mean([scipy.stats.kurtosis(row, fisher=False) for row in per])
+        ratio = np.abs(x).max() / np.median(np.abs(x))
+        got = r["sites"][name]
+        assert got["inf_norm_mean"] == pytest.approx(inf, rel=1e-6)
+        assert got["kurtosis_mean"] == pytest.approx(kurt, rel=1e-4)
+        assert got["top1"] == pytest.approx(np.abs(x).max(), rel=1e-6)
+        assert got["top1_over_median"] == pytest.approx(ratio, rel=0.01)  # the median: a 0.8%-wide histogram bin
+        k = by_kind.setdefault(name.rsplit(".", 1)[1], {"inf": [], "kurt": [], "ratio": []})
+        k["inf"].append(inf), k["kurt"].append(kurt), k["ratio"].append(got["top1_over_median"])
+    assert set(r["kinds"]) == set(by_kind) == {"attn_in", "attn_out", "mlp_in", "down_in"}
+    for kind, k in by_kind.items():
+        assert r["kinds"][kind]["max_inf_norm"] == pytest.approx(max(k["inf"]), rel=1e-6)
+        assert r["kinds"][kind]["avg_kurtosis"] == pytest.approx(np.mean(k["kurt"]), rel=1e-4)
+        assert r["kinds"][kind]["max_kurtosis"] == pytest.approx(max(k["kurt"]), rel=1e-4)
+        assert r["kinds"][kind]["max_top1_over_median"] == max(k["ratio"])
 
 
 def test_bondarenko_skips_padding():

@@ -17,7 +17,7 @@ from diffquant.quant.scheme import calibrate, get_scheme, quantize_
 ROOT = Path(__file__).resolve().parent.parent
 
 SUPPORTED_FAMILIES = ("llama", "diffllama", "diffllama-gqa", "qwen2", "qwen3", "mistral", "smollm3", "gated",
-                      "clipsoftmax", "sink", "baseline-headnorm", "diff-gain", "gated-nobias")
+                      "clipsoftmax", "sink", "baseline-headnorm", "diff-gain", "gated-nobias", "diff-nonorm")
 
 
 def _ids(n=4, t=16, seed=0):

@@ -89,7 +89,7 @@ LONG_CONTEXT_HELP = "run windows longer than the model's context (RoPE models ma
 CORPUS_HELP = ("corpus name (kjv, gcide, wordnet, pydoc, linuxdoc, debian-mix), local text file/folder, hf:NAME[:CONFIG], "
                "or a synthetic token corpus synth:bb / synth:markov[:key=value,...] (default kjv)")
 METRICS_HELP = ("the papers' metric sets to compute too, comma-separated: diff-table5, sun2024, gu2024, "
-                "bondarenko2023 (docs/metrics.md; default none)")
+                "bondarenko2023, bondarenko2023-linear (docs/metrics.md; default none)")
 
 
 def _profile(sub) -> None:

@@ -135,3 +135,19 @@ def tokenizer(spec: SynthSpec):
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<bos>", pad_token="<bos>",
                                    unk_token="<bos>")
+
+
+def copy_targets(ids, spec: SynthSpec):
+    """Which predictions of Bigram-Backcopy sequences `ids` ([n, T] token ids, BOS first) are copies: a bool
+    tensor [n, T − 1] aligned with next-token targets ids[:, 1:], True at target t (t ≥ 2) when token t − 1 is
+    a trigger and token t − 2 is not BOS (the only positions where attention can help; Guo et al.'s own
+    diagnostic is the loss there). A chain without triggers (markov) has none."""
+    import torch
+
+    ids = torch.as_tensor(ids)
+    out = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
+    if spec.n_triggers == 0 or ids.shape[1] < 3:
+        return out
+    triggers = torch.as_tensor(Chain(spec).triggers, dtype=ids.dtype)
+    out[:, 1:] = torch.isin(ids[:, 1:-1], triggers) & (ids[:, :-2] != spec.bos)
+    return out

@@ -79,9 +79,15 @@ def _diff_gain(common: dict, seq_len: int):
     return diffgain.config(common)
 
 
+def _diff_nonorm(common: dict, seq_len: int):
+    from diffquant.designs import diffnonorm
+
+    return diffnonorm.config(common)
+
+
 def register_auto_classes() -> None:
     """Register the rival designs with transformers' Auto classes (imports transformers)."""
-    from diffquant.designs import clipsoftmax, diffgain, gated, headnorm, sink  # noqa: F401 - each registers itself
+    from diffquant.designs import clipsoftmax, diffgain, diffnonorm, gated, headnorm, sink  # noqa: F401 - each registers itself
 
 
 DESIGNS: dict[str, Design] = {}
@@ -120,3 +126,7 @@ register(Design("diff-gain", "DIFF + norm gain", "#8c564b", _diff_gain,
 register(Design("gated-nobias", "Gated without bias", "#bcbd22", _gated_nobias,
                 "Qiu et al.'s G1 gate without bias: output ⊙ σ(X·W_g); MLP narrowed",
                 added=lambda h, heads: gate_parameters(h, heads, bias=False), narrow_mlp=True))
+# Ablation for the head-norm question (issue 42): the differential map without DIFF's per-head norm.
+register(Design("diff-nonorm", "DIFF without head norm", "#e377c2", _diff_nonorm,
+                "DiffLlama without its per-head RMSNorm: (1 − λ_init)·(A1 − λ·A2)·V straight into o_proj",
+                added=lambda h, heads: 4 * (h // heads), maps_per_head=2))

@@ -78,5 +78,6 @@ FAMILIES: dict[str, Family] = {
         Family("baseline-headnorm", "", "baseline-headnorm", note="diffquant ablation: DIFF's head norm on softmax heads"),
         Family("diff-gain", "", "diff-gain", note="diffquant ablation: DIFF with a learnable head-norm gain"),
         Family("gated-nobias", "", "gated-nobias", note="diffquant ablation: output gate σ(X·W_g), no bias"),
+        Family("diff-nonorm", "", "diff-nonorm", note="diffquant ablation: DIFF without its per-head norm"),
     )
 }

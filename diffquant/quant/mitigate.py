@@ -300,9 +300,14 @@ def _value_blocked(layer) -> str | None:
     """Why o_proj's input cannot be smoothed through v_proj (None: it can). Attention mixes positions with
     weights that do not depend on V, so V/s per channel gives (P·V)/s; a norm over each head's output does not
     commute with per-channel scales."""
+    import torch
+
     attn = layer.self_attn
-    if getattr(attn, "groupnorm", None) is not None or getattr(attn, "head_norm", None) is not None:
+    norm = getattr(attn, "groupnorm", None) or getattr(attn, "head_norm", None)
+    if norm is not None and not isinstance(norm, torch.nn.Identity):
         return "a norm over each head's output (DIFF, head-norm) does not commute with per-channel scales"
+    if norm is not None:  # diff-nonorm: no norm, but DIFF's value layout
+        return "DIFF's o_proj input concatenates two value halves per differential head, not v_proj's head blocks"
     if attn.o_proj.in_features != attn.config.num_attention_heads * attn.head_dim:
         return "o_proj's input is not one head_dim block per attention head"
     return None

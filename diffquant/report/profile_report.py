@@ -195,6 +195,11 @@ METRIC_SET_TABLES = {  # name: (header, rows(label, figures))
                         "max kurtosis"],
                        lambda label, r: [[label, r["avg_kurtosis"], r["max_inf_norm"], r["max_inf_norm_site"],
                                           r["max_layer_inf_norm"], r["max_kurtosis"]]]),
+    "bondarenko2023-linear": (["model", "Linear input", "max inf norm", "at site", "avg kurtosis", "max kurtosis",
+                               "max top-1 / median"],
+                              lambda label, r: [[label, kind, v["max_inf_norm"], v["max_inf_norm_site"],
+                                                 v["avg_kurtosis"], v["max_kurtosis"], v["max_top1_over_median"]]
+                                                for kind, v in r["kinds"].items()]),
 }
 
 

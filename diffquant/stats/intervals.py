@@ -189,3 +189,49 @@ def holm_adjust(pvalues: list[float | None]) -> list[float | None]:
     for i, a in zip(present, adjusted):
         out[i] = a
     return out
+
+
+def _welch_parts(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """(mean(a) − mean(b), its standard error, the Welch–Satterthwaite degrees of freedom)."""
+    va, vb = stdev(a) ** 2 / len(a), stdev(b) ** 2 / len(b)
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if va + vb else float("inf")
+    return fmean(a) - fmean(b), se, df
+
+
+def tost(a: list[float], b: list[float], margin: float) -> dict | None:
+    """Equivalence of mean(a) and mean(b) within ±margin by two one-sided Welch tests (Schuirmann's TOST):
+    H0⁻: d ≤ −margin rejected when t = (d + margin)/SE is large, H0⁺: d ≥ margin when (d − margin)/SE is small;
+    p = the larger one-sided p. "Equivalent" at level α exactly when the (1 − 2α) Welch interval of d lies in
+    (−margin, margin). None with fewer than two values on either side or no spread at all."""
+    from scipy.stats import t as student
+
+    a = [v for v in a if v is not None and not math.isnan(v)]
+    b = [v for v in b if v is not None and not math.isnan(v)]
+    if margin <= 0:
+        raise ValueError(f"an equivalence margin must be positive, got {margin}")
+    if len(a) < 2 or len(b) < 2:
+        return None
+    d, se, df = _welch_parts(a, b)
+    if se == 0:
+        return {"diff": d, "p": 0.0 if abs(d) < margin else 1.0, "ci90": [d, d], "margin": margin}
+    p_lower = float(student.sf((d + margin) / se, df))
+    p_upper = float(student.cdf((d - margin) / se, df))
+    half = float(student.ppf(0.95, df)) * se
+    return {"diff": d, "p": max(p_lower, p_upper), "ci90": [d - half, d + half], "margin": margin}
+
+
+def minimum_detectable_effect(n: int, tests: int, alpha: float = ALPHA, power: float = 0.8) -> float:
+    """The smallest true difference, in standard deviations, that a two-sided two-sample t-test with n runs per
+    group detects with probability `power` at the level of Holm's first step over `tests` tests (α / tests),
+    assuming equal variances (df = 2n − 2): the noncentral-t solution, exact for the pooled test and close for
+    Welch's when the spreads are alike."""
+    from scipy.optimize import brentq
+    from scipy.stats import nct
+    from scipy.stats import t as student
+
+    if n < 2 or tests < 1:
+        raise ValueError(f"needs n >= 2 runs per group and at least one test, got n={n}, tests={tests}")
+    df = 2 * n - 2
+    crit = float(student.ppf(1 - alpha / tests / 2, df))
+    return float(brentq(lambda d: nct.sf(crit, df, d * math.sqrt(n / 2)) - power, 1e-3, 100.0))

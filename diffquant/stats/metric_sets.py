@@ -141,7 +141,7 @@ class SequenceNorms:
         self.kurtosis_sequences += int(spread.sum())
 
     def merge(self, other: "SequenceNorms") -> "SequenceNorms":
-        out = SequenceNorms()
+        out = type(self)()
         out.inf, out.kurtosis = self.inf + other.inf, self.kurtosis + other.kurtosis
         out.sequences = self.sequences + other.sequences
         out.kurtosis_sequences = self.kurtosis_sequences + other.kurtosis_sequences
@@ -151,6 +151,13 @@ class SequenceNorms:
         return {"inf_norm_mean": self.inf / self.sequences if self.sequences else None,
                 "kurtosis_mean": self.kurtosis / self.kurtosis_sequences if self.kurtosis_sequences else None,
                 "sequences": self.sequences}
+
+
+class LinearInputNorms(SequenceNorms):
+    """The same per-sequence ∞-norm and kurtosis at the input of every quantized Linear: what W8A8 and W4A4
+    actually round (q/k/v read attn_in, o_proj attn_out, gate/up mlp_in, down_proj down_in)."""
+
+    points = ("attn_in", "attn_out", "mlp_in", "down_in")
 
 
 @dataclass(frozen=True)
@@ -238,6 +245,32 @@ def _bondarenko2023(prof) -> dict:
             "max_kurtosis": max(kurts.values(), default=None), "sites": sites}
 
 
+LINEAR_KINDS = LinearInputNorms.points
+
+
+def _bondarenko2023_linear(prof) -> dict:
+    """Per site and per kind of Linear input: Bondarenko's per-sequence figures, and top-1 / median |x|."""
+    sites = {}
+    for name, acc in sorted(prof.metric_state["bondarenko2023-linear"].items()):
+        s = prof.sites[name].summary(full=False)
+        top, median = s["absmax"], s["quantiles"]["median"]
+        sites[name] = {**acc.summary(), "top1": top, "median": median,
+                       "top1_over_median": top / median if median else None}
+    kinds = {}
+    for kind in LINEAR_KINDS:
+        rows = {n: v for n, v in sites.items() if prof.kind_of.get(n) == kind}
+        infs = {n: v["inf_norm_mean"] for n, v in rows.items() if v["inf_norm_mean"] is not None}
+        kurts = [v["kurtosis_mean"] for v in rows.values() if v["kurtosis_mean"] is not None]
+        ratios = [v["top1_over_median"] for v in rows.values() if v["top1_over_median"] is not None]
+        if rows:
+            kinds[kind] = {"max_inf_norm": max(infs.values(), default=None),
+                           "max_inf_norm_site": max(infs, key=infs.get) if infs else None,
+                           "avg_kurtosis": sum(kurts) / len(kurts) if kurts else None,
+                           "max_kurtosis": max(kurts, default=None),
+                           "max_top1_over_median": max(ratios, default=None), "layers": len(rows)}
+    return {"kinds": kinds, "sites": sites}
+
+
 REGISTRY: dict[str, MetricSet] = {}
 
 
@@ -284,6 +317,18 @@ register(MetricSet(
     "adds 1e-6 (a relative difference of about 2/(positions × channels))",
     {"seq_len": 512, "data": "validation set (Wikipedia for OPT)"}, _bondarenko2023,
     accumulator=SequenceNorms, per_layer=False))
+
+register(MetricSet(
+    "bondarenko2023-linear", "Bondarenko et al. 2023 (arXiv 2306.12929), their per-sequence figures at the "
+                             "inputs of the quantized Linears",
+    "per Linear input site (attn_in → q/k/v, attn_out → o_proj, mlp_in → gate/up, down_in → down_proj) and "
+    "layer: the ∞-norm of each sequence (max |x| over positions × channels) averaged over sequences, the "
+    "per-sequence Pearson kurtosis averaged over sequences, and top-1 / median |x| over all values; per kind of "
+    "site, the largest layer's ∞-norm, the mean and largest layer kurtosis and the largest top-1 / median",
+    "Bondarenko et al. report module outputs (their max inf norm and avg kurtosis, `bondarenko2023`); these are "
+    "the activations W8A8 / W4A4 round, each kind of site kept apart instead of pooling layers of different scale",
+    {"seq_len": 512, "data": "validation set (Wikipedia for OPT)"}, _bondarenko2023_linear,
+    sites=tuple(f"*.{k}" for k in LINEAR_KINDS), accumulator=LinearInputNorms, per_layer=False))
 
 
 def parse(text: str | None) -> tuple[str, ...]:
@@ -365,4 +410,3 @@ def required_sites(names: tuple[str, ...]) -> tuple[list[str], int]:
     """(The site globs the sets `names` read through SiteStats, the top-k they need)."""
     sites = [g for n in names for g in REGISTRY[n].sites]
     return list(dict.fromkeys(sites)), max([REGISTRY[n].k for n in names], default=1)
-

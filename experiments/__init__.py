@@ -1,0 +1,1 @@
+"""Experiments: one entry point per question (python -m experiments.NAME); see experiments/README.md."""
