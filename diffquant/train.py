@@ -20,7 +20,7 @@ import torch
 
 from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json, fix_modes
-from diffquant.stats.distributed import rank_world
+from diffquant.stats.distributed import barrier, rank_world
 
 ARCHS = ("baseline", "diff")  # the default pair; any key of diffquant.designs trains
 SCHEDULES = ("cosine", "linear", "constant")
@@ -365,7 +365,9 @@ def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, res
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg_path = out / "train_config.json"
-    if cfg_path.exists() and not (resume or force):
+    exists = cfg_path.exists()
+    barrier()  # every rank has looked before rank 0 writes the config (else a later rank finds it and refuses)
+    if exists and not (resume or force):
         raise DiffquantError(f"{out} already holds a training run; pass --resume to continue it or --force to restart")
     saved_archs: tuple = ()
     if resume and cfg_path.exists():

@@ -61,6 +61,14 @@ def finish_distributed() -> None:
         dist.destroy_process_group()
 
 
+def barrier() -> None:
+    """Wait for every rank (nothing outside torchrun)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def rank_world() -> tuple[int, int]:
     """(rank, world size) of this process; (0, 1) outside torchrun."""
     import torch.distributed as dist
