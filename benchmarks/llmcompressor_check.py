@@ -178,7 +178,7 @@ def main(argv=None) -> None:
     from diffquant.paths import atomic_write_json, atomic_write_text
     from diffquant.quant import granularity as G
     from diffquant.quant.config import int_config
-    from diffquant.quant.scheme import LAYER_WEIGHTS, QuantScheme, quantize_
+    from diffquant.quant.scheme import LAYER_WEIGHTS, QuantScheme, attach_scheme
     from diffquant.sweep import versus_float
     from peers import SCRATCH, export_model
     from weight_solvers import CALIBRATION_WINDOWS, _data
@@ -215,7 +215,7 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             solved = solvers.solve_weights_(model, solvers.parse(name), scheme, calib, progress=False)
             seconds = time.perf_counter() - t0
-            attachment = quantize_(model, solved.scheme(scheme))
+            attachment = attach_scheme(model, solved.scheme(scheme))
             solved.install(attachment)
             try:
                 r = language_modeling(model, seqs)

@@ -16,7 +16,7 @@ import torch
 
 from diffquant.models.load import load_model
 from diffquant.profile import profile_model
-from diffquant.quant.scheme import get_scheme, quantize_
+from diffquant.quant.scheme import get_scheme, attach_scheme
 
 model, _ = load_model("tiny:diff")
 ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -34,7 +34,7 @@ print("2. first-token mass per head, A1 and A2 (softmax maps):", [round(m, 3) fo
 print("   per differential head (A1 − λ·A2):", [round(m, 3) for m in layer0["first_mass_map"]])
 
 # 3. the same statistics with 4-bit attention logits simulated in place (handle.remove() restores the float model)
-handle = quantize_(model, get_scheme("logits-int4"))
+handle = attach_scheme(model, get_scheme("logits-int4"))
 quantized = profile_model(model, ids, ["layers.0.attn_logits"], progress=False)
 handle.remove()
 a, b = prof.sites["layers.0.attn_logits"], quantized.sites["layers.0.attn_logits"]

@@ -1,4 +1,5 @@
-"""`diffquant <command>`: the command line. Each command's code is imported only when it runs."""
+"""diffquant's command line: find a model's activation outliers, measure how many bits it survives, and
+quantize it (each command's code is imported only when it runs)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _cmd_models(args) -> None:
         print(f"{name:<7} {spec.hidden:>6} {spec.layers:>6} {heads:>5} {spec.ffn:>5} {spec.vocab:>6} "
               f"{spec.seq_len:>5}  " + "  ".join(f"{c:>21}" for c in cells))
     print("\n'heads' = attention heads per layer: softmax heads / DIFF's differential heads (two maps each).")
-    print("designs (diffquant train --arch KEY):")
+    print("designs (diffquant train --design KEY):")
     for a in archs:
         print(f"  {a:<12} {DESIGNS[a].display:<12} {DESIGNS[a].doc}")
     print("zoo (offline, from package registries):")
@@ -70,7 +71,14 @@ def _cmd_sites(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffquant", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="diffquant", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Find a model's activation outliers, measure how many bits it survives, and quantize it.\n\n"
+                    "  diffquant profile --model smollm2-135m --out runs/profile     # where the outliers are\n"
+                    "  diffquant sweep --model smollm2-135m --bits 16,8,6,4 --out runs/sweep   # bits vs accuracy\n"
+                    "  diffquant quantize --model smollm2-135m --scheme w8a8-static --out runs/q\n"
+                    "  diffquant list                                                  # every registry\n\n"
+                    "`diffquant COMMAND --help` describes each command.")
     parser.add_argument("--version", action="version", version=f"diffquant {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     parser.add_argument("--verbose", action="store_true",
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diffquant: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("diffquant: interrupted; what was written so far is complete (use --resume to continue)", file=sys.stderr)
+        resume = " (use --resume to continue)" if hasattr(args, "resume") else ""
+        print(f"diffquant: interrupted; what was written so far is complete{resume}", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - one clear line unless --debug
         if args.debug:

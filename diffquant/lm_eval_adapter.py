@@ -27,43 +27,48 @@ def write_local_task(examples: list[dict], folder: Path, name: str = "diffquant_
     return folder
 
 
-def evaluate(model, tokenizer, tasks: list[str], scheme=None, include_path: str | Path | None = None,
-             limit: int | None = None, batch_size: int = 1) -> dict:
-    """lm-eval results {task: {metric: value}} for `model` with `scheme` (a QuantScheme) applied."""
+def evaluate(model, tokenizer, tasks: list[str], recipe=None, include_path: str | Path | None = None,
+             limit: int | None = None, batch_size: int = 1, calibration=None) -> dict:
+    """lm-eval results {task: {metric: value}} for `model` quantized by `recipe` (a Recipe, a scheme or a preset
+    name; see quant/recipe.py), `calibration` its training-split windows where the recipe needs them."""
     try:
         from lm_eval import simple_evaluate
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise DiffquantError("lm-eval is not installed: pip install 'diffquant[eval]'") from None
-    from diffquant.quant.scheme import quantize_
+    from contextlib import nullcontext
 
-    handle = quantize_(model, scheme) if scheme is not None and not scheme.is_identity else None
-    try:
+    from diffquant.quant.recipe import Recipe, quantize_
+
+    recipe = Recipe.of(recipe) if recipe is not None else None
+    quantized = (nullcontext() if recipe is None or (recipe.scheme.is_identity and not recipe.fixes)
+                 else quantize_(model, recipe, calibration))
+    with quantized:
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         manager = TaskManager(include_path=str(include_path)) if include_path else TaskManager()
         out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0,
                               log_samples=False)
-    finally:
-        if handle is not None:
-            handle.remove()
     return {task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float))}
             for task, metrics in out["results"].items()}
 
 
 def run_cli(args) -> None:
-    from diffquant.models.load import load_model
+    from diffquant.commands.common import load_models
+    from diffquant.data.windows import corpus_windows
     from diffquant.paths import atomic_write_json
-    from diffquant.quant.scheme import get_scheme
+    from diffquant.quant.recipe import from_cli
 
-    model, tok = load_model(args.model, hub=args.hub, cache=args.cache_dir)
-    if tok is None:
-        raise DiffquantError(f"{args.model} has no tokenizer")
-    scheme = get_scheme(args.scheme)
-    results = evaluate(model, tok, [t.strip() for t in args.tasks.split(",")], scheme, args.include_path, args.limit,
-                       args.batch_size)
+    recipe = from_cli(args.mitigate, args.weights, args.scheme)
+    ((_, (model, tok)),) = load_models(args).items()
+    calibration = (corpus_windows(args.data, tok, "train", args.seq_len, args.tokens, args.cache_dir, chars=200_000)
+                   if recipe.needs_calibration else None)
+    results = evaluate(model, tok, [t.strip() for t in args.tasks.split(",")], recipe, args.include_path,
+                       args.limit, args.batch_size, calibration)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "lm_eval.json", {"model": args.model, "scheme": scheme.to_dict(), "results": results})
+    atomic_write_json(out / "lm_eval.json", {"model": args.model, "recipe": recipe.to_dict(),
+                                             "scheme": recipe.adjusted_scheme().to_dict(), "device": str(model.device),
+                                             "dtype": args.dtype, "results": results})
     for task, metrics in results.items():
         print(task, " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))

@@ -90,6 +90,49 @@ class ModelProfile:
         layers = {i: s.summary(diff) for i, s in sorted(self.sinks.items())}
         return {"epsilon": 0.3, "layers": layers, "model": model_sink_rates(layers)} if layers else {}
 
+    def merge(self, other: "ModelProfile") -> "ModelProfile":
+        """The profile of both token sets (the same model and sites): every statistic merges exactly, as the
+        ranks of a torchrun profile do."""
+        if set(self.sites) != set(other.sites) or self.metric_sets != other.metric_sets:
+            raise DiffquantError(f"cannot merge profiles of different sites or metric sets ({self.label}, {other.label})")
+        merge = lambda a, b: {k: a[k].merge(b[k]) if k in a and k in b else a.get(k, b.get(k))  # noqa: E731
+                              for k in dict.fromkeys([*a, *b])}
+        provenance = {**self.provenance, **{k: self.provenance.get(k, 0) + other.provenance.get(k, 0)
+                                            for k in ("tokens", "sequences") if k in self.provenance}}
+        return ModelProfile(self.label, self.info, merge(self.sites, other.sites), self.layer_of, self.kind_of,
+                            provenance, merge(self.sinks, other.sinks), self.metric_sets,
+                            {name: merge(self.metric_state[name], other.metric_state[name]) for name in self.metric_state})
+
+    def save(self, folder, plots: bool = True) -> list:
+        """The report (stats.json, table5.md/.csv, figures) and the profile itself (profile.pt: `load` reads it
+        back, mergeable), written atomically into `folder`."""
+        from pathlib import Path
+
+        from diffquant.report.profile_report import write_report
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        part = folder / "profile.pt.part"
+        torch.save({"version": 1, "profile": self}, part)
+        part.replace(folder / "profile.pt")
+        return [folder / "profile.pt", *write_report([self], folder, plots=plots)]
+
+    @staticmethod
+    def load(folder) -> "ModelProfile":
+        """A profile `save` wrote (profile.pt holds Python objects: load only folders you wrote yourself)."""
+        from pathlib import Path
+
+        path = Path(folder) / "profile.pt"
+        if not path.is_file():
+            raise DiffquantError(f"{folder} holds no saved profile (profile.pt); write one with profile.save(folder)")
+        return torch.load(path, weights_only=False, map_location="cpu")["profile"]
+
+    def table(self) -> str:
+        """The Table 5 analog of this profile, as markdown."""
+        from diffquant.report.profile_report import table5_markdown, table5_rows
+
+        return table5_markdown(table5_rows([self]), f"{self.label}: {self.provenance.get('tokens')} tokens")
+
     def pooled(self, kind: str) -> SiteStats | None:
         """All layers of one kind merged (the paper pools attention logits over layers and heads)."""
         parts = [s for name, s in self.sites.items() if self.kind_of[name] == kind]

@@ -213,13 +213,11 @@ def write_results(out: Path, rows: list[dict]) -> None:
 def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str, Evaluator], out: Path,
               progress: bool = True, compile: bool = False, calibration: dict | None = None) -> list[dict]:
     """Evaluate every cell not yet in out/cells.jsonl; returns all rows (old and new) in cell order.
-    `compile` fuses the fake quantizers (see `quantize_`); `calibration` ({model: token ids}) feeds
+    `compile` fuses the fake quantizers (see `attach_scheme`); `calibration` ({model: token ids}) feeds
     mitigations that calibrate (smoothquant) and static scales."""
     from tqdm.auto import tqdm
 
-    from diffquant.quant import solvers
-    from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse, weights_for
-    from diffquant.quant.scheme import calibrate, quantize_
+    from diffquant.quant.recipe import from_cli, quantize_
 
     done = load_done(out)
     fp_cache: dict[str, dict] = {r["model"]: r["metrics"] for r in done.values() if r["scheme"] == "fp"}
@@ -228,37 +226,22 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
     for cell in bar:
         bar.set_postfix_str(cell.label())
         model = models[cell.model][0]
-        fix = parse(cell.mitigate)
-        scheme = adjust_scheme(cell.scheme(), fix)
-        calib = (calibration or {}).get(cell.model)
+        recipe = from_cli(cell.mitigate, cell.weights, cell.scheme())
+        float_cell = recipe.scheme.is_identity and not recipe.fixes
         t0 = time.perf_counter()
-        if scheme.is_identity and fix is None and cell.model in fp_cache:
-            metrics = fp_cache[cell.model]
+        if float_cell and cell.model in fp_cache:
+            metrics, name = fp_cache[cell.model], recipe.scheme.name
         else:
-            applied = mitigate_(model, fix, calib, scheme)
-            attachment = solved = None
-            try:
-                solved = solvers.solve_weights_(model, solvers.parse(weights_for(fix, cell.weights)), scheme, calib,
-                                                progress=False)
-                scheme = solved.scheme(scheme)
-                attachment = quantize_(model, scheme, compile)
-                solved.install(attachment)
-                if any(not q.config.dynamic for q in attachment.quantizers.values()):
-                    if calib is None:
-                        raise DiffquantError(f"{cell.label()}: static scales need calibration data")
-                    calibrate(model, attachment, calib.split(8))
-                metrics = evaluators[cell.model](model)
-            finally:
-                if attachment is not None:
-                    attachment.remove()
-                if solved is not None:
-                    solved.remove()
-                applied.remove()
-            if scheme.is_identity and fix is None:
+            calib = (calibration or {}).get(cell.model)
+            if recipe.needs_calibration and calib is None:
+                raise DiffquantError(f"{cell.label()}: static scales, fixes and weight solvers need calibration data")
+            with quantize_(model, recipe, calib, compile=compile) as q:
+                metrics, name = evaluators[cell.model](model), q.scheme.name
+            if float_cell:
                 fp_cache[cell.model] = metrics
-        if (not scheme.is_identity or fix is not None) and cell.model in fp_cache:
+        if not float_cell and cell.model in fp_cache:
             metrics = {**metrics, **versus_float(fp_cache[cell.model], metrics)}
-        row = {"key": cell.key(), **asdict(cell), "scheme": scheme.name, "metrics": metrics,
+        row = {"key": cell.key(), **asdict(cell), "scheme": name, "metrics": metrics,
                "seconds": time.perf_counter() - t0}
         append_row(out, row)
         done[cell.key()] = row
@@ -367,3 +350,36 @@ def summary_table(rows: list[dict]) -> str:
         how = f"{what}; in parentheses the change from 16-bit with its 95% paired t-interval"
     return (f"{metric} by bit-width ({n:,} held-out {'tokens' if metric == 'ppl' else 'examples'} per cell; {how}):\n\n"
             + markdown(["model", "site", "granularity", *(["fix"] if fixes else []), *[f"{b}-bit" for b in bits]], body))
+
+
+def run_sweep(models: dict[str, tuple], data: str, out: Path, *, sites: list[str], bits: list[int],
+              granularities: list[str], schemes: list[str], fixes: list[str], weights: list[str],
+              wa_grid: list[int] | None, per_layer: int | None, evals: list[str], seq_len: int, tokens: int,
+              kurtosis_tokens: int = 0, mc_limit: int = 200, cache: str | None = None, compile: bool = False,
+              progress: bool = True) -> list[dict]:
+    """The whole sweep of `models` ({label: (model, tokenizer)}): evaluation windows (the validation split of
+    `data`), calibration windows (16 of the training split, for fixes, weight solvers and static scales), the
+    cells, and their rows, resumably in `out` (the command line and `dq.sweep` both run this)."""
+    from diffquant.data.tasks import load_task
+    from diffquant.data.windows import corpus_text, corpus_windows
+    from diffquant.memory import check_fits
+
+    check_evals(evals)
+    out.mkdir(parents=True, exist_ok=True)
+    # the needle haystack, and the text the per-layer kurtosis profile reads
+    val = corpus_text(data, "validation", cache) if "needle" in evals or kurtosis_tokens else ""
+    mc = {e[3:]: load_task(e[3:], mc_limit, cache=cache) for e in evals if e.startswith("mc:")}
+    evaluators, calibration = {}, {}
+    for label, (model, tokenizer) in models.items():
+        if tokenizer is None:
+            raise DiffquantError(f"model {label} has no tokenizer")
+        check_fits(model, 8, seq_len, f"evaluating {label}")
+        evaluators[label] = Evaluator(evals, corpus_windows(data, tokenizer, "validation", seq_len, tokens, cache),
+                                      tokenizer, val, mc)
+        calibration[label] = corpus_windows(data, tokenizer, "train", seq_len, 16 * seq_len, cache, chars=200_000)
+    layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
+    cells = build_cells(list(models), sites, bits, granularities, wa_grid, per_layer, layers, fixes, schemes, weights)
+    if kurtosis_tokens:
+        save_layer_kurtosis(models, val, seq_len, kurtosis_tokens, out)
+    return run_cells(models, cells, evaluators, out, progress=progress, compile=compile, calibration=calibration)
+

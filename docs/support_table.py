@@ -4,7 +4,7 @@
     python docs/support_table.py --check    # exit 1 if the README's table is not what this writes
 
 Each family of `diffquant.models.matrix` is built tiny; the table says which site points it has, whether
-attention logits can be tapped, which scheme presets apply (`quantize_`'s own check) and which real
+attention logits can be tapped, which scheme presets apply (`attach_scheme`'s own check) and which real
 backends load it and run a forward with finite logits here. The numbers behind every ✓ of the first
 columns are checked against independent computations by tests/test_architectures.py.
 """

@@ -39,32 +39,19 @@ FIXES = ("none", "smoothquant:search", "rotate", "quarot", "clip:output")
 def measure_model(model, seqs, calib) -> dict:
     """{"float": per-sequence losses, "cells": {scheme: {fix: {"delta", "delta_ci95", "loss"}}}}."""
     from diffquant.evaluate import language_modeling
-    from diffquant.quant import solvers
-    from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse, weights_for
-    from diffquant.quant.scheme import calibrate, get_scheme, quantize_
+    from diffquant.quant.recipe import from_cli, quantize_
     from diffquant.stats.intervals import paired
 
     fp = language_modeling(model, seqs)["per_sequence_loss"]
     cells = {}
     for name in SCHEMES:
         for fix_text in FIXES:
-            fix = parse(fix_text)
-            scheme = adjust_scheme(get_scheme(name), fix)
-            applied = mitigate_(model, fix, calib, scheme)
-            solved = solvers.solve_weights_(model, solvers.parse(weights_for(fix, "rtn")), scheme, calib,
-                                            progress=False)
-            attachment = quantize_(model, solved.scheme(scheme))
-            solved.install(attachment)
-            try:
-                calibrate(model, attachment, calib.split(8))
+            with quantize_(model, from_cli(fix_text, "rtn", name), calib) as handle:
                 q = language_modeling(model, seqs)["per_sequence_loss"]
-            finally:
-                attachment.remove()
-                solved.remove()
-                applied.remove()
+            alpha = handle.record["fixes"][0].get("alpha") if handle.record["fixes"] else None
             d = paired(fp, q)
             cells.setdefault(name, {})[fix_text] = {"delta": d["mean"], "delta_ci95": d["ci95"],
-                                                    "loss": sum(q) / len(q), "alpha": applied.record.get("alpha")}
+                                                    "loss": sum(q) / len(q), "alpha": alpha}
     return {"float_loss": sum(fp) / len(fp), "cells": cells}
 
 

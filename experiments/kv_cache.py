@@ -146,7 +146,7 @@ def decode_vs_prefill(source: str, s: Settings, prompt: int, new: int) -> dict:
     cache (the prompt in one forward), per condition."""
     from diffquant.models.load import load_model
     from diffquant.quant.kv_cache import decode_logits
-    from diffquant.quant.scheme import quantize_
+    from diffquant.quant.scheme import attach_scheme
 
     model, tok = load_model(source)[:2]
     ids = held_out(tok, Settings(corpus=s.corpus, seq_len=prompt + new, sequences=1))[:1]
@@ -161,7 +161,7 @@ def decode_vs_prefill(source: str, s: Settings, prompt: int, new: int) -> dict:
     for bits in (4, 2):
         for keys in KEY_GRANULARITY:
             sch = scheme(bits, keys, 1)
-            handle = quantize_(model, sch)
+            handle = attach_scheme(model, sch)
             try:
                 with torch.inference_mode():
                     prefill = ppl(model(ids).logits)

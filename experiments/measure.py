@@ -9,7 +9,6 @@ import torch
 
 from diffquant.evaluate import language_modeling
 from diffquant.profile import profile_model
-from diffquant.quant.scheme import get_scheme, quantize_
 from diffquant.stats.intervals import paired, t_interval
 
 # key: (label, digits). Scale-free first: the designs' residual scales differ up to 10× (hidden medians 1.15-12.8
@@ -45,18 +44,10 @@ def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme,
     """Perplexity change (%) under `scheme` (a name or a QuantScheme), paired over the same sequences:
     exp(mean Δloss) − 1, with the paired 95% t-interval of Δloss carried through the same map. A scheme with
     static activation scales is calibrated first on `calibration` (training sequences, never the held-out ones)."""
-    from diffquant.errors import DiffquantError
-    from diffquant.quant.scheme import calibrate
+    from diffquant.quant.recipe import quantize_
 
-    handle = quantize_(model, get_scheme(scheme) if isinstance(scheme, str) else scheme)
-    try:
-        if any(not q.config.dynamic for q in handle.quantizers.values()):
-            if calibration is None:
-                raise DiffquantError(f"scheme {scheme} has static scales: pass calibration sequences")
-            calibrate(model, handle, calibration.split(8))
+    with quantize_(model, scheme, calibration):
         q = language_modeling(model, seqs)["per_sequence_loss"]
-    finally:
-        handle.remove()
     d = paired(fp_losses, q)
     pct = lambda x: 100 * (math.exp(x) - 1)  # noqa: E731
     return {"pct": pct(d["mean"]), "ci95": [pct(x) for x in d["ci95"]] if d["ci95"] else None, "n": d["n"]}

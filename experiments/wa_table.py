@@ -43,9 +43,8 @@ def main(argv=None) -> None:
     from weight_solvers import CALIBRATION_WINDOWS, _data
 
     from diffquant.evaluate import language_modeling
-    from diffquant.quant import solvers
-    from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse, weights_for
-    from diffquant.quant.scheme import calibrate, get_scheme, quantize_
+    from diffquant.quant.recipe import from_cli, quantize_
+    from diffquant.quant.scheme import get_scheme
 
     torch.set_num_threads(a.threads)
     out = Path(a.out)
@@ -66,26 +65,14 @@ def main(argv=None) -> None:
     for fix_text, weights in ORDER:
         if (fix_text, weights) in done:
             continue
-        fix = parse(fix_text)
-        scheme = adjust_scheme(get_scheme(a.scheme), fix)
         t0 = time.perf_counter()
-        applied = mitigate_(model, fix, calib, scheme)
-        solved = solvers.solve_weights_(model, solvers.parse(weights_for(fix, weights)), scheme, calib,
-                                        progress=not a.quick)
-        attachment = quantize_(model, solved.scheme(scheme))
-        solved.install(attachment)
-        try:
-            if any(not q.config.dynamic for q in attachment.quantizers.values()):
-                calibrate(model, attachment, calib.split(8))
+        with quantize_(model, from_cli(fix_text, weights, a.scheme), calib, progress=not a.quick) as q:
             seconds = time.perf_counter() - t0
             r = language_modeling(model, seqs)
-        finally:
-            attachment.remove()
-            solved.remove()
-            applied.remove()
-        record = {k: v for k, v in applied.record.items() if k not in ("scales",)}
+        record = q.record["fixes"][0] if q.record["fixes"] else {"mitigation": None}
+        solved_record = q.record["weights"]
         result["cells"].append({"fix": fix_text, "weights": weights, "seconds": seconds, "mitigation_record": record,
-                                "weights_record": {k: v for k, v in solved.record.items() if k != "super_weights"},
+                                "weights_record": {k: v for k, v in solved_record.items() if k != "super_weights"},
                                 **{k: r[k] for k in ("loss", "loss_se", "ppl", "ppl_ci95", "per_sequence_loss")}})
         atomic_write_json(path, result)
         atomic_write_text(out / "results.md", report(result))

@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(a.threads)
     from diffquant.evaluate import language_modeling
     from diffquant.quant import solvers
-    from diffquant.quant.scheme import get_scheme, quantize_
+    from diffquant.quant.scheme import get_scheme, attach_scheme
     from diffquant.runs import start_run
     from diffquant.sweep import versus_float
 
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         solved = solvers.solve_weights_(model, solvers.parse(name), scheme, calib, progress=not a.quick)
         seconds = time.perf_counter() - t0
-        attachment = quantize_(model, solved.scheme(scheme))
+        attachment = attach_scheme(model, solved.scheme(scheme))
         solved.install(attachment)
         try:
             r = language_modeling(model, seqs)

@@ -11,7 +11,7 @@ from transformers import AttentionInterface
 from diffquant import DiffquantError
 from diffquant.models.matrix import FAMILIES, VOCAB
 from diffquant.profile import profile_model
-from diffquant.quant.scheme import get_scheme, quantize_
+from diffquant.quant.scheme import get_scheme, attach_scheme
 from diffquant.taps import site_table, tapped
 
 B, T = 2, 12
@@ -143,9 +143,9 @@ def test_scheme_applies_and_removes_exactly(family, scheme):
         ref = model(ids).logits
     if scheme == "logits-int4" and name in NO_INTERFACE:
         with pytest.raises(DiffquantError, match="cannot apply.*AttentionInterface"):
-            quantize_(model, get_scheme(scheme))
+            attach_scheme(model, get_scheme(scheme))
         return
-    handle = quantize_(model, get_scheme(scheme))
+    handle = attach_scheme(model, get_scheme(scheme))
     with torch.no_grad():
         quantized = model(ids).logits
     handle.remove()
@@ -168,7 +168,7 @@ def _np_rows(w: torch.Tensor, bits: int = 8) -> torch.Tensor:
 def test_conv1d_weights_quantized_per_output_channel():
     model = FAMILIES["gpt2"].build()
     stored = model.transformer.h[0].attn.c_attn.weight.detach().clone()  # [in, out]
-    handle = quantize_(model, get_scheme("w8a16"))
+    handle = attach_scheme(model, get_scheme("w8a16"))
     try:
         seen = model.transformer.h[0].attn.c_attn.weight.detach()
         assert seen.shape == stored.shape
@@ -187,7 +187,7 @@ def test_moe_expert_weights_per_expert_and_channel_router_in_float(name):
     stored = experts.gate_up_proj.detach().clone()  # [expert, out, in]
     router = mlp.gate.weight.detach().clone()
     matrices = {n for n, p in model.named_parameters() if p.dim() >= 2}
-    handle = quantize_(model, get_scheme("w8a16"))
+    handle = attach_scheme(model, get_scheme("w8a16"))
     try:
         seen = experts.gate_up_proj.detach()
         ref = torch.stack([_np_rows(stored[e]) for e in range(stored.shape[0])])
@@ -257,8 +257,8 @@ def test_refusal_names_every_missing_site_before_any_forward():
     model.register_forward_pre_hook(lambda *a: calls.append(1))
     scheme = QuantScheme("x", (("*.q", int_config(8)), ("*.attn_map", int_config(8)), ("*.hidden", int_config(8))))
     with pytest.raises(DiffquantError, match=r"'\*\.q'.*fused projection \(attn\.c_attn\).*'\*\.attn_map'.*only in DIFF"):
-        quantize_(model, scheme)
+        attach_scheme(model, scheme)
     assert calls == [] and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if m is not model)
     with pytest.raises(DiffquantError, match="per-head granularity needs a site with a head dimension"):
         from diffquant.quant import granularity as G
-        quantize_(model, QuantScheme("h", (("*.hidden", int_config(8, G.PerHead())),)))
+        attach_scheme(model, QuantScheme("h", (("*.hidden", int_config(8, G.PerHead())),)))

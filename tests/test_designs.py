@@ -66,26 +66,34 @@ def test_parameters_matched_within_0_1_percent(preset):
         assert PRESETS[preset].parameters(arch) == n  # the formula `diffquant models` prints
 
 
-def test_checkpoints_load_with_auto_classes_after_import_diffquant(tmp_path):
+def test_every_design_loads_through_the_auto_classes_after_import_diffquant(tmp_path):
+    """In a fresh interpreter, `import diffquant` and nothing else from it: every design builds by
+    AutoModelForCausalLM.from_config and loads by from_pretrained of a saved checkpoint, with the logits it was
+    saved with (the designs register explicitly at import: no import hook, no first-use patching)."""
     ids = _ids()
-    for arch in RIVALS:
+    for arch in DESIGNS:
         model = build(PRESETS["micro"], arch, seed=3)
         model.save_pretrained(tmp_path / arch)
         torch.save(model(ids).logits.detach(), tmp_path / arch / "ref.pt")
     code = (
         "import sys, torch, diffquant\n"
-        "assert 'torch' not in sys.modules or True\n"
-        "from transformers import AutoModelForCausalLM\n"
-        f"ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(5))\n"
-        f"for arch in {list(RIVALS)}:\n"
-        f"    m = AutoModelForCausalLM.from_pretrained(r'{tmp_path}/' + arch).eval()\n"
-        f"    ref = torch.load(r'{tmp_path}/' + arch + '/ref.pt')\n"
+        "assert not any(type(f).__name__ == '_AfterAutoImport' for f in sys.meta_path)\n"
+        "from transformers import AutoConfig, AutoModelForCausalLM\n"
+        "ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(5))\n"
+        f"for arch in {list(DESIGNS)}:\n"
+        f"    path = r'{tmp_path}/' + arch\n"
+        "    fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))\n"
+        "    m = AutoModelForCausalLM.from_pretrained(path).eval()\n"
+        "    assert type(fresh) is type(m), arch\n"
         "    with torch.no_grad():\n"
-        "        assert torch.equal(m(ids).logits, ref), arch\n"
-        "    print(type(m).__name__)\n")
+        "        assert torch.equal(m(ids).logits, torch.load(path + '/ref.pt')), arch\n"
+        "    print(arch, type(m).__name__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["GatedForCausalLM", "ClipSoftmaxForCausalLM", "SinkForCausalLM"]
+    got = dict(line.split() for line in out.stdout.splitlines())
+    assert got["baseline"] == "LlamaForCausalLM" and got["diff"] == "DiffLlamaForCausalLM"
+    assert got["gated"] == "GatedForCausalLM" and got["diff-nonorm"] == "DiffNoNormForCausalLM"
+    assert set(got) == set(DESIGNS)
 
 
 def _layer0_qk(model, ids):

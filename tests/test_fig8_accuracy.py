@@ -53,10 +53,10 @@ def _by_hand(model, examples):
 def test_batched_scoring_equals_one_sequence_at_a_time(micro_pair, scheme, batch_tokens):
     """Batches hold sequences of one length only (no padding), so even a per-tensor dynamic quantizer of the
     attention logits scores each sequence as it would alone."""
-    from diffquant.quant.scheme import get_scheme, quantize_
+    from diffquant.quant.scheme import get_scheme, attach_scheme
 
     model = micro_pair[1]
-    handle = quantize_(model, get_scheme(scheme))
+    handle = attach_scheme(model, get_scheme(scheme))
     try:
         r = multiple_choice(model, CharTok(), EXAMPLES, batch_tokens=batch_tokens)
         preds, correct, correct_norm = _by_hand(model, EXAMPLES)

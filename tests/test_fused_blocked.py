@@ -11,7 +11,7 @@ from diffquant.models.presets import PRESETS, build
 from diffquant.profile import profile_model
 from diffquant.quant.config import int_config
 from diffquant.quant import granularity as G
-from diffquant.quant.scheme import QuantScheme, quantize_
+from diffquant.quant.scheme import QuantScheme, attach_scheme
 from diffquant.taps import attention as A, tapped
 
 
@@ -96,7 +96,7 @@ def test_blocks_equal_the_whole(arch, monkeypatch):
         prof = profile_model(model, ids, ["*.attn_logits", "*.attn_probs"], progress=False, sinks=True, k=20)
         outs = []
         for s in schemes:
-            h = quantize_(model, s)
+            h = attach_scheme(model, s)
             with torch.no_grad():
                 outs.append(model(ids).logits)
             h.remove()

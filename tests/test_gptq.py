@@ -102,7 +102,7 @@ def test_act_order_is_gptq_on_the_permuted_columns():
 
 
 def test_gptq_on_a_model_installs_reversibly(micro_pair):
-    from diffquant.quant.scheme import get_scheme, quantize_
+    from diffquant.quant.scheme import get_scheme, attach_scheme
     from diffquant.quant.solvers import parse, solve_weights_
 
     for model in micro_pair:  # Llama and DiffLlama
@@ -112,7 +112,7 @@ def test_gptq_on_a_model_installs_reversibly(micro_pair):
         solved = solve_weights_(model, parse("gptq"), scheme, calib, progress=False)
         solved_weights = {k: v.clone() for k, v in model.state_dict().items()}
         assert any(not torch.equal(solved_weights[k], before[k]) for k in before)
-        attachment = quantize_(model, solved.scheme(scheme))
+        attachment = attach_scheme(model, solved.scheme(scheme))
         solved.install(attachment)
         for name, q in attachment.quantizers.items():
             module = attachment.table.modules[name]
@@ -173,9 +173,7 @@ def test_quantize_cli_with_gptq_round_trip(micro_pair, tmp_path):
     loaded, tok = load_model(str(out))
     evalset = sequences(encode(tok, split((tmp_path / "c.txt").read_text())[1]), 32, 256)
     assert language_modeling(loaded, evalset)["loss"] == pytest.approx(result["simulated"]["loss"], rel=1e-6)
-    loaded._diffquant_quant.remove()
-    loaded._diffquant_quant.solved.remove()
-    loaded._diffquant_quant.mitigation.remove()
+    loaded._diffquant_quant.remove()  # the scheme, the solved weights and the rotation, all at once
     float_model, _ = load_model(str(tmp_path / "m"))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), float_model.state_dict().values()))
 
@@ -250,5 +248,6 @@ def test_quantize_cli_quarot_is_rotation_plus_gptq(micro_pair, tmp_path):
     assert q["weights"] == "gptq" and q["weights_record"]["weights"] == "gptq" and q["scheme"]["name"] == "w4a8"
     assert r["weights"] == "rtn" and r["weights_record"]["weights"] == "rtn"
     assert set(q["mitigation_record"]["matrices"]) == {"residual", "down_in", "v_o"}
-    assert q["mitigation_record"]["mitigation"] == "quarot"
+    assert q["mitigation_record"]["mitigation"] == "rotate"  # the recipe: the rotation, then GPTQ
+    assert q["recipe"] == {"fixes": ["rotate"], "weights": "gptq", "scheme": "w4a8"}
     assert q["simulated"]["loss"] != r["simulated"]["loss"]

@@ -9,7 +9,7 @@ from diffquant.quant import granularity as G
 from diffquant.quant.config import QuantConfig
 from diffquant.quant.formats import Format
 from diffquant.quant.kv_cache import decode_greedy, decode_logits, write_once_cache
-from diffquant.quant.scheme import QuantScheme, get_scheme, quantize_
+from diffquant.quant.scheme import QuantScheme, get_scheme, attach_scheme
 from diffquant.taps import attach, site_table
 from diffquant.taps.sites import site_docs
 
@@ -31,7 +31,7 @@ def observe(model, ids, sites=("*.k_cache", "*.v_cache"), scheme=None):
     before, after = {}, {}
     record = lambda seen: {s: lambda x, ctx: seen.__setitem__(ctx.site.name, x.clone()) for s in sites}  # noqa: E731
     first = attach(model, record(before))
-    handle = quantize_(model, scheme) if scheme is not None else None
+    handle = attach_scheme(model, scheme) if scheme is not None else None
     last = attach(model, record(after)) if scheme is not None else None
     try:
         with torch.no_grad():
@@ -186,7 +186,7 @@ def test_per_head_counts_each_kv_head_once(llama_gqa, ids):
 def test_quantized_cache_changes_the_model_output_and_remove_restores(llama_gqa, ids):
     with torch.no_grad():
         ref = llama_gqa(ids).logits
-        handle = quantize_(llama_gqa, get_scheme("k4v2"))
+        handle = attach_scheme(llama_gqa, get_scheme("k4v2"))
         out = llama_gqa(ids).logits
         handle.remove()
         again = llama_gqa(ids).logits
@@ -205,13 +205,13 @@ def test_decode_time_equals_prefill_time_for_per_token_scales(family, ids):
     model = FAMILIES[family].build()
     fuse(model)
     scheme = get_scheme("k4v2")
-    handle = quantize_(model, scheme)
+    handle = attach_scheme(model, scheme)
     with torch.no_grad():
         prefill = model(ids).logits
     handle.remove()
     assert torch.allclose(decode_logits(model, ids, scheme, prompt=5), prefill, atol=1e-5)
     window = QuantScheme("w", (("*.k_cache", QuantConfig(Format("int", 2, False), G.PerToken(), keep_last=4)),))
-    handle = quantize_(model, window)
+    handle = attach_scheme(model, window)
     with torch.no_grad():
         prefill = model(ids).logits
     handle.remove()
@@ -222,7 +222,7 @@ def test_decode_greedy_generation_matches_prefill_quantization(llama_gqa, ids):
     scheme = get_scheme("kv4-sink1")
     new = decode_greedy(llama_gqa, ids[:, :6], scheme, 8)
     full = torch.cat([ids[:, :6], new], dim=1)
-    handle = quantize_(llama_gqa, scheme)
+    handle = attach_scheme(llama_gqa, scheme)
     with torch.no_grad():
         teacher = llama_gqa(full).logits[:, 5:-1].argmax(-1)
     handle.remove()
@@ -251,14 +251,14 @@ def test_write_once_cache_quantizes_runs_once_when_complete(llama_gqa, ids):
 def test_refused_where_attention_is_not_tapped():
     bloom = FAMILIES["bloom"].build()
     with pytest.raises(DiffquantError, match="AttentionInterface") as err:
-        quantize_(bloom, get_scheme("kv4-sink1"))
+        attach_scheme(bloom, get_scheme("kv4-sink1"))
     assert "\n" not in str(err.value)
 
 
 def test_keep_windows_need_a_position_dim(llama_gqa):
     scheme = QuantScheme("bad", (("*.attn_logits", QuantConfig(keep_first=1)),))
     with pytest.raises(DiffquantError, match="no pos dimension"):
-        quantize_(llama_gqa, scheme)
+        attach_scheme(llama_gqa, scheme)
 
 
 def test_scheme_round_trip_and_label():
@@ -358,16 +358,16 @@ def test_kv4_sink1_on_every_family_or_refused(name):
     model = FAMILIES[name].build()
     if model.config.model_type in DIFF_MODEL_TYPES:  # DiffLlama and the designs built on it
         with pytest.raises(DiffquantError, match="fused forward"):  # refused before anything is attached
-            quantize_(model, get_scheme("kv4-sink1"))
+            attach_scheme(model, get_scheme("kv4-sink1"))
         fuse(model)  # as diffquant's loaders do
     x = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(x).logits
     if not supports_attention_interface(model):
         with pytest.raises(DiffquantError, match="AttentionInterface"):
-            quantize_(model, get_scheme("kv4-sink1"))
+            attach_scheme(model, get_scheme("kv4-sink1"))
         return
-    handle = quantize_(model, get_scheme("kv4-sink1"))
+    handle = attach_scheme(model, get_scheme("kv4-sink1"))
     with torch.no_grad():
         out = model(x).logits
     handle.remove()
@@ -434,7 +434,7 @@ def test_hadamard_cache_quantizes_each_head_in_a_hadamard_basis(llama_gqa, ids):
     wide = QuantConfig(Format("int", 16, False, minmax=True), G.PerToken(), hadamard=True)
     with torch.no_grad():
         ref = llama_gqa(ids).logits
-        handle = quantize_(llama_gqa, QuantScheme("k16-had", (("*.k_cache", wide), ("*.v_cache", wide))))
+        handle = attach_scheme(llama_gqa, QuantScheme("k16-had", (("*.k_cache", wide), ("*.v_cache", wide))))
         out = llama_gqa(ids).logits
         handle.remove()
     assert torch.allclose(out, ref, atol=1e-3)
@@ -447,7 +447,7 @@ def test_hadamard_keeps_sinks_bit_exact_decodes_as_prefill_and_is_refused_off_th
     x, y = fp["layers.0.k_cache"], q["layers.0.k_cache"]
     assert torch.equal(y[:, :, :1], x[:, :, :1])
     new = decode_greedy(llama_gqa, ids[:, :6], scheme, 6)
-    handle = quantize_(llama_gqa, scheme)
+    handle = attach_scheme(llama_gqa, scheme)
     with torch.no_grad():
         teacher = llama_gqa(torch.cat([ids[:, :6], new], dim=1)).logits[:, 5:-1].argmax(-1)
     handle.remove()
@@ -457,7 +457,7 @@ def test_hadamard_keeps_sinks_bit_exact_decodes_as_prefill_and_is_refused_off_th
                 QuantScheme("bad", (("*.attn_in", QuantConfig(hadamard=True)),)),
                 QuantScheme("bad", (), (("*.q_proj.weight", QuantConfig(hadamard=True)),))):
         with pytest.raises(DiffquantError, match="hadamard quantizers are for the KV cache"):
-            quantize_(llama_gqa, bad)
+            attach_scheme(llama_gqa, bad)
 
 
 def test_hadamard_leaves_masked_positions_as_they_were(llama_gqa, ids):
@@ -466,7 +466,7 @@ def test_hadamard_leaves_masked_positions_as_they_were(llama_gqa, ids):
     mask[0, :3] = 0
     seen = {}
     first = attach(llama_gqa, {"layers.0.v_cache": lambda x, ctx: seen.__setitem__("before", x.clone())})
-    handle = quantize_(llama_gqa, get_scheme("kv4-had"))
+    handle = attach_scheme(llama_gqa, get_scheme("kv4-had"))
     last = attach(llama_gqa, {"layers.0.v_cache": lambda x, ctx: seen.__setitem__("after", x.clone())})
     try:
         with torch.no_grad():

@@ -12,7 +12,7 @@ from diffquant import DiffquantError
 from diffquant.models.matrix import FAMILIES
 from diffquant.quant.hadamard import hadamard, orthogonal
 from diffquant.quant.mitigate import Clip, Rotate, SmoothQuant, adjust_scheme, apply_record, mitigate_, parse
-from diffquant.quant.scheme import calibrate, get_scheme, quantize_
+from diffquant.quant.scheme import calibrate, get_scheme, attach_scheme
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,7 +138,7 @@ def test_composes_with_schemes_and_record_replays():
     ids, calib = _ids(), _ids(seed=1)
 
     def quantized_logits(applied):
-        handle = quantize_(model, get_scheme("w8a8-static"))
+        handle = attach_scheme(model, get_scheme("w8a8-static"))
         calibrate(model, handle, calib.split(2))
         with torch.no_grad():
             logits = model(ids).logits
@@ -167,11 +167,11 @@ def test_clip_changes_the_scheme_only():
     # the MSE-clipped static weight scale is never worse (squared error) than min-max on that weight
     w = model.model.layers[0].mlp.down_proj.weight.detach().clone()
     errs = {}
-    h = quantize_(model, adjust_scheme(get_scheme("w8a16"), Clip("mse")))
+    h = attach_scheme(model, adjust_scheme(get_scheme("w8a16"), Clip("mse")))
     calibrate(model, h, [_ids(1)])
     errs["mse"] = float(((model.model.layers[0].mlp.down_proj.weight.detach() - w) ** 2).sum())
     h.remove()
-    h = quantize_(model, get_scheme("w8a16"))
+    h = attach_scheme(model, get_scheme("w8a16"))
     errs["minmax"] = float(((model.model.layers[0].mlp.down_proj.weight.detach() - w) ** 2).sum())
     h.remove()
     assert errs["mse"] <= errs["minmax"] * (1 + 1e-6)
@@ -202,7 +202,7 @@ def test_cli_quantize_with_mitigation_round_trip(tmp_path, capsys):
                  "--data", str(tmp_path / "c.txt"), "--tokens", "512", "--seq-len", "32", "--calib-batches", "4",
                  "--out", str(out)]) == 0
     saved = json.loads((out / "diffquant_scheme.json").read_text())
-    assert saved["mitigation"]["mitigation"] == "smoothquant:0.5" and "scales" in saved["mitigation"]
+    assert saved["fixes"][0]["mitigation"] == "smoothquant:0.5" and "scales" in saved["fixes"][0]
     result = json.loads((out / "quantize.json").read_text())
     loaded, tok = load_model(str(out))
     from diffquant.data.corpora import split
@@ -299,14 +299,16 @@ def test_rotate_leaves_values_of_an_elementwise_gate_and_rotates_keys_in_the_cac
 
 
 def test_quarot_is_rotate_with_gptq_weights():
-    from diffquant.quant.mitigate import weights_for
+    from diffquant.quant.gptq_config import GPTQ
+    from diffquant.quant.recipe import from_cli
 
     q = parse("quarot")
-    assert q == Rotate(0, gptq=True) and q.label() == "quarot" and parse("quarot:2").label() == "quarot:2"
-    assert weights_for(q, "rtn") == "gptq" and weights_for(q, "gptq:act-order") == "gptq:act-order"
-    assert weights_for(Rotate(), "rtn") == "rtn" and weights_for(None, "awq") == "awq"
+    assert q == Rotate(0) and parse("quarot:2") == Rotate(2)  # the rotation; the GPTQ half is a solver
+    assert from_cli("quarot", "rtn", "w4a8").solver == GPTQ() and from_cli("quarot", "rtn", "w4a8").fixes == (q,)
+    assert from_cli("quarot", "gptq:act-order", "w4a8").solver == GPTQ(act_order=True)
+    assert from_cli("rotate", "rtn", "w4a8").solver is None and from_cli("none", "awq", "w4a8").fixes == ()
     with pytest.raises(DiffquantError, match="quarot is the rotation with GPTQ weights"):
-        weights_for(q, "awq")
+        from_cli("quarot", "awq", "w4a8")
     model = _with_random_norms(FAMILIES["llama"].build())
     ids = _ids()
     with torch.no_grad():
@@ -315,7 +317,7 @@ def test_quarot_is_rotate_with_gptq_weights():
         rotated = model(ids).logits
         sd_rotate = {k: v.clone() for k, v in model.state_dict().items()}
         a.remove()
-        b = mitigate_(model, q, None)  # the same transform: the solver is chosen by weights_for
+        b = mitigate_(model, q, None)  # the same transform: the solver is the recipe's
         assert all(torch.equal(sd_rotate[k], v) for k, v in model.state_dict().items())
         b.remove()
     assert torch.allclose(rotated, ref, atol=1e-3 * ref.abs().max().item())
@@ -333,7 +335,7 @@ def test_smoothquant_search_applies_the_alpha_of_least_calibration_loss():
 
     def loss_with(mitigation):
         applied = mitigate_(model, mitigation, calib)
-        handle = quantize_(model, scheme)
+        handle = attach_scheme(model, scheme)
         calibrate(model, handle, calib.split(8))
         loss = language_modeling(model, calib)["loss"]
         handle.remove()
@@ -394,7 +396,7 @@ def test_clip_output_picks_the_range_of_least_reader_output_error():
     from diffquant.quant.fake import MSE_ALPHAS
     from diffquant.quant.formats import Format
     from diffquant.quant.layout import reader_gram
-    from diffquant.quant.mitigate import weights_for
+    from diffquant.quant.recipe import from_cli
     from diffquant.quant.scheme import QuantScheme
 
     model = _with_random_norms(FAMILIES["llama"].build())
@@ -420,7 +422,7 @@ def test_clip_output_picks_the_range_of_least_reader_output_error():
     chosen = {}
     for method in ("output", "mse"):
         cfg = QuantConfig(Format("int", 4), dynamic=False, calibration=method)
-        handle = quantize_(model, QuantScheme(method, (("layers.1.down_in", cfg),)))
+        handle = attach_scheme(model, QuantScheme(method, (("layers.1.down_in", cfg),)))
         calibrate(model, handle, [calib])
         chosen[method] = float(handle.quantizers["layers.1.down_in"].scale) * 7 / float(amax)
         handle.remove()
@@ -435,5 +437,5 @@ def test_clip_output_picks_the_range_of_least_reader_output_error():
         reader_gram(model, "layers.0.attn_logits")
     s = adjust_scheme(get_scheme("w4a4-static"), parse("clip:output"))
     assert all(c.calibration == "output" for _, c in s.activations) and s.weights == get_scheme("w4a4-static").weights
-    assert weights_for(parse("clip:output"), "rtn") == "clip:output"
-    assert weights_for(parse("clip:output"), "gptq") == "gptq"
+    assert from_cli("clip:output", "rtn", "w4a4-static").solver.label() == "clip:output"
+    assert from_cli("clip:output", "gptq", "w4a4-static").solver.label() == "gptq"

@@ -12,7 +12,7 @@ from diffquant.quant import math as Q
 from diffquant.quant.config import QuantConfig, int_config
 from diffquant.quant.fake import FakeQuant
 from diffquant.quant.formats import NF4_VALUES, Format, grid, parse_format
-from diffquant.quant.scheme import PRESETS, QuantScheme, calibrate, get_scheme, quantize_
+from diffquant.quant.scheme import PRESETS, QuantScheme, calibrate, get_scheme, attach_scheme
 from diffquant.taps.sites import POINTS, Site
 from diffquant.taps.tap import TapContext
 
@@ -248,10 +248,10 @@ def test_identity_and_removal_are_exact(micro_pair):
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with torch.no_grad():
             ref = model(ids).logits
-            a = quantize_(model, PRESETS["fp"])
+            a = attach_scheme(model, PRESETS["fp"])
             assert torch.equal(model(ids).logits, ref)
             a.remove()
-            a = quantize_(model, PRESETS["w8a8"])
+            a = attach_scheme(model, PRESETS["w8a8"])
             assert not torch.equal(model(ids).logits, ref)
             a.remove()
             assert torch.equal(model(ids).logits, ref)
@@ -268,7 +268,7 @@ def test_dynamic_scales_do_not_depend_on_batch_size(micro_pair, gran):
     model = micro_pair[0]
     seqs = torch.randint(0, 512, (8, 24), generator=torch.Generator().manual_seed(3))
     seqs[3, :] = seqs[3, :] % 7  # one sequence with very different logits, to make sharing visible
-    a = quantize_(model, QuantScheme("l4", (("*.attn_logits", int_config(4, G.parse_granularity(gran))),)))
+    a = attach_scheme(model, QuantScheme("l4", (("*.attn_logits", int_config(4, G.parse_granularity(gran))),)))
     try:
         one = language_modeling(model, seqs, batch_size=1)
         eight = language_modeling(model, seqs, batch_size=8)
@@ -287,7 +287,7 @@ def test_edited_weight_is_requantized(micro_pair):
 
     model = copy.deepcopy(micro_pair[0])
     ids = torch.randint(0, 512, (1, 8))
-    a = quantize_(model, PRESETS["w8a16"])
+    a = attach_scheme(model, PRESETS["w8a16"])
     try:
         with torch.no_grad():
             model(ids)
@@ -295,7 +295,7 @@ def test_edited_weight_is_requantized(micro_pair):
             lin.parametrizations.weight.original.data.mul_(2)
             edited = model(ids).logits
         a.remove()
-        a = quantize_(model, PRESETS["w8a16"])
+        a = attach_scheme(model, PRESETS["w8a16"])
         with torch.no_grad():
             fresh = model(ids).logits
     finally:
@@ -308,7 +308,7 @@ def test_16_bit_int_quantizer_is_nearly_exact(micro_pair):
     model = micro_pair[1]
     with torch.no_grad():
         ref = model(ids).logits
-        a = quantize_(model, QuantScheme("x", (("*.attn_logits", int_config(16)),)))
+        a = attach_scheme(model, QuantScheme("x", (("*.attn_logits", int_config(16)),)))
         out = model(ids).logits
         a.remove()
     assert (out - ref).abs().max() < 1e-4
@@ -316,7 +316,7 @@ def test_16_bit_int_quantizer_is_nearly_exact(micro_pair):
 
 def test_lambda_and_norms_stay_full_precision(micro_pair):
     model = micro_pair[1]
-    a = quantize_(model, PRESETS["w4a8"])  # group 128 over width 64 and 176: ragged groups
+    a = attach_scheme(model, PRESETS["w4a8"])  # group 128 over width 64 and 176: ragged groups
     try:
         for name, module in model.named_modules():
             if hasattr(module, "parametrizations"):
@@ -333,7 +333,7 @@ def test_quantization_aware_training_lowers_loss(micro_pair):
 
     model = copy.deepcopy(micro_pair[0]).train()
     ids = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))
-    a = quantize_(model, QuantScheme("w4", weights=(("layers.*.weight", int_config(4, G.PerChannel(0))),)))
+    a = attach_scheme(model, QuantScheme("w4", weights=(("layers.*.weight", int_config(4, G.PerChannel(0))),)))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(15):
@@ -349,7 +349,7 @@ def test_quantization_aware_training_lowers_loss(micro_pair):
 def test_static_scheme_needs_calibration(micro_pair):
     model = micro_pair[0]
     ids = torch.randint(0, 512, (2, 8))
-    a = quantize_(model, PRESETS["w8a8-static"])
+    a = attach_scheme(model, PRESETS["w8a8-static"])
     try:
         with pytest.raises(DiffquantError, match="before calibration"):
             model(ids)

@@ -5,7 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as sps
 
-from diffquant.stats import AbsHistogram, Moments, SiteStats
+from diffquant.stats.histogram import AbsHistogram
+from diffquant.stats.moments import Moments
+from diffquant.stats.site_stats import SiteStats
 from diffquant.stats.histogram import bin_edges, magnitude_bins
 from diffquant.stats import site_stats
 

@@ -129,9 +129,9 @@ def test_lm_eval_adapter_agrees_with_own_scoring(tmp_path, micro_pair):
     model = micro_pair[1]
     for scheme in ("fp", "logits-int4"):
         res = evaluate(model, tok, ["diffquant_local"], get_scheme(scheme), folder)["diffquant_local"]
-        from diffquant.quant.scheme import quantize_
+        from diffquant.quant.scheme import attach_scheme
 
-        handle = quantize_(model, get_scheme(scheme))
+        handle = attach_scheme(model, get_scheme(scheme))
         ours = multiple_choice(model, tok, examples)
         handle.remove()
         assert res["acc"] == pytest.approx(ours["acc"]) and res["acc_norm"] == pytest.approx(ours["acc_norm"])

@@ -33,3 +33,27 @@ def prepare_out(out: str | Path, force: bool, marker: str) -> Path:
     return path
 
 
+def site_points(value) -> list[str]:
+    from diffquant.taps.sites import site_points as points
+
+    return points(value)
+
+
+def load_models(args) -> dict[str, tuple]:
+    """{label: (model, tokenizer)} of every --model, placed by --device / --dtype / --device-map (one line for a
+    device this machine lacks, before anything loads), each with its tokenizer (refused without one)."""
+    from diffquant.models.load import load_model
+    from diffquant.models.placement import resolve_device
+
+    device = None if getattr(args, "device_map", None) else resolve_device(args.device)
+    models = {}
+    for label, source in parse_model_args(args.model if isinstance(args.model, list) else [args.model]):
+        model, tokenizer = load_model(source, dtype=getattr(args, "dtype", "fp32"), device=device,
+                                      device_map=getattr(args, "device_map", None), hub=args.hub,
+                                      cache=args.cache_dir)
+        if tokenizer is None:
+            raise DiffquantError(f"{source} has no tokenizer files; pass a folder that holds them (diffquant train "
+                                 "saves them with every checkpoint)")
+        models[label] = (model, tokenizer)
+    return models
+

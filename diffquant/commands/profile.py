@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from diffquant.commands.common import parse_model_args, prepare_out
 from diffquant.errors import DiffquantError
 from diffquant.memory import check_fits
@@ -25,10 +23,14 @@ def run_cli(args) -> None:
     out = Path(args.out)
     if rank_world()[0] == 0:
         prepare_out(out, args.force, "stats.json")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from diffquant.models.placement import resolve_device
+    from diffquant.taps.sites import site_globs
+
+    device = resolve_device(args.device) if not args.device_map else None
+    sites = site_globs(args.sites)
     profiles = []
     for label, source in parse_model_args(args.model):
-        model, tokenizer = load_model(source, dtype=args.dtype, device=None if args.device_map else device,
+        model, tokenizer = load_model(source, dtype=args.dtype, device=device,
                                       device_map=args.device_map, hub=args.hub, cache=args.cache_dir)
         if tokenizer is None:
             raise DiffquantError(f"{source} has no tokenizer files; pass a folder that holds them (diffquant train "
@@ -38,7 +40,7 @@ def run_cli(args) -> None:
             print(f"{label}: the validation split of {args.data} holds {seqs.numel():,} tokens in whole sequences of "
                   f"{args.seq_len}, fewer tokens than asked ({args.tokens:,}); profiling {seqs.numel():,}")
         check_fits(model, min(args.batch_size, len(seqs)), args.seq_len, f"profiling {label}")
-        prof = profile_model(model, seqs, args.sites, batch_size=args.batch_size, k=args.k, label=label,
+        prof = profile_model(model, seqs, sites, batch_size=args.batch_size, k=args.k, label=label,
                              compile=args.compile, sinks=not args.no_sinks, metrics=args.metrics.split(","))
         prof.provenance["super_weights"] = profile_entry(model, seqs, label)
         prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,

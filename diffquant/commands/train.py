@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from diffquant.commands import split_list
 from diffquant.errors import DiffquantError
 from diffquant.stats.distributed import finish_distributed, init_distributed, rank_world
 from diffquant.train import TrainConfig, train_pair
@@ -14,8 +15,8 @@ from diffquant.train import TrainConfig, train_pair
 
 def run_cli(args) -> None:
     try:
-        archs = tuple(a.strip() for part in args.arch for a in part.split(",") if a.strip())
-        cfg = TrainConfig(preset=args.preset, corpus=args.corpus, tokens=args.tokens, batch_size=args.batch_size,
+        archs = tuple(split_list(args.design))
+        cfg = TrainConfig(preset=args.preset, corpus=args.data, tokens=args.tokens, batch_size=args.batch_size,
                           seq_len=args.seq_len, lr=args.lr, schedule=args.schedule, seed=args.seed,
                           eval_every=args.eval_every, save_every=args.save_every, archs=archs,
                           needle_fraction=args.needle_fraction, weight_decay=args.weight_decay,
@@ -24,9 +25,12 @@ def run_cli(args) -> None:
     except ValueError as e:
         raise DiffquantError(str(e)) from None
     init_distributed()
-    device = args.device
-    if device is None and torch.cuda.is_available():
+    if args.device is None and torch.cuda.is_available():
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    else:
+        from diffquant.models.placement import resolve_device
+
+        device = resolve_device(args.device)
     results = train_pair(cfg, args.out, device, resume=args.resume, force=args.force, cache=args.cache_dir)
     if rank_world()[0] == 0:
         print(f"unigram entropy of the training tokens: {results['data']['unigram_entropy']:.3f} nats")

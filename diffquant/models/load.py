@@ -11,19 +11,26 @@ from diffquant.models.presets import PRESETS
 from diffquant.models.zoo import ALIASES, ZOO, zoo_file
 
 
+DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+
+
+def check_dtype(name: str | None) -> None:
+    """A --dtype the loaders accept (no torch: argument errors answer at once)."""
+    if name is not None and name not in DTYPES:
+        raise DiffquantError(f"unknown dtype {name!r}; choose fp32, bf16, fp16 or auto")
+
+
 def _dtype(name: str | None):
     import torch
 
-    table = {None: None, "auto": "auto", "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise DiffquantError(f"unknown dtype {name!r}; choose fp32, bf16, fp16 or auto")
-    return table[name]
+    check_dtype(name)
+    return None if name is None else "auto" if name == "auto" else getattr(torch, DTYPES[name])
 
 
 def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = None, device_map=None,
                hub: bool = False, attn_implementation: str | None = None, cache: str | None = None):
-    """Return (model, tokenizer or None, description) for `source`.
+    """Return (model, tokenizer or None) for `source`.
 
     `source` is a preset and design (`tiny:diff`, `tiny:baseline`, `tiny:gated`; random weights, with a
     byte-level tokenizer, one token per UTF-8 byte), a zoo name (`smollm2-135m`), a directory written by
@@ -92,9 +99,9 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
 
 
 def _apply_scheme(model, folder: Path):
-    from diffquant.quant.saved import load_saved_scheme
+    from diffquant.quant.recipe import load_quantized
 
-    return load_saved_scheme(model, folder)
+    return load_quantized(model, folder)
 
 
 def load_pair(folder: str | Path, device: str | None = None, archs=("baseline", "diff")) -> dict[str, tuple]:

@@ -12,10 +12,12 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
+
+if TYPE_CHECKING:  # torch loads when a backend runs, not when the registry is read (`diffquant --help`)
+    import torch
 
 SKIP = ["lm_head"]  # diffquant's W/A schemes keep the output head in full precision too
 
@@ -51,6 +53,8 @@ def _installed(module: str) -> bool:
 
 def backend_status() -> dict[str, str]:
     """One line per backend: usable here, or what is missing."""
+    import torch
+
     cuda = torch.cuda.is_available()
     out = {}
     for b in BACKENDS.values():
@@ -71,6 +75,8 @@ def require(name: str) -> Backend:
 
 
 def _quantization_config(name: str):
+    import torch
+
     from transformers import BitsAndBytesConfig, TorchAoConfig
 
     if name == "bnb-int8":
@@ -88,6 +94,8 @@ def _quantization_config(name: str):
 
 def load_real(name: str, model_dir: str | Path, calibration: torch.Tensor | None = None):
     """Load `model_dir` (a save_pretrained folder) into the backend's real low-bit form."""
+    import torch
+
     from transformers import AutoModelForCausalLM
 
     require(name)
@@ -102,6 +110,8 @@ def load_real(name: str, model_dir: str | Path, calibration: torch.Tensor | None
 
 
 def _quanto(model, name: str, calibration):
+    import torch
+
     from optimum.quanto import Calibration, freeze, qint4, qint8, quantize
 
     weights = qint4 if name == "quanto-w4" else qint8
@@ -137,6 +147,8 @@ def save_real(model, name: str, out: Path) -> None:
 
 def load_saved_real(path: Path):
     """Reload what `save_real` wrote."""
+    import torch
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
     name = json.loads((path / "diffquant_backend.json").read_text())["backend"]
@@ -154,6 +166,8 @@ def load_saved_real(path: Path):
 
 def serialized_bytes(model) -> int:
     """Measured size: bytes of the serialized state dict (what a checkpoint of it takes)."""
+    import torch
+
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     return buf.tell()

@@ -9,22 +9,21 @@ from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json
 
 def list_text() -> str:
-    from diffquant.quant.backends import BACKENDS, backend_status
-    from diffquant.quant.mitigate import DOCS
-    from diffquant.quant.scheme import PRESETS
-    from diffquant.quant.solvers import DOCS as SOLVERS
+    """`quantize --list`: the recipe's registries (diffquant/registries.py), and which backends work here."""
+    from diffquant.quant.backends import backend_status
+    from diffquant.registries import entries
 
-    lines = ["schemes:"]
-    lines += [f"  {s.name:<12} {s.description}" for s in PRESETS.values()]
-    lines.append("mitigations (--mitigate, applied before the scheme, preserving the float model):")
-    lines += [f"  {k:<28} {v}" for k, v in DOCS.items()]
-    lines.append("weight solvers (--weights, after the mitigation, on calibration windows of the training split):")
-    lines += [f"  {k:<28} {v}" for k, v in SOLVERS.items()]
-    lines.append("backends:")
-    lines.append(f"  {'fake':<15} diffquant's exact simulation of any scheme (always available)")
-    status = backend_status()
-    lines += [f"  {b.name:<15} {b.description}; simulated by '{b.simulated_by}' [{status[b.name]}]"
-              for b in BACKENDS.values()]
+    reg = entries()
+    status = {"fake": "available", **backend_status()}
+    lines = []
+    for registry, heading in (("schemes", "schemes (--scheme)"),
+                              ("fixes", "fixes (--mitigate, applied before the scheme, preserving the float model)"),
+                              ("solvers", "weight solvers (--weights, after the fix, on calibration windows of the "
+                                          "training split)"), ("backends", "backends (--backend)")):
+        lines.append(heading + ":")
+        width = max(len(n) for n, _ in reg[registry])
+        lines += [f"  {n:<{width}}  {doc}" + (f" [{status[n]}]" if registry == "backends" else "")
+                  for n, doc in reg[registry]]
     return "\n".join(lines)
 
 
@@ -54,61 +53,49 @@ def run_cli(args) -> None:
     if not args.model or not args.out:
         raise DiffquantError("quantize needs --model and --out (or --list)")
     from diffquant.data.windows import corpus_windows
-    from diffquant.models.load import load_model
     from diffquant.paths import fix_modes
-    from diffquant.commands.common import prepare_out
+    from diffquant.commands.common import load_models, prepare_out
     from diffquant.quant import backends
-    from diffquant.quant.saved import save_scheme
-    from diffquant.quant.scheme import calibrate, get_scheme, quantize_
+    from diffquant.quant.recipe import from_cli, quantize_
+    from diffquant.quant.scheme import plan
     from diffquant.stats.intervals import paired
-
-    from diffquant.quant.mitigate import adjust_scheme, mitigate_, parse, weights_for
-    from diffquant.quant import solvers
 
     real = args.backend != "fake"
     backend = backends.require(args.backend) if real else None
-    mitigation = parse(args.mitigate)
-    solver = solvers.parse(weights_for(mitigation, args.weights))
-    if real and (mitigation is not None or solver is not None):
+    recipe = from_cli(args.mitigate, args.weights, args.scheme or (backend.simulated_by if real else "w8a8"))
+    if real and (recipe.fixes or recipe.solver is not None):
         raise DiffquantError("--mitigate and --weights apply to simulated schemes (--backend fake); real backends "
                              "quantize the float weights as they are")
-    scheme = adjust_scheme(get_scheme(args.scheme or (backend.simulated_by if real else "w8a8")), mitigation)
     out = prepare_out(args.out, args.force, "quantize.json")
-    model, tokenizer = load_model(args.model, hub=args.hub, cache=args.cache_dir)
-    if tokenizer is None:
-        raise DiffquantError(f"{args.model} has no tokenizer, needed for calibration and evaluation data")
+    ((_, (model, tokenizer)),) = load_models(args).items()
+    plan(model, recipe.adjusted_scheme())  # a scheme that cannot apply is refused here, before any evaluation
     calib = corpus_windows(args.data, tokenizer, "train", args.seq_len, args.calib_batches * args.seq_len,
                            args.cache_dir, chars=200_000)
     evalset = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.tokens, args.cache_dir)
-    result = {"model": args.model, "scheme": scheme.to_dict(), "backend": args.backend, "data": args.data,
-              "mitigation": args.mitigate, "weights": weights_for(mitigation, args.weights),
+    result = {"model": args.model, "scheme": recipe.adjusted_scheme().to_dict(), "backend": args.backend,
+              "data": args.data, "recipe": recipe.to_dict(), "device": str(model.device), "dtype": args.dtype,
+              "mitigation": args.mitigate, "weights": recipe.solver.label() if recipe.solver else "rtn",
               "calibration": {"split": "train", "sequences": len(calib), "tokens": int(calib.numel())}}
-    quantize_(model, scheme).remove()  # a scheme that cannot apply is refused here, before any evaluation
     if not real and args.save_weights:
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         fix_modes(out)
-    result["fp"] = _evaluate(model, evalset, "float")
+    result["fp"] = _evaluate(model, evalset, "float", args.batch_size)
     result["fp_bytes"] = backends.serialized_bytes(model)
-    applied = mitigate_(model, mitigation, calib, scheme)
-    result["mitigation_record"] = {k: v for k, v in applied.record.items() if k != "scales"}
-    solved = solvers.solve_weights_(model, solver, scheme, calib)
-    result["weights_record"] = solved.record
-    attachment = quantize_(model, solved.scheme(scheme))
-    solved.install(attachment)
-    calibrate(model, attachment, calib.split(8))
-    result["simulated"] = _evaluate(model, evalset, scheme.name)
+    q = quantize_(model, recipe, calib, progress=True)
+    result["mitigation_record"] = q.record["fixes"][0] if q.record["fixes"] else {"mitigation": None}
+    result["weights_record"] = q.record["weights"]
+    result["simulated"] = _evaluate(model, evalset, q.scheme.name, args.batch_size)
     result["simulated"]["paired_loss_change"] = paired(result["fp"].pop("per_sequence_loss"),
                                                        result["simulated"].pop("per_sequence_loss"))
     if not real:  # the scheme, and a reference to the float model unless its weights were copied
-        save_scheme(attachment, out, None if args.save_weights else _source_reference(args.model, args.hub),
-                    applied.record, solved)
+        q.save(out, None if args.save_weights else _source_reference(args.model, args.hub))
     else:
-        attachment.remove()
+        q.remove()
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             qmodel = backends.load_real(args.backend, tmp, calib[:8])
-        result["real"] = _evaluate(qmodel, evalset, args.backend)
+        result["real"] = _evaluate(qmodel, evalset, args.backend, args.batch_size)
         result["real"].pop("per_sequence_loss")
         result["real_bytes"] = backends.serialized_bytes(qmodel)
         result["gap_loss_real_minus_simulated"] = result["real"]["loss"] - result["simulated"]["loss"]
@@ -122,11 +109,11 @@ def run_cli(args) -> None:
           + ("" if real or args.save_weights else f"; it applies the scheme to {args.model}, which must stay where it is"))
 
 
-def _evaluate(model, evalset, what: str) -> dict:
+def _evaluate(model, evalset, what: str, batch_size: int) -> dict:
     from diffquant.evaluate import language_modeling
 
     print(f"evaluating {what} on {evalset.numel():,} tokens", flush=True)
-    return language_modeling(model, evalset, progress=True)
+    return language_modeling(model, evalset, batch_size=batch_size, progress=True)
 
 
 def summary_text(r: dict) -> str:

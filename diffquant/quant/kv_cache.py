@@ -1,6 +1,6 @@
 """A KV cache whose entries are quantized when written: decode-time evaluation of a KV scheme.
 
-Prefill semantics (`quantize_` with a KV scheme) quantizes the keys and values of one forward at the
+Prefill semantics (`attach_scheme` with a KV scheme) quantizes the keys and values of one forward at the
 `k_cache` / `v_cache` sites, so every query sees every cached entry quantized. A deployed cache is
 written token by token; `WriteOnceCache` simulates that with the same quantizers (same configs, same
 arithmetic): each layer keeps the cache tensors transformers' DynamicLayer keeps, and replaces a span
@@ -80,7 +80,7 @@ class WriteOnceCache(Cache):
 
 def write_once_cache(model, scheme) -> WriteOnceCache:
     """A fresh cache that quantizes `scheme`'s `k_cache` / `v_cache` sites on write. Refuses a scheme with any
-    other site (apply those with `quantize_`), and models whose cache is not one full-attention layer per
+    other site (apply those with `attach_scheme`), and models whose cache is not one full-attention layer per
     decoder layer (sliding windows, KV sharing, linear attention)."""
     from diffquant.quant.scheme import plan
     from diffquant.taps import site_table

@@ -62,9 +62,33 @@ ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # smoothquant:search's grid
 SEARCH_WINDOWS = 16  # calibration windows the α search scores each candidate on
 
 
+class Fix:
+    """A recipe step that changes the model without changing its function (or, for Clip, only how the scheme
+    finds its ranges). Each fix says what it does to the scheme (`adjust`), applies itself into an `Applied`
+    handle whose `remove()` undoes it bit-exactly (`apply`), and replays itself from its record without
+    calibration data (`replay`); `label()` is its command-line spelling, which `parse` reads back."""
+
+    needs_calibration = False
+
+    def label(self) -> str:
+        raise NotImplementedError
+
+    def adjust(self, scheme):
+        """The scheme this fix asks for (default: the scheme as it is)."""
+        return scheme
+
+    def apply(self, model, calibration, scheme, applied: "Applied") -> None:
+        """Change `model` in place, through `applied` (default: nothing)."""
+
+    def replay(self, model, record: dict, applied: "Applied") -> None:
+        """Change `model` as `record` says, without calibration data (default: `apply` without it)."""
+        self.apply(model, None, None, applied)
+
+
 @dataclass(frozen=True)
-class SmoothQuant:
+class SmoothQuant(Fix):
     alpha: float | None = 0.5  # None: searched per model (`smoothquant:search`)
+    needs_calibration = True
 
     def __post_init__(self) -> None:
         if self.alpha is not None and not 0 <= self.alpha <= 1:
@@ -73,19 +97,44 @@ class SmoothQuant:
     def label(self) -> str:
         return "smoothquant:search" if self.alpha is None else f"smoothquant:{self.alpha:g}"
 
+    def apply(self, model, calibration, scheme, applied: "Applied") -> None:
+        if calibration is None or calibration.numel() == 0:
+            raise DiffquantError("smoothquant needs calibration data")
+        if self.alpha is None:
+            _search_alpha(model, calibration, scheme, applied)
+        else:
+            _smoothquant(model, self, calibration, applied)
+
+    def replay(self, model, record: dict, applied: "Applied") -> None:
+        import torch
+
+        for i, layer in enumerate(_layers(model)):
+            _fold_smoothing(layer, {k: torch.tensor(v, dtype=torch.float64) for k, v in record["scales"][str(i)].items()},
+                            applied)
+        applied.record = record
+
 
 @dataclass(frozen=True)
-class Rotate:
+class Rotate(Fix):
+    """QuaRot's rotation (the module doc). QuaRot's recipe is this with GPTQ weights: `quarot` on the command
+    line (recipe.from_cli)."""
+
     seed: int = 0
-    gptq: bool = False  # quarot: the rotation with GPTQ weights
 
     def label(self) -> str:
-        name = "quarot" if self.gptq else "rotate"
-        return name if self.seed == 0 else f"{name}:{self.seed}"
+        return "rotate" if self.seed == 0 else f"rotate:{self.seed}"
+
+    def adjust(self, scheme):
+        """Keys of the cache quantized in the Hadamard basis of the online Q/K rotation."""
+        keys = tuple((p, replace(c, hadamard=True) if p.endswith("k_cache") else c) for p, c in scheme.activations)
+        return scheme if keys == scheme.activations else replace(scheme, activations=keys)
+
+    def apply(self, model, calibration, scheme, applied: "Applied") -> None:
+        _rotate(model, self, applied)
 
 
 @dataclass(frozen=True)
-class Clip:
+class Clip(Fix):
     method: str = "mse"
     percentile: float = 99.99
 
@@ -98,8 +147,26 @@ class Clip:
     def label(self) -> str:
         return f"clip:percentile:{self.percentile:g}" if self.method == "percentile" else f"clip:{self.method}"
 
+    def adjust(self, scheme):
+        """Range search instead of min-max for static activations (and, except `output`, for weights)."""
+        from diffquant.quant import granularity as G
 
-Mitigation = SmoothQuant | Rotate | Clip
+        def act(c):
+            if c.dynamic:
+                return c
+            if self.method == "percentile" and isinstance(c.granularity, G.PerTensor) and c.format.symmetric:
+                return replace(c, calibration="percentile", percentile=self.percentile)
+            if self.method == "output" and isinstance(c.granularity, G.PerTensor):
+                return replace(c, calibration="output")
+            return replace(c, calibration="mse")
+
+        weights = scheme.weights if self.method == "output" else tuple(  # output: the weight solver's ranges
+            (p, replace(c, dynamic=False, calibration="mse")) for p, c in scheme.weights)
+        return replace(scheme, name=f"{scheme.name}+{self.label()}",
+                       activations=tuple((p, act(c)) for p, c in scheme.activations), weights=weights)
+
+
+FIXES = {"smoothquant": SmoothQuant, "rotate": Rotate, "clip": Clip}  # parse() reads each one's label
 DOCS = {"none": "no transform",
         "smoothquant:ALPHA": "SmoothQuant scales (default α 0.5) folded into norms, up_proj and v_proj",
         "smoothquant:search": "SmoothQuant with α chosen per model by the scheme's loss on calibration windows",
@@ -112,9 +179,9 @@ DOCS = {"none": "no transform",
                        "weights by the clip:output solver (super-weights never clipped)"}
 
 
-def parse(text: str) -> Mitigation | None:
-    """`none`, `smoothquant[:ALPHA|search]`, `rotate[:SEED]`, `quarot[:SEED]`, `clip:mse`, `clip:percentile:P`,
-    `clip:output`."""
+def parse(text: str) -> Fix | None:
+    """`none`, `smoothquant[:ALPHA|search]`, `rotate[:SEED]`, `clip:mse`, `clip:percentile:P`, `clip:output`;
+    `quarot[:SEED]` reads as its rotation (the GPTQ half is a weight solver: recipe.from_cli adds it)."""
     kind, _, arg = text.strip().lower().partition(":")
     try:
         if kind == "none" and not arg:
@@ -122,7 +189,7 @@ def parse(text: str) -> Mitigation | None:
         if kind == "smoothquant":
             return SmoothQuant(None if arg == "search" else float(arg) if arg else 0.5)
         if kind in ("rotate", "quarot"):
-            return Rotate(int(arg) if arg else 0, gptq=kind == "quarot")
+            return Rotate(int(arg) if arg else 0)
         if kind == "clip":
             method, _, p = (arg or "mse").partition(":")
             return Clip(method, float(p) if p else 99.99)
@@ -131,49 +198,13 @@ def parse(text: str) -> Mitigation | None:
     raise DiffquantError(f"unknown mitigation {text!r}; choose one of: {', '.join(DOCS)}")
 
 
-def weights_for(mitigation: Mitigation | None, weights: str) -> str:
-    """The weight solver a run uses: `quarot` solves by GPTQ where `rtn` was asked (another solver is refused),
-    `clip:output` by the clip:output solver (another solver is kept: its ranges are its own)."""
-    if isinstance(mitigation, Clip) and mitigation.method == "output":
-        return "clip:output" if weights.strip().lower() == "rtn" else weights
-    if not (isinstance(mitigation, Rotate) and mitigation.gptq):
-        return weights
-    w = weights.strip().lower()
-    if w == "rtn":
-        return "gptq"
-    if w not in ("gptq", "gptq:act-order"):
-        raise DiffquantError(f"quarot is the rotation with GPTQ weights; --weights {weights} does not go with it "
-                             "(use rotate with that solver)")
-    return w
-
-
-def adjust_scheme(scheme, mitigation: Mitigation | None):
-    """The scheme a mitigation asks for: clip changes calibration; rotate (and quarot) quantize the keys of
-    the cache in the Hadamard basis of its online Q/K rotation; smoothquant leaves the scheme as it is."""
-    if isinstance(mitigation, Rotate):
-        keys = tuple((p, replace(c, hadamard=True) if p.endswith("k_cache") else c) for p, c in scheme.activations)
-        return scheme if keys == scheme.activations else replace(scheme, activations=keys)
-    if not isinstance(mitigation, Clip):
-        return scheme
-    from diffquant.quant import granularity as G
-
-    def act(c):
-        if c.dynamic:
-            return c
-        if mitigation.method == "percentile" and isinstance(c.granularity, G.PerTensor) and c.format.symmetric:
-            return replace(c, calibration="percentile", percentile=mitigation.percentile)
-        if mitigation.method == "output" and isinstance(c.granularity, G.PerTensor):
-            return replace(c, calibration="output")
-        return replace(c, calibration="mse")
-
-    weights = scheme.weights if mitigation.method == "output" else tuple(  # output: the weight solver's ranges
-        (p, replace(c, dynamic=False, calibration="mse")) for p, c in scheme.weights)
-    return replace(scheme, name=f"{scheme.name}+{mitigation.label()}",
-                   activations=tuple((p, act(c)) for p, c in scheme.activations), weights=weights)
+def adjust_scheme(scheme, fix: Fix | None):
+    """The scheme a fix asks for (see each fix's `adjust`)."""
+    return scheme if fix is None else fix.adjust(scheme)
 
 
 class Applied:
-    """What one `mitigate_` changed: `remove()` puts back every tensor it replaced and takes its hooks away."""
+    """What one fix changed: `remove()` puts back every tensor it replaced and takes its hooks away."""
 
     def __init__(self, model, mitigation):
         self.model, self.mitigation = model, mitigation
@@ -198,42 +229,27 @@ class Applied:
         self._saved, self._handles, self._untied = [], [], False
 
 
-def mitigate_(model, mitigation: Mitigation | None, calibration: torch.Tensor | None = None,
-              scheme=None) -> Applied:
-    """Apply a function-preserving transform in place; `calibration` ([n, seq] token ids) is needed by
-    smoothquant, and `scheme` by smoothquant:search. Clip changes only the scheme (see `adjust_scheme`):
-    here it does nothing."""
+def mitigate_(model, fix: Fix | None, calibration: torch.Tensor | None = None, scheme=None) -> Applied:
+    """Apply one fix in place (see `Fix.apply`); `calibration` ([n, seq] token ids) is needed by smoothquant,
+    and `scheme` by smoothquant:search. Returns the handle whose `remove()` undoes it."""
     import torch
 
-    applied = Applied(model, mitigation)
-    with torch.no_grad():
-        if isinstance(mitigation, SmoothQuant):
-            if calibration is None or calibration.numel() == 0:
-                raise DiffquantError("smoothquant needs calibration data")
-            if mitigation.alpha is None:
-                _search_alpha(model, calibration, scheme, applied)
-            else:
-                _smoothquant(model, mitigation, calibration, applied)
-        elif isinstance(mitigation, Rotate):
-            _rotate(model, mitigation, applied)
+    applied = Applied(model, fix)
+    if fix is not None:
+        with torch.no_grad():
+            fix.apply(model, calibration, scheme, applied)
     return applied
 
 
 def apply_record(model, record: dict) -> Applied:
-    """Replay a mitigation from its record (saved scales, rotation seed), without calibration data."""
+    """Replay a fix from its record (saved scales, rotation seed), without calibration data."""
     import torch
 
-    mitigation = parse(record["mitigation"]) if record.get("mitigation") else None
-    applied = Applied(model, mitigation)
-    with torch.no_grad():
-        if isinstance(mitigation, SmoothQuant):
-            layers = _layers(model)
-            for i, layer in enumerate(layers):
-                _fold_smoothing(layer, {k: torch.tensor(v, dtype=torch.float64)
-                                        for k, v in record["scales"][str(i)].items()}, applied)
-            applied.record = record
-        elif isinstance(mitigation, Rotate):
-            _rotate(model, mitigation, applied)
+    fix = parse(record["mitigation"]) if record.get("mitigation") else None
+    applied = Applied(model, fix)
+    if fix is not None:
+        with torch.no_grad():
+            fix.replay(model, record, applied)
     return applied
 
 
@@ -242,7 +258,7 @@ def _search_alpha(model, calibration: torch.Tensor, scheme, applied: Applied) ->
     """Each α of ALPHAS applied and scored (see the module doc); the best applied into `applied`."""
     from diffquant.calibrate import channel_absmax
     from diffquant.evaluate import language_modeling
-    from diffquant.quant.scheme import calibrate, quantize_
+    from diffquant.quant.scheme import calibrate, attach_scheme
 
     if scheme is None:
         raise DiffquantError("smoothquant:search chooses α by a scheme's loss: give the scheme")
@@ -254,7 +270,7 @@ def _search_alpha(model, calibration: torch.Tensor, scheme, applied: Applied) ->
     for alpha in ALPHAS:
         trial = Applied(model, None)
         _smoothquant(model, SmoothQuant(alpha), calibration, trial, absmax, layers)
-        attachment = quantize_(model, scheme)
+        attachment = attach_scheme(model, scheme)
         try:
             if any(not q.config.dynamic for q in attachment.quantizers.values()):
                 calibrate(model, attachment, calibration.split(8))

@@ -1,6 +1,6 @@
 """QuantScheme: site patterns → activation quantizers, Linear-weight patterns → weight quantizers.
 
-`quantize_(model, scheme)` attaches FakeQuant taps through the same mechanism the profiler uses and
+`attach_scheme(model, scheme)` attaches FakeQuant taps through the same mechanism the profiler uses and
 returns the Attachment; `remove()` restores the exact float model. DiffLlama's λ vectors and every
 norm stay in full precision: they are not Linear weights, and no activation site reaches them.
 """
@@ -213,7 +213,7 @@ def applies(model, scheme: QuantScheme) -> str | None:
     return None
 
 
-def quantize_(model, scheme: QuantScheme, compile: bool = False):
+def attach_scheme(model, scheme: QuantScheme, compile: bool = False):
     """Attach the scheme's fake quantizers to `model` in place; returns the Attachment (`.remove()` undoes it).
     A scheme that cannot apply is refused before anything is attached (see `plan`).
     `compile=True` fuses each integer quantize-dequantize into one pass with torch.compile (a one-off

@@ -47,6 +47,7 @@ class AWQ:
 
 
 Solver = GPTQ | AWQ
+SOLVER_TYPES = (GPTQ, AWQ)  # the recipe steps that are weight solvers
 DOCS = {"rtn": "round to nearest (the scheme's own quantizer)",
         "gptq[:act-order]": "GPTQ (Frantar et al. 2022): Hessian-weighted error feedback, layer by layer on "
                             "calibration data; act-order: columns by decreasing activation energy",

@@ -16,11 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
+from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
-from diffquant.stats.histogram import magnitude_bins
-from diffquant.stats.sinks import EPSILON, LAMBDA_GUARD
+from diffquant.stats.constants import EPSILON, LAMBDA_GUARD
+
+if TYPE_CHECKING:  # torch loads when a set computes, not when the registry is read (`diffquant --help`)
+    import torch
 
 MASSIVE_ABS, MASSIVE_RATIO = 100.0, 1000.0  # Sun et al.: |x| > 100 and > 1000× the layer's median |x|
 
@@ -29,6 +31,8 @@ def sequence_first_key(probs: torch.Tensor, valid: torch.Tensor | None) -> tuple
     """(Per sequence and head, the sum over query rows of the attention on the row's first valid key
     [batch, head]; per sequence, the rows counted [batch]). Unlike stats/sinks.first_key_mass, the first
     token's own row (mass 1 in a softmax) is counted, as Gu et al. count it."""
+    import torch
+
     b, h, q, k = probs.shape
     if valid is None:
         return probs[..., 0].float().sum(-1).double().cpu(), torch.full((b,), float(q), dtype=torch.float64)
@@ -119,6 +123,8 @@ class SequenceNorms:
         self.sequences, self.kurtosis_sequences = 0, 0
 
     def add(self, point: str, x: torch.Tensor, ctx) -> None:
+        import torch
+
         x = x.detach().float()
         b = x.shape[0]
         mask = None if ctx.valid is None else ctx.valid.expand(x.shape)
@@ -193,6 +199,10 @@ def massive_count(stats, median: float | None) -> tuple[int, int]:
     from the kept top-k when every value above the threshold is among them; otherwise from the |x|
     histogram, whose bins above the threshold's bin count for certain and whose own bin (0.8% wide) is
     reported apart, as undecided."""
+    import torch
+
+    from diffquant.stats.histogram import magnitude_bins
+
     threshold = max(MASSIVE_ABS, MASSIVE_RATIO * (median or 0.0))
     kept = stats.topk.abs.cpu()
     if kept.numel() < stats.topk.k or float(kept[-1]) <= threshold:

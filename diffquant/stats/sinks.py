@@ -28,8 +28,7 @@ import torch
 
 from diffquant.errors import DiffquantError
 
-EPSILON = 0.3
-LAMBDA_GUARD = 0.05  # 1 − λ at or below which a differential head's share is undefined (λ ≥ 0.95, λ > 1 included)
+from diffquant.stats.constants import EPSILON, LAMBDA_GUARD  # noqa: E402,F401 - defined there, used here
 # Results files name the sink rate they hold: "share" = DIFF counted per differential head by its share on token 0.
 # Files without it were written when DIFF's rate pooled its A1 and A2 maps (A2 is subtracted: no headline).
 SINK_DEFINITION = "share"

@@ -349,6 +349,41 @@ class SiteTable:
                 f"{', '.join(repr(w) for w in weights[:2]) or 'none'} ('*.weight' for all)")
 
 
+def site_globs(value) -> list[str]:
+    """The command line's one site grammar: globs space- or comma-separated (`layers.3.attn_logits`,
+    `*.attn_logits`, `*.weight`), where a bare point (`attn_logits`) means every layer's (`*.attn_logits`). A bare
+    word that is no point is an error naming the points (a glob is checked against a model when one loads)."""
+    parts = value if isinstance(value, (list, tuple)) else [value]
+    globs = [x.strip() for part in parts for x in str(part).split(",") if x.strip()]
+    if not globs:
+        raise DiffquantError("--sites is empty; name at least one site glob or point (see `diffquant sites`)")
+    out = []
+    for g in globs:
+        if "." in g or any(c in g for c in "*?["):
+            out.append(g)
+        elif g in POINTS:
+            out.append(f"*.{g}")
+        elif g in MODEL_SITES:
+            out.append(g)
+        else:
+            raise DiffquantError(f"unknown site {g!r}: a glob such as '*.attn_logits' or 'layers.3.hidden', or a point: "
+                                 f"{', '.join([*POINTS, *MODEL_SITES])}")
+    return list(dict.fromkeys(out))
+
+
+def site_points(value) -> list[str]:
+    """The points of `--sites` globs that name a point in every layer (`*.POINT` or `POINT`), for commands that
+    quantize a point everywhere (sweep); any other glob is refused in one line."""
+    points = []
+    for g in site_globs(value):
+        point = g.removeprefix("*.")
+        if g == point or point not in POINTS:
+            raise DiffquantError(f"sweep quantizes a point in every layer: --sites takes *.POINT or POINT, got {g!r} "
+                                 "(for one layer at a time use --per-layer BITS)")
+        points.append(point)
+    return points
+
+
 def site_docs(diff: bool = True) -> list[tuple[str, str, str]]:
     """(point, shape, doc) rows for `diffquant sites` and the README."""
     rows = [(p.name, "[" + ", ".join(p.dims) + "]", p.doc) for p in POINTS.values() if diff or not p.diff_only]

@@ -1,0 +1,120 @@
+"""The public API, `import diffquant as dq`: load, profile, quantize, evaluate, sweep, plot.
+
+Each function is the code the command line runs (the CLI parses its flags and calls these), so a result made
+in Python and one made by `diffquant <command>` are the same computation.
+
+    model, tok = dq.load("smollm2-135m")                                # a zoo name, folder, .gguf or preset
+    held_out = dq.windows("kjv", tok, split="validation", seq_len=256, tokens=8192)
+    prof = dq.profile(model, held_out, sites=["*.attn_logits", "*.hidden"])
+    with dq.quantize_(model, [dq.SmoothQuant(alpha=0.5), dq.GPTQ(), "w8a8-static"], calibration=train) as q:
+        print(dq.perplexity(model, held_out)["ppl"])
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from diffquant.profile import ModelProfile as Profile
+from diffquant.quant.gptq_config import GPTQ
+from diffquant.quant.mitigate import Clip, Rotate, SmoothQuant
+from diffquant.quant.recipe import Quantized, Recipe, quantize_
+from diffquant.quant.scheme import QuantScheme
+from diffquant.quant.solvers import AWQ
+
+__all__ = ["load", "windows", "profile", "Profile", "quantize_", "Recipe", "Quantized", "SmoothQuant", "Rotate",
+           "Clip", "GPTQ", "AWQ", "QuantScheme", "scheme", "perplexity", "multiple_choice", "sweep", "plot_sweep",
+           "registries"]
+
+
+def load(source: str, *, device: str | None = None, dtype: str = "fp32", device_map=None, hub: bool = False,
+         cache_dir: str | None = None):
+    """(model, tokenizer) of a zoo name (`smollm2-135m`), a save_pretrained folder, a `.gguf` file, a folder
+    `diffquant quantize` wrote, a preset `tiny:diff` (random weights, byte tokenizer), or a hub id with
+    `hub=True` (the only case that downloads). `device` "cpu", "cuda", "cuda:1" (default: CUDA when there is
+    one); `dtype` fp32, bf16, fp16 or auto."""
+    from diffquant.models.load import load_model
+    from diffquant.models.placement import resolve_device
+
+    device = None if device_map else resolve_device(device)
+    return load_model(source, dtype=dtype, device=device, device_map=device_map, hub=hub, cache=cache_dir)
+
+
+def windows(data: str, tokenizer, *, split: str = "validation", seq_len: int = 256, tokens: int = 65536,
+            cache_dir: str | None = None):
+    """[n, seq_len] token ids of a corpus split: kjv, gcide, wordnet, pydoc, linuxdoc, debian-mix (offline
+    Debian sources), a local text file or folder, hf:NAME (online), or synth:bb / synth:markov. Calibration
+    belongs to split="train", evaluation to split="validation"."""
+    from diffquant.data.windows import corpus_windows
+
+    return corpus_windows(data, tokenizer, split, seq_len, tokens, cache_dir)
+
+
+def profile(model, windows, sites: Iterable[str] = ("*.attn_logits", "*.hidden"), *, batch_size: int = 8,
+            k: int = 100, sinks: bool = True, metrics: Iterable[str] = (), compile: bool = False,
+            label: str = "model", progress: bool = False) -> "Profile":
+    """Streaming statistics of `sites` (globs over `layers.{i}.{point}`; `diffquant sites` lists the points) on
+    `windows`: moments, kurtosis, top-k with locations, |x| histogram and quantiles, per-channel maxima; with
+    `sinks` (the command line's default too) the attention-sink and massive-activation metrics; `metrics` the
+    papers' metric sets (diff-table5, sun2024, gu2024, bondarenko2023, bondarenko2023-linear). Returns a
+    Profile: `.table()`, `.save(folder)` (report, figures, and the profile itself), `Profile.load(folder)`,
+    `.merge(other)`."""
+    from diffquant.profile import profile_model
+
+    return profile_model(model, windows, list([sites] if isinstance(sites, str) else sites), batch_size=batch_size,
+                         k=k, sinks=sinks, metrics=metrics, compile=compile, label=label, progress=progress)
+
+
+def scheme(name: str) -> QuantScheme:
+    """A scheme preset (`diffquant quantize --list`) or a .json/.yaml scheme file."""
+    from diffquant.quant.scheme import get_scheme
+
+    return get_scheme(name)
+
+
+def perplexity(model, windows, *, batch_size: int = 8) -> dict:
+    """Loss, perplexity (with its 95% interval over sequences), next-token accuracy and per-sequence losses."""
+    from diffquant.evaluate import language_modeling
+
+    return language_modeling(model, windows, batch_size=batch_size)
+
+
+def multiple_choice(model, tokenizer, examples: list[dict]) -> dict:
+    """Zero-shot multiple-choice accuracy scored as lm-eval does (`acc`, `acc_norm`, Wilson intervals)."""
+    from diffquant.evaluate import multiple_choice as mc
+
+    return mc(model, tokenizer, examples)
+
+
+def sweep(models: dict, data: str, out, *, sites: Iterable[str] = ("attn_logits",),
+          bits: Iterable[int] = (16, 8, 6, 4), granularities: Iterable[str] = ("tensor",),
+          schemes: Iterable[str] = (), fixes: Iterable[str] = ("none",), weights: Iterable[str] = ("rtn",),
+          wa_grid: Iterable[int] | None = None, per_layer: int | None = None, evals: Iterable[str] = ("ppl",),
+          seq_len: int = 256, tokens: int = 16384, kurtosis_tokens: int = 0, mc_limit: int = 200,
+          cache_dir: str | None = None, compile: bool = False, progress: bool = False) -> list[dict]:
+    """Evaluate every cell (model × site × bits × granularity, whole-model schemes, a weight × activation grid,
+    per-layer sensitivity; × fixes × weight solvers) of `models` ({label: (model, tokenizer)}) on the
+    validation split of `data`, resumably into `out` (cells.jsonl, results.csv/json); returns the rows."""
+    from diffquant.sweep import run_sweep
+
+    return run_sweep(models, data, Path(out), sites=list(sites), bits=list(bits), granularities=list(granularities),
+                     schemes=list(schemes), fixes=list(fixes), weights=list(weights),
+                     wa_grid=list(wa_grid) if wa_grid else None, per_layer=per_layer, evals=list(evals),
+                     seq_len=seq_len, tokens=tokens, kurtosis_tokens=kurtosis_tokens, mc_limit=mc_limit,
+                     cache=cache_dir, compile=compile, progress=progress)
+
+
+def plot_sweep(rows: list[dict], out) -> list[Path]:
+    """The sweep's figures: metric versus bit-width per site and granularity (the paper's Figure 8), the
+    weight × activation grid, per-layer sensitivity, and accuracy versus bits beside each model's kurtosis
+    per layer (when the sweep measured `kurtosis_tokens`)."""
+    from diffquant.report.sweep_plots import plot_sweep as plot
+
+    return plot(rows, Path(out))
+
+
+def registries() -> dict[str, list[str]]:
+    """Every name the API and the command line accept, by registry (what `diffquant list` prints)."""
+    from diffquant.registries import names
+
+    return names()

@@ -1,0 +1,298 @@
+"""A Recipe: how a float model becomes a quantized one, as data, and the one pipeline that runs it.
+
+A recipe is an ordered list of steps, applied in that order (llm-compressor's `recipe=[...modifiers]`):
+
+    fixes    function-preserving transforms of the model (quant/mitigate.py: SmoothQuant, Rotate, Clip), any
+             number, each applied to the model as the previous ones left it;
+    solver   at most one weight solver (quant/solvers.py: GPTQ, AWQ; none = round to nearest);
+    scheme   exactly one QuantScheme, last (quant/scheme.py: which sites and weights are quantized, and how).
+
+    Recipe([SmoothQuant(alpha=0.5), GPTQ(act_order=True), "w8a8-static"])
+
+`quantize_(model, recipe, calibration)` runs any recipe in place: each fix adjusts the scheme and changes the
+model, the solver moves the weights onto their grid, the scheme's fake quantizers attach (with the solver's
+scales fixed), and static activation scales calibrate. It returns one handle, `Quantized`, a context manager
+whose exit (or `remove()`) restores the float model bit-exactly. The command line (`quantize`, `sweep`,
+`lm-eval`), the experiments and the notebook all call it: this is the only place the steps are sequenced.
+
+A recipe saves to and loads from JSON or YAML as the steps' command-line spellings:
+
+    fixes: [smoothquant:search]
+    weights: gptq:act-order
+    scheme: w8a8-static        # a preset name, a scheme file, or the scheme itself (QuantScheme.to_dict)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from diffquant.errors import DiffquantError
+from diffquant.quant import mitigate, solvers
+from diffquant.quant.mitigate import Fix
+from diffquant.quant.scheme import QuantScheme, get_scheme
+
+if TYPE_CHECKING:
+    import torch
+
+CALIBRATION_BATCH = 8  # windows per forward pass when static scales calibrate
+
+
+@dataclass(frozen=True)
+class Recipe:
+    scheme: QuantScheme
+    fixes: tuple[Fix, ...] = ()
+    solver: solvers.Solver | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scheme, QuantScheme):
+            raise DiffquantError(f"a recipe's scheme must be a QuantScheme (or a preset name), got {self.scheme!r}")
+        bad = [f for f in self.fixes if not isinstance(f, Fix)]
+        if bad:
+            raise DiffquantError(f"recipe fixes must be SmoothQuant, Rotate or Clip steps, got {bad!r}")
+        if self.solver is not None and not isinstance(self.solver, solvers.SOLVER_TYPES):
+            raise DiffquantError(f"a recipe's weight solver must be GPTQ or AWQ, got {self.solver!r}")
+
+    @staticmethod
+    def of(steps) -> "Recipe":
+        """A recipe from what a user writes: a Recipe, a scheme (QuantScheme, preset name or file), or a list of
+        steps in order (fixes, then at most one solver, then the scheme last)."""
+        if isinstance(steps, Recipe):
+            return steps
+        if isinstance(steps, (str, Path, QuantScheme)):
+            return Recipe(_scheme(steps))
+        steps = list(steps)
+        if not steps:
+            raise DiffquantError("an empty recipe: give at least a scheme, e.g. ['w8a8']")
+        *before, last = steps
+        if not isinstance(last, (str, Path, QuantScheme)):
+            raise DiffquantError(f"a recipe ends with its scheme (a preset name or QuantScheme), got {last!r}")
+        fixes, solver = [], None
+        for step in before:
+            if isinstance(step, Fix):
+                if solver is not None:
+                    raise DiffquantError(f"{step.label()} comes after the weight solver {solver.label()}: fixes change "
+                                         "the model before its weights are solved")
+                fixes.append(step)
+            elif isinstance(step, solvers.SOLVER_TYPES):
+                if solver is not None:
+                    raise DiffquantError(f"one weight solver per recipe, got {solver.label()} and {step.label()}")
+                solver = step
+            else:
+                raise DiffquantError(f"unknown recipe step {step!r}: fixes (SmoothQuant, Rotate, Clip), a solver "
+                                     "(GPTQ, AWQ) and the scheme last")
+        return Recipe(_scheme(last), tuple(fixes), solver)
+
+    @property
+    def steps(self) -> list:
+        return [*self.fixes, *([self.solver] if self.solver else []), self.scheme]
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether `quantize_` needs calibration windows: a fix that measures, a solver, or static scales."""
+        scheme = self.adjusted_scheme()
+        return (any(f.needs_calibration for f in self.fixes) or self.solver is not None
+                or any(not c.dynamic for _, c in (*scheme.activations, *scheme.weights)))
+
+    def adjusted_scheme(self) -> QuantScheme:
+        """The scheme as the fixes leave it (before the solver names it)."""
+        scheme = self.scheme
+        for fix in self.fixes:
+            scheme = fix.adjust(scheme)
+        return scheme
+
+    def label(self) -> str:
+        return " → ".join(s.label() if not isinstance(s, QuantScheme) else s.name for s in self.steps)
+
+    def to_dict(self) -> dict:
+        from diffquant.quant.scheme import PRESETS
+
+        scheme = self.scheme.name if PRESETS.get(self.scheme.name) == self.scheme else self.scheme.to_dict()
+        return {"fixes": [f.label() for f in self.fixes], "weights": self.solver.label() if self.solver else "rtn",
+                "scheme": scheme}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Recipe":
+        unknown = set(d) - {"fixes", "weights", "scheme"}
+        if unknown or "scheme" not in d:
+            raise DiffquantError(f"a recipe has 'scheme' and optionally 'fixes' and 'weights'; got keys {sorted(d)}")
+        fixes = d.get("fixes") or []
+        if isinstance(fixes, str):
+            fixes = [fixes]
+        scheme = d["scheme"]
+        return Recipe(QuantScheme.from_dict(scheme) if isinstance(scheme, dict) else _scheme(scheme),
+                      tuple(f for f in map(mitigate.parse, fixes) if f is not None),
+                      solvers.parse(d.get("weights") or "rtn"))
+
+    def save(self, path) -> Path:
+        from diffquant.paths import atomic_write_text
+
+        path = Path(path)
+        doc = self.to_dict()
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            atomic_write_text(path, yaml.safe_dump(doc, sort_keys=False, allow_unicode=True))
+        else:
+            atomic_write_text(path, json.dumps(doc, indent=2) + "\n")
+        return path
+
+    @staticmethod
+    def load(path) -> "Recipe":
+        path = Path(path)
+        if not path.is_file():
+            raise DiffquantError(f"recipe file {path} does not exist")
+        try:
+            if path.suffix.lower() in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(path.read_text())
+            else:
+                data = json.loads(path.read_text())
+        except Exception as e:  # noqa: BLE001 - either library's parse error
+            raise DiffquantError(f"cannot parse {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise DiffquantError(f"{path} must hold a mapping with 'scheme' (and 'fixes', 'weights')")
+        return Recipe.from_dict(data)
+
+
+def _scheme(scheme) -> QuantScheme:
+    return scheme if isinstance(scheme, QuantScheme) else get_scheme(str(scheme))
+
+
+def from_cli(mitigate_text: str, weights_text: str, scheme) -> Recipe:
+    """The recipe the command line's `--mitigate`, `--weights` and `--scheme` spell. Two spellings imply a
+    solver: `quarot[:SEED]` is the rotation with GPTQ weights (`--weights rtn` becomes gptq, an explicit
+    gptq[:act-order] is kept, any other solver is refused), and `--mitigate clip:output` clips the weights by
+    the clip:output solver unless another solver is named."""
+    fix = mitigate.parse(mitigate_text)
+    weights = weights_text.strip().lower()
+    kind = mitigate_text.strip().lower().partition(":")[0]
+    if kind == "quarot":
+        if weights == "rtn":
+            weights = "gptq"
+        elif weights not in ("gptq", "gptq:act-order"):
+            raise DiffquantError(f"quarot is the rotation with GPTQ weights; --weights {weights_text} does not go "
+                                 "with it (use rotate with that solver)")
+    elif isinstance(fix, mitigate.Clip) and fix.method == "output" and weights == "rtn":
+        weights = "clip:output"
+    return Recipe(_scheme(scheme), (fix,) if fix is not None else (), solvers.parse(weights))
+
+
+@dataclass
+class Quantized:
+    """A model quantized in place by `quantize_`: the steps' handles and their records. `remove()` (or leaving
+    the `with` block) restores the float model bit-exactly; `save(folder)` writes the scheme, its static
+    scales, the fixes' records and the solved weights, which `models.load.load_model(folder)` replays."""
+
+    model: object
+    recipe: Recipe
+    scheme: QuantScheme  # the scheme as attached (adjusted by the fixes, named by the solver)
+    attachment: object = None
+    solved: object = None
+    applied: list = field(default_factory=list)
+    calibration_tokens: int = 0
+
+    @property
+    def quantizers(self) -> dict:
+        return self.attachment.quantizers if self.attachment is not None else {}
+
+    @property
+    def record(self) -> dict:
+        """What was done, as plain data: the recipe, each fix's record (scales, α searched), the solver's."""
+        return {"recipe": self.recipe.to_dict(), "scheme": self.scheme.name,
+                "fixes": [{k: v for k, v in a.record.items() if k != "scales"} for a in self.applied],
+                "weights": self.solved.record if self.solved is not None else {"weights": "rtn"},
+                "calibration_tokens": self.calibration_tokens}
+
+    removed: bool = False
+
+    def remove(self) -> None:
+        """Undo every step, last first (the records stay readable); a second call does nothing."""
+        if self.removed:
+            return
+        if self.attachment is not None:
+            self.attachment.remove()
+        if self.solved is not None:
+            self.solved.remove()
+        for applied in reversed(self.applied):
+            applied.remove()
+        self.removed = True
+
+    def __enter__(self) -> "Quantized":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def save(self, folder, source: dict | None = None) -> dict:
+        """The scheme (with static scales), the fixes' records and the solved weights, into `folder`; `source`
+        names the float model for a folder that holds no weights of its own."""
+        from diffquant.quant.saved import save_scheme
+
+        if self.removed or self.attachment is None:
+            raise DiffquantError("this quantized model was removed; quantize it again to save it")
+        return save_scheme(self.attachment, folder, source, [a.record for a in self.applied], self.solved)
+
+
+def quantize_(model, recipe, calibration: "torch.Tensor | None" = None, *, compile: bool = False,
+              progress: bool = False) -> Quantized:
+    """Quantize `model` in place by `recipe` (a Recipe, a list of steps, a scheme or a preset name) and return
+    the handle (a context manager: leaving it restores the float model bit-exactly).
+
+    `calibration` ([n, seq_len] token ids, from a training split, never the evaluation data) feeds the fixes
+    that measure (SmoothQuant), the weight solver and the static activation scales; a recipe that needs it and
+    gets none is refused before anything changes, as is a scheme that cannot apply to the model. `compile`
+    fuses the fake quantizers with torch.compile."""
+    from diffquant.quant.scheme import attach_scheme, calibrate, plan
+
+    recipe = Recipe.of(recipe)
+    scheme = recipe.adjusted_scheme()
+    plan(model, scheme)  # a scheme that cannot apply is refused here, before any work
+    if recipe.needs_calibration and (calibration is None or calibration.numel() == 0):
+        raise DiffquantError(f"recipe {recipe.label()} needs calibration windows (a training split): pass "
+                             "calibration=token ids [n, seq_len]")
+    device = model.get_input_embeddings().weight.device
+    calib = calibration.to(device) if calibration is not None else None
+    q = Quantized(model, recipe, scheme, calibration_tokens=0 if calibration is None else int(calibration.numel()))
+    try:
+        scheme = recipe.scheme
+        for fix in recipe.fixes:
+            scheme = fix.adjust(scheme)
+            q.applied.append(mitigate.mitigate_(model, fix, calib, scheme))
+        q.solved = solvers.solve_weights_(model, recipe.solver, scheme, calib, progress=progress)
+        q.scheme = q.solved.scheme(scheme)
+        q.attachment = attach_scheme(model, q.scheme, compile)
+        q.solved.install(q.attachment)
+        calibrate(model, q.attachment, calib.split(CALIBRATION_BATCH) if calib is not None else ())
+    except BaseException:
+        q.remove()
+        raise
+    return q
+
+
+def load_quantized(model, folder) -> Quantized:
+    """Re-attach a scheme saved by `save_scheme` to `model` (after replaying its fixes and putting back the
+    solved weights); returns the `Quantized` handle, whose `remove()` restores the float model. Folders saved
+    before recipes held one fix under "mitigation"."""
+    from diffquant.quant.mitigate import apply_record, parse
+    from diffquant.quant.scheme import SCHEME_FILE, attach_scheme
+    from diffquant.quant.solvers import parse as parse_solver
+
+    data = json.loads((Path(folder) / SCHEME_FILE).read_text())
+    records = data.get("fixes") or ([data["mitigation"]] if data.get("mitigation") else [])
+    fixes = [apply_record(model, r) for r in records]
+    solved = None
+    if data.get("weights"):
+        from diffquant.quant.solvers import load_solved
+
+        solved = load_solved(model, folder, data["weights"])
+    scheme = QuantScheme.from_dict(data["scheme"])
+    attachment = attach_scheme(model, scheme)
+    for name, state in data.get("scales", {}).items():
+        attachment.quantizers[name].load_state(state)
+    recipe = Recipe(scheme, tuple(f for f in (parse(r["mitigation"]) for r in records) if f is not None),
+                    parse_solver(data["weights"]["weights"]) if data.get("weights") else None)
+    return Quantized(model, recipe, scheme, attachment, solved, fixes)
