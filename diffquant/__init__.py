@@ -16,9 +16,9 @@ from diffquant.errors import DiffquantError
 
 __version__ = "0.1.0"
 
-__all__ = ["DiffquantError", "load", "windows", "profile", "Profile", "quantize_", "Recipe", "Quantized",
+__all__ = ["DiffquantError", "load", "load_pair", "windows", "profile", "Profile", "quantize_", "Recipe", "Quantized",
            "SmoothQuant", "Rotate", "Clip", "GPTQ", "AWQ", "QuantScheme", "scheme", "perplexity", "multiple_choice",
-           "sweep", "plot_sweep", "registries"]
+           "sweep", "plot_sweep", "train", "registries"]
 
 
 def __getattr__(name: str):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from diffquant.errors import DiffquantError
 from diffquant.profile import ModelProfile as Profile
 from diffquant.quant.gptq_config import GPTQ
 from diffquant.quant.mitigate import Clip, Rotate, SmoothQuant
@@ -22,9 +23,9 @@ from diffquant.quant.recipe import Quantized, Recipe, quantize_
 from diffquant.quant.scheme import QuantScheme
 from diffquant.quant.solvers import AWQ
 
-__all__ = ["load", "windows", "profile", "Profile", "quantize_", "Recipe", "Quantized", "SmoothQuant", "Rotate",
-           "Clip", "GPTQ", "AWQ", "QuantScheme", "scheme", "perplexity", "multiple_choice", "sweep", "plot_sweep",
-           "registries"]
+__all__ = ["load", "load_pair", "windows", "profile", "Profile", "quantize_", "Recipe", "Quantized", "SmoothQuant",
+           "Rotate", "Clip", "GPTQ", "AWQ", "QuantScheme", "scheme", "perplexity", "multiple_choice", "sweep",
+           "plot_sweep", "train", "registries"]
 
 
 def load(source: str, *, device: str | None = None, dtype: str = "fp32", device_map=None, hub: bool = False,
@@ -111,6 +112,32 @@ def plot_sweep(rows: list[dict], out) -> list[Path]:
     from diffquant.report.sweep_plots import plot_sweep as plot
 
     return plot(rows, Path(out))
+
+
+def train(out, *, preset: str = "tiny", designs: Iterable[str] = ("baseline", "diff"), data: str = "kjv",
+          tokens: int = 1_000_000, resume: bool = False, device: str | None = None, progress: bool = False,
+          **settings) -> dict:
+    """Train matched models of `designs` (`dq.registries()["designs"]`) at `preset` on identical data: the same
+    batches in the same order, the same schedule and token budget; checkpoints in out/<design>, resumable.
+    `settings` are diffquant.train.TrainConfig's (lr, batch_size, seq_len, schedule, weight_decay, seed, track,
+    ...). Returns the run's metrics; `dq.load_pair(out)` loads the models."""
+    from diffquant.models.placement import resolve_device
+    from diffquant.train import TrainConfig, train_pair
+
+    try:
+        cfg = TrainConfig(preset=preset, archs=tuple(designs), corpus=data, tokens=tokens, **settings)
+    except ValueError as e:
+        raise DiffquantError(str(e)) from None
+    return train_pair(cfg, out, resolve_device(device), resume=resume, progress=progress)
+
+
+def load_pair(folder, designs: Iterable[str] | None = None, device: str | None = None) -> dict:
+    """{display name: (model, tokenizer)} of the designs `dq.train` saved in `folder` (default: all of them)."""
+    from diffquant.models.load import load_pair as pair
+
+    if designs is None:
+        designs = [p.name for p in sorted(Path(folder).iterdir()) if (p / "config.json").is_file()]
+    return pair(folder, device, tuple(designs))
 
 
 def registries() -> dict[str, list[str]]:

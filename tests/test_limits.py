@@ -15,7 +15,7 @@ from diffquant.models.context import context_length
 
 def test_over_long_window_refused_in_one_line_before_torch_loads():
     code = ("import sys, time; t = time.time()\n"
-            "from diffquant.cli import main\n"
+            "from diffquant_cli import main\n"  # the installed command's entry point
             "rc = main(['profile', '--model', 'tiny:diff', '--data', 'kjv', '--tokens', '64', '--seq-len', '100000',"
             " '--out', 'unused'])\n"
             "print(rc, 'torch' in sys.modules, round(time.time() - t, 3))")

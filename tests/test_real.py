@@ -101,7 +101,7 @@ def test_notebook_runs(tmp_path, quick_pairs):
         os.environ.pop("DIFFQUANT_QUICK")
         os.environ.pop("DIFFQUANT_NOTEBOOK_OUT")
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "logits int4" in outputs and "hidden-state top-1" in outputs
+    assert "logits int4" in outputs and "hidden-state top-1" in outputs and "smoothquant:0.5 → gptq → w8a8-static" in outputs
 
 
 def _experiment(script: str):
