@@ -93,3 +93,48 @@ def test_quantize_list_and_errors(capsys, tmp_path):
     assert "logits-int4" in text and "bnb-int8" in text
     assert main(["quantize", "--model", "x", "--backend", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown backend" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def quanto_kernels():
+    """optimum-quanto with its own CPU kernels: `quanto::unpack` is its C++ extension (unpack.cpp and a pybind
+    module, compiled with -O3 by torch.utils.cpp_extension at first use into quanto's package folder: about 55 s
+    on a fresh 2-core CI machine, cached for later runs of the same environment), never a stand-in."""
+    pytest.importorskip("optimum.quanto")
+    import optimum.quanto  # noqa: F401
+    from optimum.quanto.library.extensions import get_extension
+
+    def active_cpu_kernel() -> str:
+        return next(line for line in torch._C._dispatch_dump("quanto::unpack").splitlines() if line.startswith("CPU"))
+
+    assert "inactive" not in torch._C._dispatch_dump("quanto::unpack"), "quanto::unpack is replaced"
+    registered = active_cpu_kernel()
+    yield get_extension("quanto_cpp")
+    assert active_cpu_kernel() == registered
+
+
+@pytest.mark.slow
+def test_quanto_backends_through_the_evaluation_paths(ckpt, quanto_kernels):
+    """Every quanto backend through `language_modeling` and `profile_model` (the paths `quantize` and `profile`
+    take), with quanto's real kernels. quanto-w4 crashed there ("Cannot set version_counter for inference
+    tensor"): they ran under inference mode. The loss equals an independent cross-entropy of the same real
+    model's logits, and stays near the float model's."""
+    from diffquant.evaluate import language_modeling
+    from diffquant.profile import profile_model
+
+    ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
+    ref, _ = load_model(str(ckpt / "m"))
+    fp = language_modeling(ref, ids)["loss"]
+    for name in ("quanto-w4", "quanto-w8", "quanto-int8"):
+        model = load_real(name, ckpt / "m", calibration=ids[:2])
+        loss = language_modeling(model, ids)["loss"]
+        with torch.no_grad():
+            logits = model(ids).logits[:, :-1].double()
+        expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
+        assert loss == pytest.approx(expected, rel=1e-6), name
+        assert abs(loss - fp) < 0.05, name
+        prof = profile_model(model, ids, ["*.hidden"], progress=False)
+        with torch.no_grad():
+            hidden = model(ids, output_hidden_states=True).hidden_states[1]
+        assert prof.sites["layers.0.hidden"].topk.rank(1) == pytest.approx(float(hidden.abs().max()), rel=1e-6)
+    assert quanto_kernels._lib is not None  # quanto's C++ unpack was loaded and ran

@@ -110,7 +110,7 @@ def _quanto(model, name: str, calibration):
     if activations is not None:
         if calibration is None:
             raise DiffquantError("quanto-int8 quantizes activations and needs calibration data")
-        with Calibration(), torch.inference_mode():
+        with Calibration(), torch.no_grad():  # quanto's autograd.Function refuses inference tensors
             model(calibration, use_cache=False)
     freeze(model)
     model._diffquant_backend = name
