@@ -61,7 +61,7 @@ def _snr_db(ref, out):
 def test_real_backend_against_float_and_simulation(ckpt, name, request):
     backend = BACKENDS[name]
     if backend.package.startswith("optimum.quanto"):
-        request.getfixturevalue("quanto_without_a_compiler")
+        request.getfixturevalue("quanto_kernels")
     if importlib.util.find_spec(backend.package.split(".")[0]) is None:
         pytest.skip(f"{backend.package} not installed")
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -93,24 +93,6 @@ def test_quantize_list_and_errors(capsys, tmp_path):
     assert "logits-int4" in text and "bnb-int8" in text
     assert main(["quantize", "--model", "x", "--backend", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown backend" in capsys.readouterr().err
-
-
-@pytest.fixture(scope="module")
-def quanto_kernels():
-    """optimum-quanto with its own CPU kernels: `quanto::unpack` is its C++ extension (unpack.cpp and a pybind
-    module, compiled with -O3 by torch.utils.cpp_extension at first use into quanto's package folder: about 55 s
-    on a fresh 2-core CI machine, cached for later runs of the same environment), never a stand-in."""
-    pytest.importorskip("optimum.quanto")
-    import optimum.quanto  # noqa: F401
-    from optimum.quanto.library.extensions import get_extension
-
-    def active_cpu_kernel() -> str:
-        return next(line for line in torch._C._dispatch_dump("quanto::unpack").splitlines() if line.startswith("CPU"))
-
-    assert "inactive" not in torch._C._dispatch_dump("quanto::unpack"), "quanto::unpack is replaced"
-    registered = active_cpu_kernel()
-    yield get_extension("quanto_cpp")
-    assert active_cpu_kernel() == registered
 
 
 @pytest.mark.slow
