@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.frozen import frozen_weights
+from diffquant.frozen import evaluating
 from diffquant.taps import Batch, site_table, tapped
 
 
@@ -40,7 +40,7 @@ def channel_absmax(model, calibration: torch.Tensor, sites: Iterable[str], batch
     observers = {s.name: _ChannelAbsMax() for s in selected}
     batch = Batch()
     device = model.get_input_embeddings().weight.device
-    with tapped(model, {name: [o] for name, o in observers.items()}, batch), torch.inference_mode(), frozen_weights():
+    with tapped(model, {name: [o] for name, o in observers.items()}, batch), evaluating(model):
         for start in range(0, len(calibration), batch_size):
             ids = calibration[start:start + batch_size].to(device)
             batch.input_ids, batch.row_offset = ids, start

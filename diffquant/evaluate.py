@@ -7,7 +7,7 @@ import math
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.frozen import frozen_weights
+from diffquant.frozen import evaluating
 
 
 def input_device(model) -> torch.device:
@@ -35,7 +35,7 @@ def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progr
         raise DiffquantError(f"positions must be [{sequences.shape[0]}, {sequences.shape[1] - 1}] (the targets), "
                              f"got {list(positions.shape)}")
     losses, accs, picked = [], [], []
-    with torch.inference_mode(), frozen_weights():
+    with evaluating(model):
         for start in tqdm(range(0, len(sequences), batch_size), desc="eval", unit="batch", disable=not progress,
                           leave=False):
             ids = sequences[start:start + batch_size].to(device)
@@ -102,7 +102,7 @@ def multiple_choice(model, tokenizer, examples: list[dict], progress: bool = Fal
     batches = [group[k:k + max(1, batch_tokens // length)] for length, group in sorted(by_length.items())
                for k in range(0, len(group), max(1, batch_tokens // length))]
     loglik = [[0.0] * k for k in n_choices]
-    with torch.inference_mode(), frozen_weights():
+    with evaluating(model):
         for batch in tqdm(batches, desc="mc", disable=not progress, leave=False):
             keep = max(r[3] for r in batch) + 1  # the logits that predict the longest continuation
             ids = torch.tensor([r[2] for r in batch], device=device)

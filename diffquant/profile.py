@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.frozen import frozen_weights
+from diffquant.frozen import evaluating
 from diffquant.models.describe import describe
 from diffquant.stats import metric_sets as paper_sets
 from diffquant.stats.distributed import gather_merge, merge_across_ranks, rank_world
@@ -186,7 +186,7 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     mine = sequences[lo:hi]  # contiguous shards keep global row numbers simple
     batch = Batch()
     device = input_device(model)
-    with tapped(model, taps, batch), torch.inference_mode(), frozen_weights():
+    with tapped(model, taps, batch), evaluating(model):
         bar = tqdm(total=mine.numel(), unit="tok", desc=f"profile {label}", disable=not progress or rank != 0)
         for start in range(0, len(mine), batch_size):
             ids = mine[start:start + batch_size].to(device)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BEGIN, END = "<!-- support-table:begin -->", "<!-- support-table:end -->"
-BACKENDS = ("bnb-int8", "bnb-nf4", "torchao-int8", "torchao-int4wo", "quanto-int8", "quanto-w4")
+BACKENDS = ("bnb-int8", "bnb-nf4", "torchao-int8", "torchao-intx4wo", "quanto-int8", "quanto-w4")
 
 
 def _converted(float_model, real) -> float:

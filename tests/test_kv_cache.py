@@ -277,7 +277,7 @@ def test_cache_sites_on_a_fused_qkv_family():
 
 
 @pytest.mark.parametrize("family", ["llama", "diffllama-gqa"])
-def test_simulation_matches_transformers_quanto_cache(family, quanto_without_a_compiler):
+def test_simulation_matches_transformers_quanto_cache(family, quanto_kernels):
     """transformers' QuantizedCache (quanto backend: min-max groups along the head dim, axis 0, a residual
     of 4 tokens re-quantized with the cache when full) against diffquant's simulation of the same rule:
     the same logits at every decode step."""

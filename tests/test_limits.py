@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from diffquant import DiffquantError
 from diffquant.models.context import context_length
@@ -80,9 +81,37 @@ def test_memory_estimate_and_refusal(micro_pair, monkeypatch):
     assert est.weights == 4 * params
     assert est.activations == 12 * 2 * 512 * 176 * 4
     assert est.attention == 512 * 2 * 4 * 512 * 160  # 512 rows fit the budget: the whole window is one block
-    monkeypatch.setattr(memory, "available_bytes", lambda: 10 * 2**20)
-    with pytest.raises(DiffquantError, match=r"profiling m on \[2 × 512\] tokens needs about .* GiB .* 0.0 GiB are "
-                                             "available: lower --batch-size or --seq-len"):
-        memory.check_fits(model, 2, 512, "profiling m")
-    monkeypatch.setattr(memory, "available_bytes", lambda: 2**40)
-    assert memory.check_fits(model, 2, 512, "profiling m") == est
+    assert est.mask == 512 * 512  # one boolean [1, 1, T, T] mask, broadcast over the batch
+    asked = []
+
+    def free(device):
+        asked.append(device)
+        return est.activations + est.attention + est.mask - 1  # one byte short
+    with pytest.raises(DiffquantError, match=r"profiling m on \[2 × 512\] tokens needs about .* attention mask "
+                                             r".* GiB are available: lower --batch-size or --seq-len"):
+        memory.check_fits(model, 2, 512, "profiling m", free_bytes=free)
+    assert asked == [torch.device("cpu")]  # where the model's inputs go
+    assert memory.check_fits(model, 2, 512, "profiling m", free_bytes=lambda d: est.running) == est
+
+
+def test_memory_check_reads_the_gpu_for_a_cuda_model(micro_pair):
+    """On CUDA the free memory is the device's (torch.cuda.mem_get_info, here a fake reader given as a
+    parameter), never the host's MemAvailable; bf16 activations count 2 bytes."""
+    from diffquant import memory
+
+    model = micro_pair[0]
+    read = []
+
+    def mem_get_info(device):
+        read.append(device)
+        return 3 * 2**30, 80 * 2**30  # (free, total)
+    assert memory.available_bytes("cuda:1", cuda_free=mem_get_info) == 3 * 2**30
+    assert read == [torch.device("cuda:1")]
+    with pytest.raises(DiffquantError, match=r"3\.0 GiB are free on cuda:1"):
+        memory.check_fits(model, 8, 32_768, "profiling m", device="cuda:1",
+                          free_bytes=lambda d: memory.available_bytes(d, cuda_free=mem_get_info))
+    assert memory.available_bytes("cpu") == memory.host_available_bytes()
+    assert memory.available_bytes("mps") is None  # not measured: not refused
+    import copy
+
+    assert memory.estimate(copy.deepcopy(model).to(torch.bfloat16), 2, 64).activations == 12 * 2 * 64 * 176 * 2

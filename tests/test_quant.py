@@ -148,6 +148,57 @@ def test_ste_gradient():
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
+
+PRECISION = {torch.bfloat16: 8, torch.float16: 11}  # significant bits
+
+
+def _int8_grid_f32(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Symmetric int8 quantize-dequantize computed in float32 by numpy."""
+    return (np.clip(np.round(x / scale), -127, 127) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_fake_quant_is_the_float32_grid_rounded_once(dtype):
+    """A bf16/fp16 tensor fake-quantized at 8 bits is the float32 computation (numpy here) cast once to its
+    dtype, within 2^-p·|q·s| of the float32 grid point (p its significant bits), for dynamic scales and for a
+    static scale that clamps, also on a tensor that requires grad (weights always do: the straight-through form
+    x + (y − x) put clamped values off the grid by most of a step in bf16) and with a gradient still the identity."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 16, 64, generator=g) * torch.logspace(-1, 2, 64)).to(dtype)
+    x32 = x.float().numpy()
+    scale = (np.abs(x32).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    ref32 = _int8_grid_f32(x32, scale)
+    y = Q.dynamic_fake_quantize(x, Format("int", 8), G.PerToken(), HIDDEN)
+    assert y.dtype == dtype and torch.equal(y, torch.from_numpy(ref32).to(dtype))
+    bound = 2.0 ** -PRECISION[dtype] * np.abs(ref32)
+    assert (np.abs(y.float().numpy() - ref32) <= bound).all()
+    assert (np.abs(y.float().numpy() - ref32) <= 0.5 * scale).all()  # the error bound in steps: 127/256 < 1/2
+    static = np.float32(np.abs(x32).max() / 4 / 127)  # clamps the largest values
+    ref32 = _int8_grid_f32(x32, static)
+    w = x.clone().requires_grad_()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            y = Q.fake_quantize(w, torch.tensor(static), torch.tensor(0.0), Format("int", 8), G.PerTensor())
+        assert torch.equal(y, torch.from_numpy(ref32).to(dtype)), grad
+    Q.fake_quantize(w, torch.tensor(static), torch.tensor(0.0), Format("int", 8), G.PerTensor()).float().sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(w))
+
+
+def test_hadamard_quantizer_rotates_in_float32():
+    """A hadamard KV quantizer on bf16 keys: Q(x·H)·Hᵀ in float32, cast to bf16 once (it rotated in bf16)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 2, 8, 16, generator=g) * 3).bfloat16()
+    h = torch.tensor([[1.0]])
+    while h.shape[0] < 16:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = h / 4  # the normalised Sylvester matrix of order 16 (entries ±1/4, exact)
+    r = x.float() @ h
+    lo, hi = r.amin(-1, keepdim=True), r.amax(-1, keepdim=True)
+    s = (hi - lo) / 15
+    ref = ((((r - lo) / s).round().clamp(0, 15) * s + lo) @ h.T).bfloat16()
+    q = FakeQuant(QuantConfig(Format("int", 4, False, minmax=True), G.PerToken(), hadamard=True))
+    assert torch.equal(q(x, TapContext(Site("layers.0.k_cache", 0, POINTS["k_cache"]))), ref)
+
 def _logit_ctx(valid):
     return TapContext(Site("layers.0.attn_logits", 0, POINTS["attn_logits"]), valid=valid)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.frozen import frozen_weights
+from diffquant.frozen import evaluating
 
 CITIES = ("Paris", "London", "Tokyo", "Cairo", "Lima", "Oslo", "Rome", "Delhi", "Sydney", "Toronto", "Madrid", "Berlin",
           "Dublin", "Vienna", "Prague", "Athens", "Lisbon", "Warsaw", "Seoul", "Bangkok", "Nairobi", "Quito", "Havana",
@@ -100,7 +100,7 @@ def needle_accuracy(model, tokenizer, haystack_text: str, n_needles: int = 6, n_
     lines = haystack_text.splitlines()
     device = model.get_input_embeddings().weight.device
     outcomes, lengths = [], []
-    with torch.inference_mode(), frozen_weights():
+    with evaluating(model):
         for _ in range(examples):
             ex = make_example(lines, n_needles, n_queries, rng, context_chars)
             for prompt, answer in ex.queries:

@@ -78,7 +78,8 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
             elif (path / "diffquant_backend.json").is_file():
                 from diffquant.quant.backends import load_saved_real
 
-                model, tokenizer = load_saved_real(path), _tokenizer(path)
+                model, tokenizer = load_saved_real(path, device or "cpu"), _tokenizer(path)
+                device = None  # placed by the backend's loader (a bitsandbytes model refuses .to())
             else:
                 model, tokenizer = _from_pretrained(path, kwargs)
                 if scheme_file.is_file():

@@ -72,10 +72,17 @@ def run_cli(args) -> None:
     calib = corpus_windows(args.data, tokenizer, "train", args.seq_len, args.calib_batches * args.seq_len,
                            args.cache_dir, chars=200_000)
     evalset = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.tokens, args.cache_dir)
+    from diffquant.evaluate import input_device
+
+    device, dtype = input_device(model), model.dtype  # the float, simulated and real passes all run here
     result = {"model": args.model, "scheme": recipe.adjusted_scheme().to_dict(), "backend": args.backend,
-              "data": args.data, "recipe": recipe.to_dict(), "device": str(model.device), "dtype": args.dtype,
+              "data": args.data, "recipe": recipe.to_dict(),
               "mitigation": args.mitigate, "weights": recipe.solver.label() if recipe.solver else "rtn",
-              "calibration": {"split": "train", "sequences": len(calib), "tokens": int(calib.numel())}}
+              "calibration": {"split": "train", "sequences": len(calib), "tokens": int(calib.numel())},
+              "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+    if real:  # refused here, before any evaluation, where the kernels cannot run this model
+        for note in backends.check(args.backend, model, device):
+            print(note, flush=True)
     if not real and args.save_weights:
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
@@ -94,7 +101,8 @@ def run_cli(args) -> None:
         q.remove()
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
-            qmodel = backends.load_real(args.backend, tmp, calib[:8])
+            qmodel = backends.load_real(args.backend, tmp, calib[:8], device=device, dtype=dtype)
+        result["real_kernels"] = backends.kernels(qmodel, args.backend)
         result["real"] = _evaluate(qmodel, evalset, args.backend, args.batch_size)
         result["real"].pop("per_sequence_loss")
         result["real_bytes"] = backends.serialized_bytes(qmodel)
@@ -137,4 +145,6 @@ def summary_text(r: dict) -> str:
     if "real" in r:
         lines.append(f"  real        loss {r['real']['loss']:.4f}  ppl {r['real']['ppl']:.3f}  size {r['real_bytes']:,} B"
                      f"  (real - simulated loss: {r['gap_loss_real_minus_simulated']:+.4f})")
+        if "real_kernels" in r:
+            lines.append(f"  real kernels on {r['real_kernels']['device']}: {r['real_kernels']['computes']}")
     return "\n".join(lines)

@@ -79,13 +79,15 @@ class FakeQuant:
         `hadamard` (KV-cache sites only, see `scheme.plan`): each head's channels are quantized in the basis
         of a normalised Hadamard H and rotated back, Q(x·H)·Hᵀ: for keys what QuaRot's online rotation of Q
         and K after RoPE gives the logits, (q·H)·Q(k·H)ᵀ = q·(Q(k·H)·Hᵀ)ᵀ; for values what a rotation fused
-        into v_proj and o_proj gives the output. Masked positions come back as they were, not as x·H·Hᵀ."""
+        into v_proj and o_proj gives the output. Masked positions come back as they were, not as x·H·Hᵀ.
+        The rotation, the quantizer and the rotation back run in float32, cast to x's dtype once at the end
+        (see `Q.fake_quantize`)."""
         if self.config.hadamard:
-            h = rotation(x.shape[-1], x.dtype, x.device, ctx.site.name)
-            y = self._apply(x @ h, ctx)
+            h = rotation(x.shape[-1], torch.float32, x.device, ctx.site.name)
+            y = self._apply(x.float() @ h, ctx)
             if y is None:
                 return None
-            y = y @ h.T
+            y = (y @ h.T).to(x.dtype)
             return y if ctx.valid is None else Q.keep_masked(y, x, ctx.valid)
         return self._apply(x, ctx)
 

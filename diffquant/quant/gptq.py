@@ -60,7 +60,8 @@ def solve(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, gptq: GPTQ = GP
         s, z = scales(W, config)
         col_scale = s.squeeze(-1).repeat_interleave(group, dim=1)[:, :cols]
         col_zero = z.squeeze(-1).repeat_interleave(group, dim=1)[:, :cols]
-    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if gptq.act_order else torch.arange(cols)
+    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if gptq.act_order \
+        else torch.arange(cols, device=W.device)
     W, H = W[:, perm], H[perm][:, perm]
     if col_scale is not None:
         col_scale, col_zero = col_scale[:, perm], col_zero[:, perm]
@@ -71,7 +72,7 @@ def solve(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, gptq: GPTQ = GP
     block = group * max(1, gptq.block // group) if lazy_groups else gptq.block
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
-        W1, E1, U1 = W[:, i1:i2].clone(), torch.zeros(rows, i2 - i1, dtype=W.dtype), U[i1:i2, i1:i2]
+        W1, E1, U1 = W[:, i1:i2].clone(), torch.zeros(rows, i2 - i1, dtype=W.dtype, device=W.device), U[i1:i2, i1:i2]
         for i in range(i2 - i1):
             j = i1 + i
             if lazy_groups:

@@ -6,12 +6,15 @@ n = 2^k · m with m = 1 (Sylvester), m = q + 1 for a prime q ≡ 3 (mod 4) (Pale
 That covers every power of two, 576 = 16·36 (SmolLM2's width), 1536 = 128·12, 768 = 64·12, 5120 = 1024·(4+1)...
 `orthogonal(n, seed)` returns H/√n with random signs on its columns (a randomised Hadamard, as QuaRot) when
 n is covered, and otherwise a random orthogonal matrix (QR of a Gaussian, signs fixed) — also exact, just
-dense to apply. Both are float64.
+dense to apply. Both are float64, built on the host (a CPU generator draws the same signs for every device);
+callers move them to the device of the weights they rotate.
 """
 
 from __future__ import annotations
 
 import torch
+
+HOST = torch.device("cpu")  # where the matrices are built, see the module doc
 
 
 def _is_prime(q: int) -> bool:
@@ -26,32 +29,31 @@ def _legendre(a: int, q: int) -> int:
 
 
 def _jacobsthal(q: int) -> torch.Tensor:
-    idx = torch.arange(q)
-    return torch.tensor([[_legendre(int(i - j), q) for j in idx] for i in idx], dtype=torch.float64)
+    return torch.tensor([[_legendre(i - j, q) for j in range(q)] for i in range(q)], dtype=torch.float64, device=HOST)
 
 
 def _paley1(q: int) -> torch.Tensor:
     """Order q + 1, q prime ≡ 3 (mod 4)."""
     Q = _jacobsthal(q)
     n = q + 1
-    S = torch.zeros(n, n, dtype=torch.float64)
+    S = torch.zeros(n, n, dtype=torch.float64, device=HOST)
     S[0, 1:] = 1
     S[1:, 0] = -1
     S[1:, 1:] = Q
-    return S + torch.eye(n, dtype=torch.float64)
+    return S + torch.eye(n, dtype=torch.float64, device=HOST)
 
 
 def _paley2(q: int) -> torch.Tensor:
     """Order 2(q + 1), q prime ≡ 1 (mod 4)."""
     Q = _jacobsthal(q)
     n = q + 1
-    C = torch.zeros(n, n, dtype=torch.float64)
+    C = torch.zeros(n, n, dtype=torch.float64, device=HOST)
     C[0, 1:] = 1
     C[1:, 0] = 1
     C[1:, 1:] = Q
-    a = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
-    b = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
-    out = torch.zeros(2 * n, 2 * n, dtype=torch.float64)
+    a = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64, device=HOST)
+    b = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64, device=HOST)
+    out = torch.zeros(2 * n, 2 * n, dtype=torch.float64, device=HOST)
     for i in range(n):
         for j in range(n):
             c = C[i, j]
@@ -62,9 +64,9 @@ def _paley2(q: int) -> torch.Tensor:
 def _base(m: int) -> torch.Tensor | None:
     """A Hadamard matrix of order m from Paley's constructions, or None."""
     if m == 1:
-        return torch.ones(1, 1, dtype=torch.float64)
+        return torch.ones(1, 1, dtype=torch.float64, device=HOST)
     if m == 2:
-        return torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        return torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64, device=HOST)
     if _is_prime(m - 1) and (m - 1) % 4 == 3:
         return _paley1(m - 1)
     if m % 2 == 0 and _is_prime(m // 2 - 1) and (m // 2 - 1) % 4 == 1:
@@ -81,7 +83,7 @@ def hadamard(n: int) -> torch.Tensor | None:
         base = _base(n // 2**j)
         if base is not None:
             h = base
-            sylvester = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+            sylvester = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64, device=HOST)
             for _ in range(j):
                 h = torch.kron(sylvester, h)
             return h
@@ -93,7 +95,7 @@ def orthogonal(n: int, seed: int = 0) -> tuple[torch.Tensor, str]:
     g = torch.Generator().manual_seed(seed)
     h = hadamard(n)
     if h is not None:
-        signs = torch.randint(0, 2, (n,), generator=g).to(torch.float64) * 2 - 1
+        signs = torch.randint(0, 2, (n,), generator=g, device=HOST).to(torch.float64) * 2 - 1
         return h * signs / n**0.5, "hadamard"
-    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64, device=HOST))
     return q * torch.sign(torch.diagonal(r)), "random"

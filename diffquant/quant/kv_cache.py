@@ -30,6 +30,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from diffquant.errors import DiffquantError
+from diffquant.frozen import no_autograd
 from diffquant.quant.granularity import KVChannel
 from diffquant.taps.attention import CACHE_POINTS
 
@@ -164,29 +165,29 @@ def residual_requant_cache(model, scheme, residual: int) -> Cache:
     return Cache(layers=[ResidualRequantLayer(q, residual) for q in _layer_quantizers(model, scheme, both=True)])
 
 
-@torch.inference_mode()
 def decode_logits(model, ids: torch.Tensor, scheme, prompt: int, cache: Cache | None = None) -> torch.Tensor:
     """Logits of every position of `ids` [batch, T] computed the way a cache is used: the first `prompt`
     tokens in one forward, then one token per forward through `cache` (default: a write-once quantized
     cache of `scheme`)."""
     if not 1 <= prompt <= ids.shape[1]:
         raise DiffquantError(f"prompt length {prompt} must be within 1..{ids.shape[1]}")
-    cache = cache if cache is not None else write_once_cache(model, scheme)
-    out = [model(ids[:, :prompt], cache=cache, use_cache=True).logits]
-    for t in range(prompt, ids.shape[1]):
-        out.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
-    return torch.cat(out, dim=1)
+    with no_autograd(model):
+        cache = cache if cache is not None else write_once_cache(model, scheme)
+        out = [model(ids[:, :prompt], cache=cache, use_cache=True).logits]
+        for t in range(prompt, ids.shape[1]):
+            out.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
+        return torch.cat(out, dim=1)
 
 
-@torch.inference_mode()
 def decode_greedy(model, prompt_ids: torch.Tensor, scheme, new_tokens: int, cache: Cache | None = None) -> torch.Tensor:
     """Greedy continuation [batch, new_tokens] of `prompt_ids`, decoding through `cache` (default: a
     write-once quantized cache of `scheme`)."""
-    cache = cache if cache is not None else write_once_cache(model, scheme)
-    logits = model(prompt_ids, cache=cache, use_cache=True).logits[:, -1]
-    tokens = []
-    for _ in range(new_tokens):
-        nxt = logits.argmax(-1, keepdim=True)
-        tokens.append(nxt)
-        logits = model(nxt, cache=cache, use_cache=True).logits[:, -1]
-    return torch.cat(tokens, dim=1)
+    with no_autograd(model):
+        cache = cache if cache is not None else write_once_cache(model, scheme)
+        logits = model(prompt_ids, cache=cache, use_cache=True).logits[:, -1]
+        tokens = []
+        for _ in range(new_tokens):
+            nxt = logits.argmax(-1, keepdim=True)
+            tokens.append(nxt)
+            logits = model(nxt, cache=cache, use_cache=True).logits[:, -1]
+        return torch.cat(tokens, dim=1)

@@ -155,7 +155,14 @@ def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity |
                   compiled: bool = False, dims: tuple[str, ...] = ()) -> torch.Tensor:
     """Quantize-dequantize with a straight-through gradient (identity), in x's shape. `compiled` fuses
     the integer round trip with torch.compile (eager where it cannot compile); `dims` (the site's) are
-    needed by granularities that group positions."""
+    needed by granularities that group positions.
+
+    The arithmetic runs in float32 whatever x's dtype (x, scales and the dequantized grid value q·s), and
+    the result is cast to x's dtype once, rounding to nearest: exact for float32 x; for bfloat16 (8
+    significant bits) within 2⁻⁸·|q·s| of the float32 grid point, so at int8's largest codes (|q| up to 127)
+    up to half a step (127/256 of s) off the grid; for float16 (11 bits, normal range) within 2⁻¹¹·|q·s|. The
+    straight-through form adds x − x.detach() (exactly 0) to that value, so its forward value is the
+    rounded grid value itself, also where the quantizer clamps; without autograd nothing is added."""
     xf = x.detach() if x.dtype == torch.float32 else x.detach().float()
     if elementwise_groups(gran):
         xf = grouped(xf, gran, dims)[0]
@@ -168,8 +175,10 @@ def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity |
     elif position_runs(gran):
         pos = dims.index("pos")
         y = y.flatten(pos, pos + 1).narrow(pos, 0, x.shape[pos])
-    if x.requires_grad:
-        y = x + (y - x).detach()  # straight-through estimator
+    if x.requires_grad and torch.is_grad_enabled():
+        # straight-through estimator: y + (x − x.detach()) is y bit for bit; x + (y − x) is not where a clamp
+        # leaves x far from y (y − x rounds: in bfloat16 by most of a step, or several far outside the range)
+        y = y + (x - x.detach())
     return y
 
 

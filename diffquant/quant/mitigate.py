@@ -383,30 +383,30 @@ def _rotate(model, rot: Rotate, applied: Applied) -> None:
     if head.weight is embed.weight:  # tied: the head gets its own copy, since the two now differ
         head.weight = torch.nn.Parameter(embed.weight.detach().clone())
         applied._untied = True
-    dev = embed.weight.device
-    Qd = Q.to(dev)
-    applied.set(embed, "weight", embed.weight.double() @ Qd)
+    Qd = _on_device(Q)  # each weight is rotated on its own device (a model split over several GPUs)
+    applied.set(embed, "weight", embed.weight.double() @ Qd(embed.weight))
     kinds = {"residual": kind}
     for layer in layers:
         attn, mlp = _readers(layer)
         for norm, readers in ((layer.input_layernorm, attn), (layer.post_attention_layernorm, mlp)):
             gamma = norm.weight.double()
             for r in readers:
-                applied.set(r, "weight", (r.weight.double() * gamma) @ Qd)
+                applied.set(r, "weight", (r.weight.double() * gamma.to(r.weight.device)) @ Qd(r.weight))
             applied.set(norm, "weight", torch.ones_like(norm.weight))
         for writer in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            applied.set(writer, "weight", Qd.T @ writer.weight.double())
+            applied.set(writer, "weight", Qd(writer.weight).T @ writer.weight.double())
             if writer.bias is not None:
-                applied.set(writer, "bias", writer.bias.double() @ Qd)
+                applied.set(writer, "bias", writer.bias.double() @ Qd(writer.weight))
         down = layer.mlp.down_proj
         H, hkind = orthogonal(down.in_features, rot.seed + 1)
-        Hd = H.to(dev)
+        Hd = H.to(down.weight.device)
         kinds["down_in"] = hkind
         applied.set(down, "weight", down.weight.double() @ Hd)
         applied._handles.append(down.register_forward_pre_hook(_online(Hd), prepend=True))
     kinds["v_o"] = _rotate_values(layers, rot.seed, applied)
     norm = _final_norm(model)
-    applied.set(head, "weight", (head.weight.double() * norm.weight.double()) @ Qd)
+    applied.set(head, "weight", (head.weight.double() * norm.weight.double().to(head.weight.device))
+                @ Qd(head.weight))
     applied.set(norm, "weight", torch.ones_like(norm.weight))
     applied.record.update(seed=rot.seed, matrices=kinds)
 
@@ -441,15 +441,27 @@ def _rotate_values(layers, seed: int, applied: Applied) -> str:
     return kind
 
 
+def _on_device(m: torch.Tensor):
+    """weight → m on weight's device (float64), moved once per device."""
+    cache: dict = {}
+
+    def on(weight: torch.Tensor) -> torch.Tensor:
+        if weight.device not in cache:
+            cache[weight.device] = m.to(weight.device)
+        return cache[weight.device]
+
+    return on
+
+
 def _online(H: torch.Tensor):
-    """x → x·H before down_proj (and before any tap on its input)."""
+    """x → x·H before down_proj (and before any tap on its input), in x's dtype on x's device."""
     cache: dict = {}
 
     def hook(module, args):
         x = args[0]
-        h = cache.get(x.dtype)
+        h = cache.get((x.device, x.dtype))
         if h is None:
-            h = cache[x.dtype] = H.to(x.dtype)
+            h = cache[x.device, x.dtype] = H.to(device=x.device, dtype=x.dtype)
         return (x @ h, *args[1:])
 
     return hook

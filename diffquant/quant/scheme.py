@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffquant.errors import DiffquantError
-from diffquant.frozen import frozen_weights
+from diffquant.frozen import evaluating
 from diffquant.quant import granularity as G
 from diffquant.quant.config import QuantConfig, int_config
 from diffquant.quant.formats import Format
@@ -246,7 +246,7 @@ def calibrate(model, attachment, batches, device=None) -> None:
     for q in static:
         q.start_calibration()
     seen = 0
-    with torch.inference_mode(), frozen_weights():
+    with evaluating(model):
         for ids in batches:
             model(ids.to(device) if device else ids, use_cache=False)
             seen += 1

@@ -11,6 +11,7 @@ the massive-activation channel is 507 (see docs/weights).
 
 from __future__ import annotations
 
+import statistics
 from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
@@ -63,7 +64,7 @@ def find(model, calibration: torch.Tensor) -> list[dict]:
         c = int(contrib.abs().argmax())
         out.append({"layer": i, "row": r, "col": c, "weight": float(d.weight.detach()[r, c]), "output": y,
                     "input": float(x[c]), "share": float(contrib[c]) / y if y else 0.0, "peak": peak})
-    median = float(torch.tensor([o["peak"] for o in out]).median())
+    median = statistics.median_low([o["peak"] for o in out])  # the lower middle value, as torch.median
     for o in out:
         o["super"] = median > 0 and o["peak"] >= FACTOR * median
     return out
