@@ -179,7 +179,7 @@ def main(argv=None) -> None:
     from diffquant.quant import granularity as G
     from diffquant.quant.config import int_config
     from diffquant.quant.scheme import LAYER_WEIGHTS, QuantScheme, attach_scheme
-    from diffquant.sweep import versus_float
+    from diffquant.sweeps import versus_float
     from peers import SCRATCH, export_model
     from weight_solvers import CALIBRATION_WINDOWS, _data
 

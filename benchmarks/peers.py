@@ -207,7 +207,7 @@ print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_kib"
 
 # diffquant's own workflow: the streaming profile, nothing per token kept.
 DIFFQUANT = LOCAL_HEAD + r'''
-from diffquant.profile import profile_model
+from diffquant.profiler import profile_model
 
 prof = profile_model(model, ids, ARGS["sites"], batch_size=ARGS["batch_size"], k=100, progress=False)
 stats = {}

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import peers  # noqa: E402
 from diffquant.models.load import load_model  # noqa: E402
 from diffquant.paths import atomic_write_json  # noqa: E402
-from diffquant.profile import profile_model  # noqa: E402
+from diffquant.profiler import profile_model  # noqa: E402
 from diffquant.stats import site_stats  # noqa: E402
 from diffquant.stats.histogram import AbsHistogram, abs_magnitude_bins, magnitude_bins  # noqa: E402
 from diffquant.stats.moments import sum64  # noqa: E402

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from diffquant.models.load import load_model
-from diffquant.profile import profile_model
+from diffquant.profiler import profile_model
 from diffquant.quant.scheme import get_scheme, attach_scheme
 
 model, _ = load_model("tiny:diff")

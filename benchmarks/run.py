@@ -30,7 +30,7 @@ import torch
 
 from diffquant.allocator import keep_freed_memory
 from diffquant.models.presets import PRESETS, build_pair
-from diffquant.profile import StatsObserver, profile_model
+from diffquant.profiler import StatsObserver, profile_model
 from diffquant.quant import granularity as G
 from diffquant.quant import math as Q
 from diffquant.quant.formats import Format
@@ -248,7 +248,7 @@ import sys, torch
 from diffquant.allocator import keep_freed_memory
 keep_freed_memory()
 from diffquant.models.load import load_model
-from diffquant.profile import profile_model
+from diffquant.profiler import profile_model
 from diffquant.taps import attention
 seq, block = int(sys.argv[1]), int(sys.argv[2])
 attention.BLOCK = block
@@ -327,7 +327,7 @@ def bench_sweep(model, seqs, device, rounds: int) -> dict:
     """A four-bit-width logit sweep through `sweep.run_cells` (what `diffquant sweep` runs) vs four
     plain evaluations of the same sequences."""
     from diffquant.evaluate import language_modeling
-    from diffquant.sweep import Evaluator, build_cells, run_cells
+    from diffquant.sweeps import Evaluator, build_cells, run_cells
 
     cells = build_cells(["m"], ["attn_logits"], [16, 8, 6, 4], ["tensor"], None, None, {})
     evaluator = Evaluator(["ppl"], seqs, None, "", {})
@@ -349,7 +349,7 @@ import sys, torch
 from diffquant.allocator import keep_freed_memory
 keep_freed_memory()
 from diffquant.models.presets import PRESETS, build_pair
-from diffquant.profile import profile_model
+from diffquant.profiler import profile_model
 mode, n = sys.argv[1], int(sys.argv[2])
 model = build_pair(PRESETS["tiny"])[1]
 ids = torch.randint(0, 4096, (n, 128))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterable
 
 from diffquant.errors import DiffquantError
-from diffquant.profile import ModelProfile as Profile
+from diffquant.profiler import ModelProfile as Profile
 from diffquant.quant.gptq_config import GPTQ
 from diffquant.quant.mitigate import Clip, Rotate, SmoothQuant
 from diffquant.quant.recipe import Quantized, Recipe, quantize_
@@ -60,7 +60,7 @@ def profile(model, windows, sites: Iterable[str] = ("*.attn_logits", "*.hidden")
     papers' metric sets (diff-table5, sun2024, gu2024, bondarenko2023, bondarenko2023-linear). Returns a
     Profile: `.table()`, `.save(folder)` (report, figures, and the profile itself), `Profile.load(folder)`,
     `.merge(other)`."""
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
 
     return profile_model(model, windows, list([sites] if isinstance(sites, str) else sites), batch_size=batch_size,
                          k=k, sinks=sinks, metrics=metrics, compile=compile, label=label, progress=progress)
@@ -96,7 +96,7 @@ def sweep(models: dict, data: str, out, *, sites: Iterable[str] = ("attn_logits"
     """Evaluate every cell (model × site × bits × granularity, whole-model schemes, a weight × activation grid,
     per-layer sensitivity; × fixes × weight solvers) of `models` ({label: (model, tokenizer)}) on the
     validation split of `data`, resumably into `out` (cells.jsonl, results.csv/json); returns the rows."""
-    from diffquant.sweep import run_sweep
+    from diffquant.sweeps import run_sweep
 
     return run_sweep(models, data, Path(out), sites=list(sites), bits=list(bits), granularities=list(granularities),
                      schemes=list(schemes), fixes=list(fixes), weights=list(weights),
@@ -119,10 +119,10 @@ def train(out, *, preset: str = "tiny", designs: Iterable[str] = ("baseline", "d
           **settings) -> dict:
     """Train matched models of `designs` (`dq.registries()["designs"]`) at `preset` on identical data: the same
     batches in the same order, the same schedule and token budget; checkpoints in out/<design>, resumable.
-    `settings` are diffquant.train.TrainConfig's (lr, batch_size, seq_len, schedule, weight_decay, seed, track,
+    `settings` are diffquant.training.TrainConfig's (lr, batch_size, seq_len, schedule, weight_decay, seed, track,
     ...). Returns the run's metrics; `dq.load_pair(out)` loads the models."""
     from diffquant.models.placement import resolve_device
-    from diffquant.train import TrainConfig, train_pair
+    from diffquant.training import TrainConfig, train_pair
 
     try:
         cfg = TrainConfig(preset=preset, archs=tuple(designs), corpus=data, tokens=tokens, **settings)
@@ -142,6 +142,6 @@ def load_pair(folder, designs: Iterable[str] | None = None, device: str | None =
 
 def registries() -> dict[str, list[str]]:
     """Every name the API and the command line accept, by registry (what `diffquant list` prints)."""
-    from diffquant.registries import names
+    from diffquant.catalog import names
 
     return names()

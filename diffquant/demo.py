@@ -41,7 +41,7 @@ SEQ = 256
 
 
 def _pair(cfg: DemoConfig, cache: str | None, device: str) -> tuple[Path, dict]:
-    from diffquant.train import TrainConfig, train_pair
+    from diffquant.training import TrainConfig, train_pair
 
     tcfg = TrainConfig(preset=cfg.preset, corpus=cfg.corpus, tokens=cfg.train_tokens, seed=cfg.seed,
                        eval_every=max(50, cfg.train_tokens // (16 * SEQ * 4)), save_every=100,
@@ -58,11 +58,11 @@ def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool =
     from diffquant.data.tokens import encode, sequences
     from diffquant.models.load import load_model, load_pair
     from diffquant.commands.common import prepare_out
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
     from diffquant.report.emergence_plots import plot_emergence
     from diffquant.report.profile_report import profile_json, sink_rows, table5_rows, write_report
     from diffquant.report.sweep_plots import plot_sweep
-    from diffquant.sweep import Evaluator, build_cells, run_cells, write_results
+    from diffquant.sweeps import Evaluator, build_cells, run_cells, write_results
 
     out = prepare_out(out, force, "report.md")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -187,7 +187,7 @@ def named_rows(rows: list[list]) -> list[list]:
 
 
 def wa_rows(rows: list[dict]) -> list[list]:
-    from diffquant.sweep import cell_text
+    from diffquant.sweeps import cell_text
 
     return [[r["model"], r["wbits"], r["bits"], cell_text(r, "ppl")] for r in rows if r["kind"] == "wa"]
 
@@ -201,7 +201,7 @@ def render_report(s: dict, seed_note: str = ONE_SEED) -> str:
     passes one that reconciles the demo with the three-seed comparison of the same setting)."""
     from diffquant.report.profile_report import KIND_TITLE, PAPER_TABLE5, SINK_HEADER, TABLE5_HEADER
     from diffquant.report.tables import markdown
-    from diffquant.sweep import summary_table
+    from diffquant.sweeps import summary_table
 
     cfg, ev = s["config"], s["eval"]
     params = s["train"]["DIFF"]["parameters"]
@@ -265,7 +265,7 @@ def render_report(s: dict, seed_note: str = ONE_SEED) -> str:
 def run_cli(args) -> None:
     from diffquant.report.profile_report import TABLE5_HEADER
     from diffquant.report.tables import markdown
-    from diffquant.sweep import summary_table
+    from diffquant.sweeps import summary_table
 
     cfg = QUICK if args.quick else DemoConfig()
     out = Path(args.out)

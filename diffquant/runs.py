@@ -11,7 +11,7 @@ from diffquant.paths import atomic_write_json
 
 
 def start_run(out: str | Path, settings, device: str) -> Path:
-    from diffquant.train import environment_record
+    from diffquant.training import environment_record
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

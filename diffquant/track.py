@@ -30,7 +30,7 @@ def track_steps(total: int, points: int) -> list[int]:
 def snapshot(model, batch: torch.Tensor, step: int, tokens: int, metrics: tuple[str, ...] = ()) -> dict:
     """One emergence point: the model's statistics on `batch` ([n, seq_len]) after `step` updates."""
     from diffquant.evaluate import language_modeling
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
     from diffquant.taps import site_table
 
     was_training = model.training

@@ -71,7 +71,7 @@ def demo_part() -> list[str]:
     from diffquant.report.profile_report import SINK_HEADER, TABLE5_HEADER
     from diffquant.report.style import display
     from diffquant.report.tables import markdown
-    from diffquant.sweep import summary_table
+    from diffquant.sweeps import summary_table
 
     s = _load("docs/demo/summary.json")
     if s is None or "eval" not in s:

@@ -41,7 +41,7 @@ def refresh_sweep(folder: Path) -> dict[str, dict]:
     results.json/csv in place. Returns {key: flat row}."""
     from diffquant.paths import atomic_write_text
     from diffquant.stats.intervals import ppl_interval
-    from diffquant.sweep import NATIVE, _flat, load_done, versus_float, write_results
+    from diffquant.sweeps import NATIVE, _flat, load_done, versus_float, write_results
 
     done = load_done(folder)
     fp = {r["model"]: r["metrics"] for r in done.values()

@@ -33,7 +33,7 @@ from diffquant.report.tables import markdown  # noqa: E402
 from diffquant.runs import start_run  # noqa: E402
 from diffquant.stats.intervals import fmt_pm  # noqa: E402
 from diffquant.stats.sinks import SINK_DEFINITION  # noqa: E402
-from diffquant.train import TrainConfig, prepare_data, train_pair  # noqa: E402
+from diffquant.training import TrainConfig, prepare_data, train_pair  # noqa: E402
 
 RATIO, SINK = 100.0, 0.5  # the outlier regime: hidden top-1 / median, or sink rate (Gu et al.'s ε = 0.3)
 EVAL_SEQUENCES = 64  # held-out sequences for the final measurements

@@ -117,7 +117,7 @@ EXPERIMENTS = {
 
 
 def train_config(e: Experiment, design: str, lr: float, seed: int, tokens: int):
-    from diffquant.train import TrainConfig
+    from diffquant.training import TrainConfig
 
     return TrainConfig(**{**e.train, "lr": lr, "seed": seed, "tokens": tokens, "archs": (design,), "track": True,
                           "track_points": e.track_points, "eval_tokens": e.eval_sequences * e.train["seq_len"]})
@@ -189,7 +189,7 @@ def describe_plan(plan: dict) -> str:
 def held_out_and_calibration(e: Experiment, folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Held-out sequences (the validation split) and calibration sequences (a draw of the training split of its
     own: the generator is vectorised, so they are not the first windows a training run sees)."""
-    from diffquant.train import prepare_data
+    from diffquant.training import prepare_data
 
     seq_len = e.train["seq_len"]
     cfg = train_config(e, e.designs[0], e.lrs[0], 0, e.calibration_sequences * seq_len)
@@ -202,7 +202,7 @@ def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs
     """Train (resuming) and measure one cell, or read its measurements (under `cells`) when it is finished."""
     from transformers import AutoModelForCausalLM
 
-    from diffquant.train import train_pair
+    from diffquant.training import train_pair
     from measure import measure
 
     folder = cell_folder(runs, design, lr, seed)

@@ -101,7 +101,7 @@ def run(s: Settings, out: Path, report_only: bool = False) -> dict:
     from diffquant.models.load import load_model
     from diffquant.paths import atomic_write_json, atomic_write_text
     from diffquant.runs import start_run
-    from diffquant.sweep import task_label
+    from diffquant.sweeps import task_label
     from diffquant.task_selection import RULE, select
 
     torch.set_num_threads(s.threads)

@@ -131,7 +131,7 @@ def render(doc: dict) -> str:
 def pair_head(doc: dict, seeds: dict) -> str:
     """The table's preamble for a trained pair (`--pair`): its setting in place of the fair comparison's."""
     from diffquant.report.style import display
-    from diffquant.train import TrainConfig
+    from diffquant.training import TrainConfig
 
     o = doc["setting"]
     return (f"Post-training fixes on the `{doc['pair']}` pair (experiments/rivals.py's setting: preset {o['preset']}, "
@@ -249,7 +249,7 @@ def pair_main(a) -> None:
 
     from diffquant.errors import DiffquantError
     from diffquant.models.fused import fuse
-    from diffquant.train import prepare_data
+    from diffquant.training import prepare_data
 
     torch.set_num_threads(a.threads)
     runs = Path(a.runs or "runs/rivals") / a.pair

@@ -52,11 +52,11 @@ def run(s: Settings, out: Path, pairs: Path | None = None) -> None:
     from diffquant.data.tokens import encode, sequences
     from diffquant.models.load import load_pair
     from diffquant.paths import atomic_write_json
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
     from diffquant.report.profile_report import write_report
     from diffquant.report.sweep_plots import plot_sweep
     from diffquant.runs import start_run
-    from diffquant.sweep import Evaluator, build_cells, run_cells, summary_table
+    from diffquant.sweeps import Evaluator, build_cells, run_cells, summary_table
 
     dev = device()
     out = start_run(out, s, dev)

@@ -87,7 +87,7 @@ def describe(plan: dict) -> str:
 
 
 def train_config(plan: dict, arm: str, lr: float, seed: int):
-    from diffquant.train import TrainConfig
+    from diffquant.training import TrainConfig
 
     seq_len = plan["setting"]["train"]["seq_len"]
     return TrainConfig(**{**plan["setting"]["train"], "lr": lr, "seed": seed, "archs": (arm,),
@@ -98,7 +98,7 @@ def data(plan: dict, folder: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """Held-out sequences (validation split), their copy positions, and the calibration draw (a training-split
     draw of its own: the generator is vectorised, so these are not the first windows a run sees)."""
     from diffquant.data.synthetic import copy_targets, parse
-    from diffquant.train import prepare_data
+    from diffquant.training import prepare_data
 
     seq_len = plan["setting"]["train"]["seq_len"]
     cfg = train_config(plan, plan["arms"][0], plan["lr"], 0)
@@ -142,7 +142,7 @@ def run_cell(plan: dict, arm: str, lr: float, seed: int, runs: Path, out: Path, 
     from transformers import AutoModelForCausalLM
 
     from diffquant.models.fused import fuse
-    from diffquant.train import train_pair
+    from diffquant.training import train_pair
 
     done = cell_path(out, arm, lr, seed)
     if done.is_file():

@@ -8,7 +8,7 @@ import math
 import torch
 
 from diffquant.evaluate import language_modeling
-from diffquant.profile import profile_model
+from diffquant.profiler import profile_model
 from diffquant.stats.intervals import paired, t_interval
 
 # key: (label, digits). Scale-free first: the designs' residual scales differ up to 10× (hidden medians 1.15-12.8

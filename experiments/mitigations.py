@@ -35,7 +35,7 @@ def models_to_run(which, runs: Path, quick: bool) -> dict[str, tuple[str, object
     from emergence import config
     from rivals import DEMO, regime_setting
 
-    from diffquant.train import TrainConfig, train_pair
+    from diffquant.training import TrainConfig, train_pair
 
     out = {}
     if "smollm2" in which:
@@ -70,7 +70,7 @@ def held_out_and_calibration(tok, run, tokens: int):
     from diffquant.data.corpora import load_text, split
     from diffquant.data.synthetic import is_synthetic
     from diffquant.data.tokens import encode, sequences
-    from diffquant.train import TrainConfig, prepare_data
+    from diffquant.training import TrainConfig, prepare_data
 
     if run is None:
         train_text, val = split(load_text("kjv")[0])
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     from diffquant.data.tasks import load_task
     from diffquant.models.load import load_model
     from diffquant.runs import start_run
-    from diffquant.sweep import Cell, Evaluator, run_cells
+    from diffquant.sweeps import Cell, Evaluator, run_cells
 
     out = start_run(a.out, vars(a), "cpu")
     which = ["demo", "regime"] if a.quick else a.models
@@ -140,7 +140,7 @@ def render(doc: dict) -> str:
     """results.md from results.json: perplexity [exp of the loss's 95% t-interval] per model × scheme × fix, the
     paired change from float, and the caveat of weight-quantization rows on a model whose weights were quantized."""
     from diffquant.report.tables import markdown
-    from diffquant.sweep import cell_text
+    from diffquant.sweeps import cell_text
 
     rows, sources = doc["rows"], doc["sources"]
     table = [r for r in rows if r["kind"] == "act"] + [r for r in rows if r["kind"] == "scheme"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from diffquant.train import TrainConfig, train_pair
+from diffquant.training import TrainConfig, train_pair
 
 
 def device() -> str:
@@ -40,7 +40,7 @@ def sweep_pair(folder: Path, dev: str, val: str, evals: list[str], eval_tokens: 
     from diffquant.data.tokens import encode, sequences
     from diffquant.models.load import load_pair
     from diffquant.report.sweep_plots import plot_sweep
-    from diffquant.sweep import Evaluator, build_cells, run_cells
+    from diffquant.sweeps import Evaluator, build_cells, run_cells
 
     models = load_pair(folder, dev)
     evalset = sequences(encode(models["DIFF"][1], val), 256, eval_tokens)

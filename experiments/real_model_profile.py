@@ -36,7 +36,7 @@ def run(s: Settings, out: Path) -> None:
     from diffquant.data.corpora import load_text, split
     from diffquant.data.tokens import encode, sequences
     from diffquant.models.load import load_model
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
     from diffquant.report.profile_report import massive_activations, write_report
     from diffquant.report.style import display
     from diffquant.runs import start_run

@@ -103,7 +103,7 @@ def report(cells: dict, out: Path) -> dict | None:
     from diffquant.report.emergence_plots import plot_emergence
     from diffquant.report.style import display
     from diffquant.report.tables import markdown
-    from diffquant.train import TrainConfig
+    from diffquant.training import TrainConfig
 
     recipe = next((c for (d, lr), c in cells.items() if d == RECIPE[0] and math.isclose(lr, RECIPE[1])), None)
     if recipe is None:

@@ -45,7 +45,7 @@ def run(s: Settings, out: Path, pairs: Path | None = None) -> None:
     from diffquant.data.tokens import encode, sequences
     from diffquant.models.load import load_pair
     from diffquant.paths import atomic_write_text
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
     from diffquant.report.profile_report import TABLE5_RANKS, write_report
     from diffquant.report.tables import markdown
     from diffquant.runs import fmt_ms, start_run

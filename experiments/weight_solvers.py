@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     from diffquant.quant import solvers
     from diffquant.quant.scheme import get_scheme, attach_scheme
     from diffquant.runs import start_run
-    from diffquant.sweep import versus_float
+    from diffquant.sweeps import versus_float
 
     out = start_run(a.out, vars(a), "cpu")
     model, _, seqs, calib, label = _data(a.quick, a.calibration)

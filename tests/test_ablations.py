@@ -159,7 +159,7 @@ def test_betas_reach_adamw_and_survive_a_json_round_trip(tmp_path):
     import json
     from dataclasses import asdict
 
-    from diffquant.train import TrainConfig
+    from diffquant.training import TrainConfig
 
     cfg = TrainConfig(betas=(0.9, 0.99), grad_clip=0.0)
     assert json.loads(json.dumps(asdict(cfg)))["betas"] == [0.9, 0.99]

@@ -10,7 +10,7 @@ from transformers import AttentionInterface
 
 from diffquant import DiffquantError
 from diffquant.models.matrix import FAMILIES, VOCAB
-from diffquant.profile import profile_model
+from diffquant.profiler import profile_model
 from diffquant.quant.scheme import get_scheme, attach_scheme
 from diffquant.taps import site_table, tapped
 

@@ -32,10 +32,8 @@ def test_help_is_fast_and_light():
         assert not imported & {"torch", "transformers"}, argv
 
 
-def _help(capsys, command: str) -> str:
-    import os
-
-    os.environ["COLUMNS"] = "100000"  # one line per help text: argparse would wrap inside names with hyphens
+def _help(capsys, monkeypatch, command: str) -> str:
+    monkeypatch.setenv("COLUMNS", "100000")  # one line per help text: argparse would wrap inside hyphenated names
     with pytest.raises(SystemExit):
         main([command, "--help"])
     return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
@@ -48,10 +46,10 @@ REGISTRY_FLAGS = {  # command: the registries its help must list in full
 
 
 @pytest.mark.parametrize("command", list(REGISTRY_FLAGS))
-def test_help_lists_every_registry_entry(capsys, command):
-    from diffquant.registries import names
+def test_help_lists_every_registry_entry(capsys, monkeypatch, command):
+    from diffquant.catalog import names
 
-    text = _help(capsys, command)
+    text = _help(capsys, monkeypatch, command)
     for registry in REGISTRY_FLAGS[command]:
         missing = [n for n in names()[registry] if n not in text and n != "fake"]
         assert not missing, (command, registry, missing)

@@ -71,7 +71,7 @@ def test_the_cli_refuses_an_unknown_corpus_before_loading_anything(tmp_path, cap
 
 
 def test_train_resolves_synth_bb(tmp_path):
-    from diffquant.train import TrainConfig, prepare_data
+    from diffquant.training import TrainConfig, prepare_data
 
     data = prepare_data(TrainConfig(preset="micro", corpus=SOURCE, tokens=4 * 32, seq_len=32, batch_size=2,
                                     eval_tokens=64), tmp_path)

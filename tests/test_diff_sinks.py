@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffquant.profile import profile_model
+from diffquant.profiler import profile_model
 from diffquant.stats.sinks import LayerSinks, model_sink_rates
 
 

@@ -9,7 +9,7 @@ import torch
 from diffquant import DiffquantError
 from diffquant.data import synthetic
 from diffquant.track import track_steps
-from diffquant.train import TrainConfig, prepare_data, train_model, train_pair
+from diffquant.training import TrainConfig, prepare_data, train_model, train_pair
 
 
 def test_bigram_backcopy_rules():

@@ -110,7 +110,7 @@ def test_majority_rate():
 def test_sweep_mcnemar_against_scipy():
     from scipy.stats import binomtest
 
-    from diffquant.sweep import _flat, versus_float
+    from diffquant.sweeps import _flat, versus_float
 
     fp = {"t_correct": [1] * 40 + [0] * 20 + [1] * 10 + [0] * 30, "t_correct_norm": [1, 0] * 50}
     q = {"t_correct": [1] * 40 + [1] * 4 + [0] * 16 + [0] * 10 + [0] * 30, "t_correct_norm": [1, 0] * 50}
@@ -125,7 +125,7 @@ def test_sweep_mcnemar_against_scipy():
 
 def test_scheme_cells_and_accuracy_figure(tmp_path):
     from diffquant.report.sweep_plots import plot_sweep
-    from diffquant.sweep import build_cells
+    from diffquant.sweeps import build_cells
 
     cells = build_cells(["m"], ["attn_logits"], [16, 8, 4], ["tensor", "head"], None, None, {}, schemes=["w4a16"])
     assert [c.kind for c in cells].count("scheme") == 1 and cells[-1].scheme().name == "w4a16"
@@ -148,7 +148,7 @@ def test_scheme_cells_and_accuracy_figure(tmp_path):
 
 def test_row_after_a_cut_line_survives(tmp_path):
     """A sweep interrupted mid-write leaves a cut last line; the next row appended must stay readable."""
-    from diffquant.sweep import append_row, load_done
+    from diffquant.sweeps import append_row, load_done
 
     (tmp_path / "cells.jsonl").write_text('{"key": "a", "x": 1}\n{"key": "b", "x"')
     append_row(tmp_path, {"key": "c", "x": 3})
@@ -177,7 +177,7 @@ def test_fig8_real_model_quick(tmp_path):
 
 
 def test_summary_table_names_the_interval_it_shows():
-    from diffquant.sweep import summary_table
+    from diffquant.sweeps import summary_table
 
     base = {"model": "m", "kind": "act", "site": "attn_logits", "granularity": "tensor", "mitigate": "none"}
     acc = [{**base, "bits": 16, "scheme": "fp", "t_acc": 0.6, "t_acc_ci95": [0.5, 0.7], "t_examples": 300},

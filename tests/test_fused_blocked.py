@@ -8,7 +8,7 @@ import torch
 
 from diffquant.models.fused import fuse
 from diffquant.models.presets import PRESETS, build
-from diffquant.profile import profile_model
+from diffquant.profiler import profile_model
 from diffquant.quant.config import int_config
 from diffquant.quant import granularity as G
 from diffquant.quant.scheme import QuantScheme, attach_scheme

@@ -179,7 +179,7 @@ def test_quantize_cli_with_gptq_round_trip(micro_pair, tmp_path):
 
 
 def test_sweep_weights_axis(micro_pair, tmp_path):
-    from diffquant.sweep import Cell, build_cells, run_cells
+    from diffquant.sweeps import Cell, build_cells, run_cells
 
     cells = build_cells(["m"], [], [16], ["tensor"], [4], None, {"m": 2}, ["none"], solvers=["rtn", "gptq"])
     assert [c.weights for c in cells if c.kind == "wa"] == ["rtn", "gptq"]

@@ -339,7 +339,7 @@ def test_quantize_cli_with_a_kv_scheme_and_refusal(saved, tmp_path, capsys):
 
 
 def test_profile_counts_each_kv_head_once(llama_gqa, ids):
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
 
     prof = profile_model(llama_gqa, ids, ["*.k_cache"], batch_size=2)
     cfg = llama_gqa.config

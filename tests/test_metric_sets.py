@@ -11,7 +11,7 @@ import scipy.stats
 import torch
 
 from diffquant import DiffquantError
-from diffquant.profile import ModelProfile, profile_model
+from diffquant.profiler import ModelProfile, profile_model
 from diffquant.stats import metric_sets
 from diffquant.stats.site_stats import SiteStats
 from diffquant.taps.sites import TOKENS
@@ -255,7 +255,7 @@ def test_accumulators_merge_exactly(micro_pair):
 
 def test_tracking_snapshots_carry_lambda_shares_and_metric_sets(micro_pair):
     from diffquant.track import snapshot
-    from diffquant.train import TrainConfig
+    from diffquant.training import TrainConfig
 
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(12))
     point = snapshot(micro_pair[1], ids, 0, 0, ("gu2024", "sun2024"))

@@ -223,7 +223,7 @@ def test_mitigations_experiment_evaluates_each_pair_on_its_own_corpus(tmp_path):
 
     from diffquant.data.corpora import split
     from diffquant.data.tokens import encode
-    from diffquant.train import TrainConfig, prepare_data
+    from diffquant.training import TrainConfig, prepare_data
 
     exp = load_script_module("experiments/mitigations.py", "mitigations_experiment")
 

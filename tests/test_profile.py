@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffquant.cli import main
-from diffquant.profile import profile_model
+from diffquant.profiler import profile_model
 from diffquant.report.profile_report import int8_outlier_features, massive_activations
 
 TEXT = "\n".join(f"And the {w} said unto the {v}, behold the {u} of the land." for w, v, u in

@@ -105,7 +105,7 @@ def test_quanto_backends_through_the_evaluation_paths(ckpt, quanto_kernels):
     tensor"): they ran under inference mode. The loss equals an independent cross-entropy of the same real
     model's logits, and stays near the float model's."""
     from diffquant.evaluate import language_modeling
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
 
     ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
     ref, _ = load_model(str(ckpt / "m"))

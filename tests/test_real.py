@@ -52,7 +52,7 @@ def test_smollm2_generates_paris(smollm):
 
 
 def test_smollm2_profile_matches_output_hidden_states(smollm):
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
 
     model, tok = smollm
     ids = tok("In the beginning God created the heaven and the earth. And the earth was without form, and void.",

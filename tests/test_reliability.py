@@ -91,7 +91,7 @@ def test_atomic_write_leaves_nothing_partial(tmp_path, monkeypatch):
 
 
 def test_fp16_overflow_is_counted_and_stats_stay_finite(micro_pair):
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
 
     model = micro_pair[0]
     handle = model.model.layers[0].register_forward_hook(
@@ -106,7 +106,7 @@ def test_fp16_overflow_is_counted_and_stats_stay_finite(micro_pair):
 
 
 def test_same_seed_same_statistics(micro_pair):
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
 
     ids = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(3))
     a = profile_model(micro_pair[1], ids, progress=False)

@@ -54,7 +54,7 @@ def test_verdict_words():
 
 def test_sweep_cell_text_writes_one_perplexity_interval():
     from diffquant.stats.intervals import paired, ppl_interval
-    from diffquant.sweep import cell_text, versus_float
+    from diffquant.sweeps import cell_text, versus_float
 
     fp = [4.2, 4.5, 4.4, 4.7, 4.3, 4.6]
     q = [x + dx for x, dx in zip(fp, (0.02, 0.03, 0.01, 0.05, 0.02, 0.04))]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffquant.profile import profile_model
+from diffquant.profiler import profile_model
 from diffquant.stats.sinks import first_key_mass, norm_ratio
 
 BOS = 1

@@ -6,7 +6,7 @@ import torch
 from diffquant import DiffquantError
 from diffquant.cli import main
 from diffquant.evaluate import language_modeling, multiple_choice
-from diffquant.sweep import Cell, build_cells, parse_bits
+from diffquant.sweeps import Cell, build_cells, parse_bits
 
 
 def test_cells_and_bits():
@@ -140,7 +140,7 @@ def test_lm_eval_adapter_agrees_with_own_scoring(tmp_path, micro_pair):
 @pytest.mark.slow
 def test_compiled_sweep_equals_eager(tmp_path, micro_pair):
     """`sweep --compile` (fused fake quantizers) gives the same metrics as the eager sweep."""
-    from diffquant.sweep import Evaluator, run_cells
+    from diffquant.sweeps import Evaluator, run_cells
 
     model = micro_pair[1]
     seqs = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))

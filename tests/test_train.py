@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from diffquant import DiffquantError
 from diffquant.data.corpora import split
-from diffquant.train import TrainConfig, batch_at, lr_at, prepare_data, train_model, train_pair, unigram_entropy
+from diffquant.training import TrainConfig, batch_at, lr_at, prepare_data, train_model, train_pair, unigram_entropy
 
 WORDS = "light darkness water earth heaven king people city servant son daughter house field bread wine".split()
 

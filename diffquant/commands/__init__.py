@@ -1,7 +1,7 @@
 """Sub-command parsers, declared in one place from shared argument groups, so a flag means the same on
 every command that takes it (model: --model --hub --device --dtype --device-map --batch-size --cache-dir;
 data: --data --tokens --seq-len; sites: one glob grammar; the recipe: --scheme --mitigate --weights). Help
-texts list the registries themselves (diffquant/registries.py), never a hand-typed copy. Each command's
+texts list the registries themselves (diffquant/catalog.py), never a hand-typed copy. Each command's
 module is imported only when it runs, so `diffquant --help` never loads torch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from diffquant.registries import choices
+from diffquant.catalog import choices
 
 
 def _lazy(module: str, name: str):
@@ -73,7 +73,7 @@ def validate(args) -> None:
         parse_solver(text)
     for key in ("bits", "wa_grid"):
         if getattr(args, key, None):
-            from diffquant.sweep import parse_bits
+            from diffquant.sweeps import parse_bits
 
             parse_bits(getattr(args, key))
     for g in split_list(getattr(args, "granularity", None)):
@@ -317,7 +317,7 @@ def _demo(sub) -> None:
 def _list(sub) -> None:
     p = _parser(sub, "list", "every registry: schemes, fixes, solvers, backends, sites, designs, metric sets, "
                              "corpora, granularities, presets, zoo", "diffquant list")
-    p.set_defaults(func=lambda args: print(__import__("diffquant.registries", fromlist=["text"]).text()))
+    p.set_defaults(func=lambda args: print(__import__("diffquant.catalog", fromlist=["text"]).text()))
 
 
 def register(sub) -> None:

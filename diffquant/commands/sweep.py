@@ -1,4 +1,4 @@
-"""`diffquant sweep`: load the models, run the sweep resumably (diffquant.sweep.run_sweep), print and plot."""
+"""`diffquant sweep`: load the models, run the sweep resumably (diffquant.sweeps.run_sweep), print and plot."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from diffquant.commands.common import load_models, site_points
 from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json
-from diffquant.sweep import parse_bits, run_sweep, summary_table
+from diffquant.sweeps import parse_bits, run_sweep, summary_table
 
 
 def run_cli(args) -> None:

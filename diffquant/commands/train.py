@@ -10,7 +10,7 @@ import torch
 from diffquant.commands import split_list
 from diffquant.errors import DiffquantError
 from diffquant.stats.distributed import finish_distributed, init_distributed, rank_world
-from diffquant.train import TrainConfig, train_pair
+from diffquant.training import TrainConfig, train_pair
 
 
 def run_cli(args) -> None:

@@ -9,9 +9,9 @@ from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json
 
 def list_text() -> str:
-    """`quantize --list`: the recipe's registries (diffquant/registries.py), and which backends work here."""
+    """`quantize --list`: the recipe's registries (diffquant/catalog.py), and which backends work here."""
     from diffquant.quant.backends import backend_status
-    from diffquant.registries import entries
+    from diffquant.catalog import entries
 
     reg = entries()
     status = {"fake": "available", **backend_status()}

@@ -256,7 +256,7 @@ def apply_record(model, record: dict) -> Applied:
 # -------------------------------------------------------------------------------------------- SmoothQuant
 def _search_alpha(model, calibration: torch.Tensor, scheme, applied: Applied) -> None:
     """Each α of ALPHAS applied and scored (see the module doc); the best applied into `applied`."""
-    from diffquant.calibrate import channel_absmax
+    from diffquant.calibration import channel_absmax
     from diffquant.evaluate import language_modeling
     from diffquant.quant.scheme import calibrate, attach_scheme
 
@@ -288,7 +288,7 @@ def _smoothquant(model, sq: SmoothQuant, calibration: torch.Tensor, applied: App
                  layers=None) -> None:
     import torch
 
-    from diffquant.calibrate import channel_absmax
+    from diffquant.calibration import channel_absmax
 
     layers = layers if layers is not None else _layers(model)
     why = _value_blocked(layers[0])

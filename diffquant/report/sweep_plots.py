@@ -62,7 +62,7 @@ def plot_bits(rows: list[dict], out: Path) -> list[Path]:
 def _errors(rows: list[dict], metric: str):
     """[[below], [above]] of each point's 95% t-interval over sequences (perplexity: exp(loss ± t SE))."""
     from diffquant.stats.intervals import half95
-    from diffquant.sweep import sample_size
+    from diffquant.sweeps import sample_size
 
     lo, hi = [], []
     for r in rows:

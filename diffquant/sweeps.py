@@ -150,7 +150,7 @@ def save_layer_kurtosis(models: dict[str, tuple], text: str, seq_len: int, token
     quantizer) and write their Pearson kurtosis per layer to out/layer_kurtosis.json, so the accuracy figure
     shows beside each model's accuracy where its outliers are. Kept when it exists (a resumed sweep)."""
     from diffquant.data.tokens import encode, sequences
-    from diffquant.profile import profile_model
+    from diffquant.profiler import profile_model
     from diffquant.report.profile_report import layer_series
 
     path = out / "layer_kurtosis.json"
