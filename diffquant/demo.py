@@ -37,6 +37,26 @@ class DemoConfig:
 QUICK = DemoConfig(train_tokens=30_000, eval_tokens=1024, profile_tokens=2048, granularities=("tensor",),
                    wa_bits=(8, 4), smollm_tokens=256)
 PAPER_SCALE = "3B parameters, 350B training tokens"
+# Minutes each step took on this project's machine (2 CPU cores, no GPU, quiet, KJV and SmolLM2 cached), for the
+# plan the demo prints before it starts; fetching KJV (~1 MB) and SmolLM2 (~100 MB) from the package registries
+# adds a minute or two on a first run. Measured with `diffquant demo [--quick]`; a busier machine is slower.
+STEP_MINUTES = {"full": {"train": 4.0, "profile": 0.5, "sweep": 1.5, "smollm2": 0.5},
+                "quick": {"train": 0.3, "profile": 0.1, "sweep": 0.2, "smollm2": 0.2}}
+
+
+def plan_lines(cfg: DemoConfig, quick: bool) -> list[str]:
+    """What the demo will do, step by step, with the minutes each step takes on a 2-core CPU."""
+    m = STEP_MINUTES["quick" if quick else "full"]
+    total = sum(m.values())
+    return [f"diffquant demo{' --quick' if quick else ''}: about {total:.0f} min on 2 CPU cores with the data cached "
+            "(a GPU is faster; a first run also fetches KJV and SmolLM2)",
+            f"  [1/5] train a {cfg.preset} DIFF / Transformer pair on {cfg.train_tokens:,} {cfg.corpus} tokens each, "
+            f"tracking outliers at {cfg.track_points} points   ~{m['train']:.1f} min",
+            f"  [2/5] profile both on {cfg.profile_tokens:,} held-out tokens (Table 5 analog, sinks)   ~{m['profile']:.1f} min",
+            f"  [3/5] sweep attention-logit bits {'/'.join(map(str, cfg.sweep_bits))} and a W × A grid "
+            f"{'/'.join(map(str, cfg.wa_bits))}   ~{m['sweep']:.1f} min",
+            f"  [4/5] profile SmolLM2-135M-Instruct on {cfg.smollm_tokens:,} tokens   ~{m['smollm2']:.1f} min",
+            "  [5/5] write the report"]
 SEQ = 256
 
 
@@ -271,6 +291,7 @@ def run_cli(args) -> None:
     out = Path(args.out)
     if (out / "report.md").exists() and not args.force:
         raise DiffquantError(f"{out} already holds a report; pass --force to overwrite or choose another --out")
+    print("\n".join(plan_lines(cfg, args.quick)), flush=True)
     s = run_demo(cfg, out, args.cache_dir, force=args.force)
     print()
     print(markdown(TRAINING_HEADER, training_rows(s)))

@@ -1,7 +1,7 @@
-"""Write the README's architecture support table from the architecture matrix.
+"""Write docs/support.md, the architecture support table, from the architecture matrix.
 
-    python docs/support_table.py            # rewrite the table between the README's markers
-    python docs/support_table.py --check    # exit 1 if the README's table is not what this writes
+    python docs/support_table.py            # rewrite docs/support.md
+    python docs/support_table.py --check    # exit 1 if docs/support.md is not what this writes
 
 Each family of `diffquant.models.matrix` is built tiny; the table says which site points it has, whether
 attention logits can be tapped, which scheme presets apply (`attach_scheme`'s own check) and which real
@@ -17,8 +17,27 @@ import tempfile
 import warnings
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent / "support.md"
 BEGIN, END = "<!-- support-table:begin -->", "<!-- support-table:end -->"
+INTRO = """# Supported architectures
+
+Sites are defined by what the modules compute, so the same names work on every Hugging Face decoder family:
+`attn_out` is the input of Llama's `o_proj`, OPT's `out_proj`, GPT-2's `c_proj` (a `Conv1D`, whose weight taps
+see as [out, in] like every other) or GPT-NeoX's `dense`. Mixture-of-experts layers have `experts.down_in` (the
+input of the routed experts' down projections, one row per token and routed slot, tapped inside diffquant's
+experts function registered with transformers' `ExpertsInterface`) and, with a shared expert,
+`shared_expert.down_in`; their fused 3-D expert weights are quantized per expert and output channel, and the
+routers stay in float under wildcard weight patterns. Where a site does not exist, diffquant says why and lists
+what the model has; a scheme that cannot apply is refused before anything runs (`diffquant sites --model M`).
+
+The table is written by `python docs/support_table.py` from the architecture matrix (tiny random-weight models,
+`diffquant/models/matrix.py`); every statistic and scheme in its first columns is checked against an
+independent computation in `tests/test_architectures.py`. The real backends convert `nn.Linear` modules only: on
+GPT-2 (`Conv1D`) torchao and quanto leave every layer weight in float, bitsandbytes leaves Falcon's
+`FalconLinear` in float, and on MoE models no backend converts the fused 3-D experts, so a "real" low-bit MoE is
+mostly float; diffquant's simulation quantizes all of them.
+
+"""
 BACKENDS = ("bnb-int8", "bnb-nf4", "torchao-int8", "torchao-intx4wo", "quanto-int8", "quanto-w4")
 
 
@@ -113,7 +132,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from diffquant.report.tables import update_between_markers
 
-    return update_between_markers(README, BEGIN, END, table(not args.no_real), args.check, "the support table")
+    if not PAGE.is_file():
+        PAGE.write_text(INTRO + BEGIN + "\n" + END + "\n")
+    return update_between_markers(PAGE, BEGIN, END, table(not args.no_real), args.check, "the support table")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The README's generated results state no comparison verdict its result files do not support: every 'higher' or
+"""The generated results (docs/RESULTS.md) state no comparison verdict its result files do not support: every 'higher' or
 'lower' in an "Against DIFF" table is recomputed here from the per-seed values (Welch's t-test by scipy,
 Holm's correction by hand over the table's tests), and every 'no difference detected' must be one."""
 
@@ -15,14 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 LABELS = {"hidden top-1/median": "hidden_ratio", "logit top-1/median": "logit_ratio", "max‖h‖/median": "massive_ratio",
           "hidden kurtosis": "hidden_kurtosis", "sink rate": "sink_rate", "int4-logit cost": "logits_int4_cost",
           "W8A8 cost": "w8a8_cost", "loss": "loss", "logit top-1": "logit_top1"}
-SOURCES = {"### ": ("emergence.py", "docs/emergence/results.json"),
+SOURCES = {"## ": ("emergence.py", "docs/emergence/results.json"),
            "In the demo setting": (None, "docs/rivals/demo/results.json"),
            "In the setting the emergence search chose": (None, "docs/rivals/regime/results.json")}
 
 
 def _results_block() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    return text.split("<!-- results:begin -->", 1)[1].split("<!-- results:end -->", 1)[0].splitlines()
+    return (ROOT / "docs/RESULTS.md").read_text().splitlines()
 
 
 def _tables() -> list[tuple[str, list[str], list[list[str]]]]:
