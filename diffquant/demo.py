@@ -37,19 +37,20 @@ class DemoConfig:
 QUICK = DemoConfig(train_tokens=30_000, eval_tokens=1024, profile_tokens=2048, granularities=("tensor",),
                    wa_bits=(8, 4), smollm_tokens=256)
 PAPER_SCALE = "3B parameters, 350B training tokens"
-# Minutes each step took on this project's machine (2 CPU cores, no GPU, quiet, KJV and SmolLM2 cached), for the
-# plan the demo prints before it starts; fetching KJV (~1 MB) and SmolLM2 (~100 MB) from the package registries
-# adds a minute or two on a first run. Measured with `diffquant demo [--quick]`; a busier machine is slower.
-STEP_MINUTES = {"full": {"train": 4.0, "profile": 0.5, "sweep": 1.5, "smollm2": 0.5},
-                "quick": {"train": 0.3, "profile": 0.1, "sweep": 0.2, "smollm2": 0.2}}
+# Seconds each step took in the committed runs (docs/demo/summary.json, docs/demo-quick/summary.json: 2 CPU cores,
+# an empty cache, other work on the machine; `python docs/readme_results.py --run-demo / --run-quick` measures them
+# again, and a test keeps these equal to those files), for the plan the demo prints before it starts.
+STEP_SECONDS = {"full": {"train": 2405, "profile": 141, "sweep": 643, "smollm2": 182, "load": 3.7},
+                "quick": {"train": 281, "profile": 15, "sweep": 60, "smollm2": 70, "load": 8.5}}
 
 
 def plan_lines(cfg: DemoConfig, quick: bool) -> list[str]:
-    """What the demo will do, step by step, with the minutes each step takes on a 2-core CPU."""
-    m = STEP_MINUTES["quick" if quick else "full"]
-    total = sum(m.values())
-    return [f"diffquant demo{' --quick' if quick else ''}: about {total:.0f} min on 2 CPU cores with the data cached "
-            "(a GPU is faster; a first run also fetches KJV and SmolLM2)",
+    """What the demo will do, step by step, with the minutes each step took in the committed run."""
+    m = {k: v / 60 for k, v in STEP_SECONDS["quick" if quick else "full"].items() if k != "load"}
+    load = STEP_SECONDS["quick" if quick else "full"]["load"]
+    return [f"diffquant demo{' --quick' if quick else ''}: about {sum(m.values()):.0f} min on 2 CPU cores from an empty "
+            f"cache, measured with other work running (load average {load:g}); a quiet machine, a warm cache or a "
+            "GPU is faster",
             f"  [1/5] train a {cfg.preset} DIFF / Transformer pair on {cfg.train_tokens:,} {cfg.corpus} tokens each, "
             f"tracking outliers at {cfg.track_points} points   ~{m['train']:.1f} min",
             f"  [2/5] profile both on {cfg.profile_tokens:,} held-out tokens (Table 5 analog, sinks)   ~{m['profile']:.1f} min",
@@ -57,7 +58,6 @@ def plan_lines(cfg: DemoConfig, quick: bool) -> list[str]:
             f"{'/'.join(map(str, cfg.wa_bits))}   ~{m['sweep']:.1f} min",
             f"  [4/5] profile SmolLM2-135M-Instruct on {cfg.smollm_tokens:,} tokens   ~{m['smollm2']:.1f} min",
             "  [5/5] write the report"]
-SEQ = 256
 
 
 def _pair(cfg: DemoConfig, cache: str | None, device: str) -> tuple[Path, dict]:

@@ -4,6 +4,7 @@
     python docs/readme_results.py --check         # exit 1 if the README is not what this writes
     python docs/readme_results.py --run-demo      # first run `diffquant demo` on a fresh, empty cache (timed),
                                                   # into docs/demo, then rewrite
+    python docs/readme_results.py --run-quick     # the same for `diffquant demo --quick` (docs/demo-quick)
 
 Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/regime/results.json, docs/rivals/*/results.json,
 docs/mitigations/results.json, docs/rivals/fair-guo/fixes/results.md, docs/weights/results.md, docs/fig8_real/results.md,
@@ -564,34 +565,42 @@ def results_page() -> str:
     ]).strip() + "\n"
 
 
-def run_demo() -> None:
-    """The demo on an empty cache (KJV and SmolLM2 fetched, the pair trained), timed, into docs/demo."""
-    shutil.rmtree(ROOT / "docs/demo", ignore_errors=True)  # nothing of an older run survives
+def run_demo(quick: bool = False) -> None:
+    """The demo (`--quick`: docs/demo-quick) on an empty cache (KJV and SmolLM2 fetched, the pair trained), timed."""
+    out = ROOT / ("docs/demo-quick" if quick else "docs/demo")
+    shutil.rmtree(out, ignore_errors=True)  # nothing of an older run survives
     load = os.getloadavg()[0]  # other work on the machine slows the demo: say how much there was
     with tempfile.TemporaryDirectory() as cache:
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "diffquant.cli", "demo", "--force", "--out", str(ROOT / "docs/demo"),
-                        "--cache-dir", cache], check=True)
-        minutes = (time.perf_counter() - t) / 60
-        summary = ROOT / "docs/demo/summary.json"
-        s = json.loads(summary.read_text().replace(cache, "~/.cache/diffquant"))  # where a user's default cache is
+        subprocess.run([sys.executable, "-m", "diffquant_cli", "demo", "--force", "--out", str(out), "--cache-dir",
+                        cache, *(["--quick"] if quick else [])], check=True)
+        finish_demo(out, cache, (time.perf_counter() - t) / 60, load)
+
+
+def finish_demo(out: Path, cache: str, minutes: float, load: float) -> None:
+    """The summary says where a user's default cache is, not the temporary one, and how long the run took."""
+    summary = out / "summary.json"
+    s = json.loads(summary.read_text().replace(cache, "~/.cache/diffquant"))
     s["timing_note"] = (f"{minutes:.1f} min from an empty cache, fetching KJV and SmolLM2 included, measured by "
-                        f"`python docs/readme_results.py --run-demo` on {os.cpu_count()} cores with a load average of "
-                        f"{load:.1f} from other work when it started")
+                        f"`python docs/readme_results.py --run-{'quick' if out.name == 'demo-quick' else 'demo'}` on "
+                        f"{os.cpu_count()} cores with a load average of {load:.1f} from other work when it started")
     from diffquant.demo import render_report
     from diffquant.paths import atomic_write_json, atomic_write_text
 
     atomic_write_json(summary, s)
-    atomic_write_text(ROOT / "docs/demo/report.md", render_report(s))
+    atomic_write_text(out / "report.md", render_report(s))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true")
     p.add_argument("--run-demo", action="store_true")
+    p.add_argument("--run-quick", action="store_true", help="first run `diffquant demo --quick` into docs/demo-quick")
     a = p.parse_args(argv)
     if a.run_demo:
         run_demo()
+    if a.run_quick:
+        run_demo(quick=True)
     from diffquant.report.tables import update_between_markers
 
     page, text = ROOT / "docs/RESULTS.md", results_page()
@@ -621,8 +630,8 @@ def quick_part() -> str:
              f"{cost[m]:+.1f}%" if cost.get(m) is not None else "-"] for m, v in s["train"].items()]
     return (markdown(["model", "parameters", "training tokens", "held-out perplexity", "attention-logit top-1",
                       "hidden-state top-1", "logits int4 (per tensor): Δppl"], rows).strip()
-            + f"\n\nOne seed, {s['eval']['tokens']:,} held-out tokens, {s['seconds']['total'] / 60:.1f} min here; at this "
-            "size neither model has outliers in the paper's sense, and the demo says so in its report.")
+            + f"\n\nOne seed, {s['eval']['tokens']:,} held-out tokens; {s.get('timing_note', '')}. At this size neither "
+            "model has outliers in the paper's sense, and the demo's report says so.")
 
 
 def profile_part() -> str:

@@ -85,6 +85,14 @@ def test_demo_quick(tmp_path, capsys):
     again = json.loads((out / "summary.json").read_text())["sweep"]
     assert all(r["ppl"] != 12345.0 for r in again)
     assert [r["ppl"] for r in again] == pytest.approx([r["ppl"] for r in summary["sweep"]], rel=1e-6)
+    # the committed quick run (docs/demo-quick, the README's "what you will see"): the same numbers, so a change in
+    # the training or evaluation path fails here instead of drifting the README (rel 1e-4: float summation order
+    # on another CPU; the drift this guards against was 1.5e-3)
+    committed = json.loads((ROOT / "docs/demo-quick/summary.json").read_text())
+    for model, v in committed["train"].items():
+        assert summary["train"][model]["ppl"] == pytest.approx(v["ppl"], rel=1e-4), model
+    assert [r[2] for r in summary["table5"]] == pytest.approx([r[2] for r in committed["table5"]], rel=1e-4)
+    assert [r["ppl"] for r in summary["sweep"]] == pytest.approx([r["ppl"] for r in committed["sweep"]], rel=1e-4)
 
 
 def test_notebook_runs(tmp_path, quick_pairs):
@@ -154,3 +162,17 @@ def test_experiment_scripts_still_run_as_scripts(tmp_path):
                              str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "|" in result.stdout
+
+
+def test_the_demo_plan_states_the_committed_timings():
+    """The minutes the demo announces are those its committed runs measured (docs/demo*/summary.json)."""
+    from diffquant.demo import QUICK, STEP_SECONDS, DemoConfig, plan_lines
+
+    for kind, folder in (("full", "docs/demo"), ("quick", "docs/demo-quick")):
+        s = json.loads((ROOT / folder / "summary.json").read_text())
+        assert {k: v for k, v in STEP_SECONDS[kind].items() if k != "load"} == \
+            {k: round(v) for k, v in s["seconds"].items() if k != "total"}, kind
+        assert f"load average {STEP_SECONDS[kind]['load']:g}" in s["timing_note"]
+    lines = plan_lines(QUICK, True)
+    assert lines[0].startswith("diffquant demo --quick") and len(lines) == 7
+    assert "[1/5]" in plan_lines(DemoConfig(), False)[1]
