@@ -149,6 +149,9 @@ def _quantize(sub) -> None:
     p.add_argument("--save-weights", action="store_true",
                    help="simulated schemes: also save a full copy of the float weights (default: the scheme and a "
                         "reference to --model, a few kB)")
+    p.add_argument("--export", choices=["compressed-tensors"], default=None,
+                   help="write the simulated model to --out as a checkpoint others load: compressed-tensors "
+                        "(transformers' from_pretrained, vLLM; pip install 'diffquant[export]')")
     p.add_argument("--out", help="output folder")
     p.add_argument("--force", action="store_true")
     p.add_argument("--hub", action="store_true")

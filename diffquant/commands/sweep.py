@@ -50,6 +50,10 @@ def run_cli(args) -> None:
                                                             args.tokens, args.cache_dir), tokenizer, val, mc)
         calibration[label] = corpus_windows(args.data, tokenizer, "train", args.seq_len, 16 * args.seq_len,
                                             args.cache_dir, chars=200_000)
+    held = {label: m._diffquant_source_quantization for label, (m, _) in models.items()
+            if getattr(m, "_diffquant_source_quantization", None)}
+    if held:  # compressed-tensors checkpoints: what they held (their weights are dequantized, see quant/compressed.py)
+        atomic_write_json(out / "sweep_config.json", {**config, "source_quantization": held})
     layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
     mitigations = [m.strip() for m in args.mitigate.split(",") if m.strip()]
     cells = build_cells(list(models), sites, bits, grans, wa, args.per_layer, layers, mitigations,

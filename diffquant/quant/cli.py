@@ -72,17 +72,29 @@ def run_cli(args) -> None:
     if real and (mitigation is not None or solver is not None):
         raise DiffquantError("--mitigate and --weights apply to simulated schemes (--backend fake); real backends "
                              "quantize the float weights as they are")
+    export = getattr(args, "export", None)
+    if export and (real or args.save_weights):
+        raise DiffquantError("--export writes the simulated model (--backend fake) as its own checkpoint; it does not "
+                             "go with a real --backend or --save-weights")
     scheme = adjust_scheme(get_scheme(args.scheme or (backend.simulated_by if real else "w8a8")), mitigation)
     out = prepare_out(args.out, args.force, "quantize.json")
     model, tokenizer = load_model(args.model, hub=args.hub, cache=args.cache_dir)
     if tokenizer is None:
         raise DiffquantError(f"{args.model} has no tokenizer, needed for calibration and evaluation data")
+    if export:  # a recipe the format cannot hold is refused before any data, calibration or solving
+        from diffquant.quant.export import check
+        from diffquant.quant.gptq_config import GPTQ
+
+        act_order = isinstance(solver, GPTQ) and solver.act_order
+        check(model, scheme, mitigation and mitigation.label(), act_order)
     calib = corpus_windows(args.data, tokenizer, "train", args.seq_len, args.calib_batches * args.seq_len,
                            args.cache_dir, chars=200_000)
     evalset = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.tokens, args.cache_dir)
     result = {"model": args.model, "scheme": scheme.to_dict(), "backend": args.backend, "data": args.data,
               "mitigation": args.mitigate, "weights": weights_for(mitigation, args.weights),
               "calibration": {"split": "train", "sequences": len(calib), "tokens": int(calib.numel())}}
+    if getattr(model, "_diffquant_source_quantization", None):  # a compressed-tensors checkpoint, dequantized
+        result["source_quantization"] = model._diffquant_source_quantization
     quantize_(model, scheme).remove()  # a scheme that cannot apply is refused here, before any evaluation
     if not real and args.save_weights:
         model.save_pretrained(out)
@@ -100,7 +112,12 @@ def run_cli(args) -> None:
     result["simulated"] = _evaluate(model, evalset, scheme.name)
     result["simulated"]["paired_loss_change"] = paired(result["fp"].pop("per_sequence_loss"),
                                                        result["simulated"].pop("per_sequence_loss"))
-    if not real:  # the scheme, and a reference to the float model unless its weights were copied
+    if export:
+        from diffquant.quant.export import export_compressed_tensors
+
+        result["export"] = export_compressed_tensors(model, attachment, out, tokenizer,
+                                                     mitigation and mitigation.label(), act_order)
+    elif not real:  # the scheme, and a reference to the float model unless its weights were copied
         save_scheme(attachment, out, None if args.save_weights else _source_reference(args.model, args.hub),
                     applied.record, solved)
     else:
@@ -117,6 +134,12 @@ def run_cli(args) -> None:
     atomic_write_json(out / "quantize.json", result)
     print(summary_text(result))
     print(f"wrote {out}: {_sizes(out)}")
+    if export:
+        for note in result["export"]["notes"]:
+            print(f"note: {note}")
+        print(f"load it with transformers' AutoModelForCausalLM.from_pretrained({str(out)!r}) (compressed-tensors "
+              f"installed; vLLM serves it too), or as --model {out} in any diffquant command")
+        return
     print(f"use it as --model {out} in any diffquant command (profile, sweep, quantize, lm-eval), or "
           f"diffquant.models.load.load_model({str(out)!r}) in Python"
           + ("" if real or args.save_weights else f"; it applies the scheme to {args.model}, which must stay where it is"))
@@ -147,6 +170,11 @@ def summary_text(r: dict) -> str:
              "sequences (perplexity: the exponential of the loss interval)",
              f"  fp          {loss_ppl(r['fp'])}  size {r['fp_bytes']:,} B",
              f"  simulated   {loss_ppl(r['simulated'])}{change}"]
+    if "export" in r:
+        e = r["export"]
+        lines.append(f"  exported    {e['format']} ({e['quantization_config']['format']}), {e['safetensors_bytes']:,} B of "
+                     f"safetensors ({e['safetensors_bytes'] / r['fp_bytes']:.1%} of the float model's size); every "
+                     "weight bit-identical to the simulated one")
     if "real" in r:
         lines.append(f"  real        loss {r['real']['loss']:.4f}  ppl {r['real']['ppl']:.3f}  size {r['real_bytes']:,} B"
                      f"  (real - simulated loss: {r['gap_loss_real_minus_simulated']:+.4f})")

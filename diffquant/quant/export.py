@@ -137,7 +137,7 @@ def _weight_args(site: str, config, in_features: int, act_order: bool) -> dict:
         args.update(strategy="group", group_size=math.gcd(gran.size, in_features))
     else:
         _refuse(f"{where}: compressed-tensors holds weight scales per tensor, per output channel or per group "
-                "of integer weights, not {G.label(gran)}")
+                f"of integer weights, not {G.label(gran)}")
     args.update(dynamic=False, actorder="weight" if act_order else None)
     return args
 
