@@ -364,3 +364,47 @@ def test_cli_refuses_a_recipe_the_format_cannot_hold_before_any_work(ckpt, tmp_p
     assert main(["quantize", "--model", str(ckpt / "m"), "--backend", "torchao-int8", "--export", "compressed-tensors",
                  "--out", str(out)]) == 2
     assert "--backend fake" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_llmcompressor_check_compares_shipped_checkpoints(tmp_path, load_script):
+    """benchmarks/llmcompressor_check.py's export section on hand-made inputs: a diffquant export of a micro Llama
+    read back as --model DIR (size, loss, weight errors against an independent computation), and the side-by-side
+    rows (shares of the float size, paired loss change against scipy's t interval, median and worst errors)."""
+    from scipy import stats
+
+    from diffquant.evaluate import language_modeling
+
+    check_script = load_script("benchmarks/llmcompressor_check.py", "llmcompressor_check_under_test")
+    model = FAMILIES["llama"].build()
+    float_weights = {f"{n}.weight": w for n, w in linear_weights(model).items() if n != "lm_head"}
+    export(model, get_scheme("w4a16-g32"), tmp_path / "ours")
+    simulated = torch.load(tmp_path / "ours" / "ref.pt")["weights"]
+    side = check_script.checkpoint_side(tmp_path / "ours", float_weights, CALIB)
+    assert side["bytes"] == (tmp_path / "ours" / "model.safetensors").stat().st_size
+    assert side["holds"]["groups"][0]["weights"] == "int4, symmetric, group 32, static"
+    for name, w in float_weights.items():
+        q = simulated[name.removesuffix(".weight")].double()
+        assert side["weight_error"][name] == pytest.approx(float(((q - w.double()) ** 2).sum() / (w.double() ** 2).sum()))
+    model_sim = FAMILIES["llama"].build()
+    attachment = quantize_(model_sim, get_scheme("w4a16-g32"))
+    assert side["loss"] == pytest.approx(language_modeling(model_sim, CALIB)["loss"], rel=1e-6)
+    attachment.remove()
+
+    ones = {"a.weight": torch.ones(2, 2), "b.weight": torch.ones(2, 2)}
+    errors = check_script.weight_errors(ones, {"a.weight": torch.full((2, 2), 1.1), "b.weight": torch.full((2, 2), 0.8)})
+    assert errors == pytest.approx({"a.weight": 0.01, "b.weight": 0.04})
+    first = {"bytes": 50, "holds": None, "loss": 2.0, "ppl": 7.389, "ppl_ci95": [7.0, 7.8],
+             "per_sequence_loss": [1.0, 2.0, 3.0, 2.0], "weight_error": errors}
+    losses = [1.1, 2.3, 3.2, 2.0]
+    second = {**first, "bytes": 60, "per_sequence_loss": losses, "weight_error": {"a.weight": 0.02, "b.weight": 0.1}}
+    sec = check_script.compare_sides({"ours": first, "theirs": second}, float_bytes=200)
+    ours, theirs = sec["rows"]
+    assert (ours["share_of_float"], theirs["share_of_float"]) == (0.25, 0.3)
+    assert (ours["weight_error_median"], theirs["weight_error_worst"]) == (pytest.approx(0.025), 0.1)
+    d = [b - a for a, b in zip(first["per_sequence_loss"], losses)]
+    lo, hi = stats.t.interval(0.95, len(d) - 1, loc=sum(d) / len(d), scale=stats.sem(d))
+    assert theirs["delta_vs_first"] == pytest.approx(sum(d) / len(d))
+    assert theirs["delta_vs_first_ci95"] == pytest.approx([lo, hi])
+    table = check_script.export_table(sec, {"ppl": 7.0})
+    assert "| theirs | 0.0 MB (30%) |" in table and "1.00e-01" in table

@@ -25,6 +25,10 @@ def list_text() -> str:
     status = backend_status()
     lines += [f"  {b.name:<15} {b.description}; simulated by '{b.simulated_by}' [{status[b.name]}]"
               for b in BACKENDS.values()]
+    from diffquant.quant.export import REFUSED
+
+    lines.append("export (--export compressed-tensors: the simulated model, every weight bit-identical); refused:")
+    lines += [f"  {k:<28} {v}" for k, v in REFUSED.items()]
     return "\n".join(lines)
 
 

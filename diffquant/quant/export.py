@@ -46,17 +46,18 @@ FORMAT = "compressed-tensors"
 LINEAR_INPUTS = ("attn_in", "attn_out", "mlp_in", "down_in")  # the site points that are Linear inputs
 PACK_BITS = (2, 4, 8)  # packed alike by every compressed-tensors version (0.20 packs 3, 5, 6, 7 bits anew)
 INSTALL = "pip install 'diffquant[export]'"
-REFUSED = {  # what the format cannot hold, for the documentation and `diffquant quantize --list`
-    "rotate, quarot": "QuaRot's online Hadamard rotations (before down_proj, keys after RoPE)",
-    "attention logits / probabilities": "the format quantizes Linear weights and inputs, and the KV cache",
-    "per-head logit scales, other activation sites": "same",
-    "KV-cache schemes": "every diffquant preset (min-max with a float offset, per token; Hadamard; sinks; "
-                        "KIVI runs) is outside the format's static symmetric per-tensor / per-head KV scales",
-    "nf4, fp4, fp8 e5m2 weights": "no such format with free float scales (nvfp4/mxfp4 take fp8 or "
-                                  "power-of-two scales)",
-    "int3/5/6/7 weights, min-max (float offset) weights": "packing changed across versions; integer zero points",
-    "activations other than symmetric int8/fp8, dynamic per token or static per tensor": "W8A8 formats",
-    "Conv1D (GPT-2) and fused MoE expert weights": "compressed-tensors quantizes nn.Linear modules",
+REFUSED = {  # what the format cannot hold (each refused by `check` in one line), for `quantize --list` and docs
+    "rotate, quarot": "QuaRot's online Hadamard rotations (down_proj's input, keys after RoPE)",
+    "logits, probs, other sites": "attention logits/probabilities, per-head logit scales: it holds Linear weights "
+                                  "and inputs",
+    "KV-cache schemes": "every diffquant cache preset (min-max with a float offset per token; Hadamard; sinks; KIVI "
+                        "runs): it holds static symmetric per-tensor/per-head cache scales",
+    "nf4, fp4, fp8 e5m2 weights": "no such weights with float scales (nvfp4/mxfp4 take fp8 or power-of-two ones)",
+    "int3/5/6/7, min-max weights": "packing changed across versions; zero points are integers, not float offsets",
+    "other Linear inputs": "only symmetric int8/fp8, dynamic per token or static per tensor",
+    "Conv1D, fused MoE experts": "GPT-2's Conv1D and 3-D expert weights: it quantizes nn.Linear",
+    "W8A8 off the Llama layout": "attention/MLP inputs whose readers diffquant maps on the Llama layout only "
+                                 "(the weights export)",
 }
 
 
