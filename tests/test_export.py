@@ -20,7 +20,7 @@ from diffquant.quant import solvers
 from diffquant.quant.config import QuantConfig, int_config
 from diffquant.quant.export import check, export_compressed_tensors
 from diffquant.quant.formats import Format
-from diffquant.quant.mitigate import SmoothQuant, mitigate_
+from diffquant.quant.mitigate import Clip, SmoothQuant, adjust_scheme, mitigate_
 from diffquant.quant.scheme import LAYER_WEIGHTS, LINEAR_INPUTS, QuantScheme, calibrate, get_scheme, quantize_
 
 IDS = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -156,6 +156,7 @@ WEIGHT_SCHEMES = {  # name: (scheme, solver); on the micro Llama (inputs 64 and 
     "awq-g32": (get_scheme("w4a16-g32"), "awq"),
     "awq+gptq-g32": (get_scheme("w4a16-g32"), "awq+gptq"),
     "clip-output-int8": (get_scheme("w8a16"), "clip:output"),
+    "clip-mse-g32": (adjust_scheme(get_scheme("w4a16-g32"), Clip("mse")), None),  # static MSE-clipped weight scales
     "asym-int4-g48-ragged": (weight_scheme(QuantConfig(Format("int", 4, False), G.PerGroup(48))), None),
     "asym-int8-channel-gptq": (weight_scheme(QuantConfig(Format("int", 8, False), G.PerChannel(0))), "gptq"),
 }
@@ -242,6 +243,8 @@ REFUSALS = [  # (family, scheme, mitigation, words of the one-line refusal)
     ("llama", QuantScheme("h", (("*.attn_logits", int_config(8, G.PerHead())),)), None, "per-head logit scales"),
     ("llama", get_scheme("kv4"), None, "KV cache"),
     ("llama", get_scheme("kivi2"), None, "KV cache"),
+    ("llama", QuantScheme("k", (("*.k_cache", QuantConfig(Format("fp8_e4m3"), G.PerTensor(), dynamic=False)),)), None,
+     "does not apply one on load"),
     ("llama", get_scheme("nf4"), None, "no nf4 weights"),
     ("llama", get_scheme("fp4"), None, "no fp4_e2m1 weights"),
     ("llama", weight_scheme(QuantConfig(Format("fp8_e5m2"), G.PerChannel(0))), None, "no fp8_e5m2"),
@@ -353,6 +356,11 @@ def test_cli_export_loads_without_diffquant_and_profiles_as_model(ckpt, tmp_path
                  "--out", str(prof)]) == 0
     text = " ".join(p.read_text() for p in prof.rglob("*.json"))
     assert "compressed-tensors" in text and "int4, symmetric, group 128" in text
+    again = tmp_path / "again"  # and quantize takes it as --model, recording what it held
+    assert main(["quantize", "--model", str(out), "--scheme", "w8a16", "--data", str(ckpt / "c.txt"), "--tokens", "64",
+                 "--seq-len", "32", "--calib-batches", "1", "--out", str(again)]) == 0
+    held = json.loads((again / "quantize.json").read_text())["source_quantization"]
+    assert held["compression"] == "pack-quantized" and held["ignore"] == ["lm_head"]
 
 
 def test_cli_refuses_a_recipe_the_format_cannot_hold_before_any_work(ckpt, tmp_path, capsys):

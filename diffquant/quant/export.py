@@ -50,8 +50,8 @@ REFUSED = {  # what the format cannot hold (each refused by `check` in one line)
     "rotate, quarot": "QuaRot's online Hadamard rotations (down_proj's input, keys after RoPE)",
     "logits, probs, other sites": "attention logits/probabilities, per-head logit scales: it holds Linear weights "
                                   "and inputs",
-    "KV-cache schemes": "every diffquant cache preset (min-max with a float offset per token; Hadamard; sinks; KIVI "
-                        "runs): it holds static symmetric per-tensor/per-head cache scales",
+    "KV-cache schemes": "every diffquant cache preset (dynamic min-max per token; Hadamard; sinks; KIVI runs): it "
+                        "holds static symmetric scales; those (fp8/int8 per tensor) transformers does not apply",
     "nf4, fp4, fp8 e5m2 weights": "no such weights with float scales (nvfp4/mxfp4 take fp8 or power-of-two ones)",
     "int3/5/6/7, min-max weights": "packing changed across versions; zero points are integers, not float offsets",
     "other Linear inputs": "only symmetric int8/fp8, dynamic per token or static per tensor",
@@ -163,6 +163,26 @@ def _input_args(site: str, config) -> dict:
             "scales would span the sequences of a batch in the loader, diffquant's span one sequence)")
 
 
+def _refuse_cache(site: str, config) -> None:
+    """Why a KV-cache quantizer is not exported: compressed-tensors' `kv_cache_scheme` holds static symmetric
+    scales per tensor or per head (vLLM serves fp8 per tensor), which diffquant's cache presets (dynamic min-max
+    per token, Hadamard bases, sinks, KIVI runs) are not; a static symmetric per-tensor int8/fp8 quantizer would
+    fit, but transformers 5.25 does not apply a checkpoint's kv_cache_scheme (k_scale/v_scale load as unexpected
+    keys), so its parity cannot be checked here."""
+    from diffquant.quant import granularity as G
+
+    fmt, where = config.format, f"{site} ({config.label()})"
+    fits = (not config.dynamic and isinstance(config.granularity, G.PerTensor) and fmt.symmetric and not config.hadamard
+            and not (config.keep_first or config.keep_last) and (fmt.name == "fp8_e4m3" or (fmt.is_int and fmt.bits == 8)))
+    if fits:
+        _refuse(f"{where}: static per-tensor cache scales fit compressed-tensors' kv_cache_scheme, but transformers "
+                "does not apply one on load (k_scale/v_scale are unexpected keys there), so the export could not be "
+                "checked against the simulation; leave the cache out of the scheme to export the rest")
+    _refuse(f"{where}: compressed-tensors' KV cache takes static symmetric scales per tensor or per head; diffquant's "
+            "cache presets are dynamic min-max per token (Hadamard bases, sinks, KIVI runs); leave the cache out of "
+            "the scheme to export the rest")
+
+
 def _readers(model, table, site: str, names: dict) -> list[str]:
     """Module paths of the Linears that read a Linear-input site: the hooked module itself when it is a Linear
     (o_proj, down_proj), else the Llama layout's readers of the attention or MLP input."""
@@ -193,8 +213,9 @@ def check(model, scheme, mitigation: str | None = None, act_order: bool = False)
     if kind in ("rotate", "quarot"):
         _refuse(f"--mitigate {mitigation}: QuaRot's online Hadamard rotations (of down_proj's input, and of the keys "
                 "after RoPE) have no place in a compressed-tensors checkpoint")
-    if getattr(model.config, "quantization_config", None) is not None:
-        _refuse("the model was loaded from a quantized checkpoint; export its float source instead")
+    if getattr(model.config, "quantization_config", None) is not None or getattr(model, "_diffquant_quant", None):
+        _refuse("the model was loaded quantized (a quantized checkpoint, or a folder with a saved diffquant scheme); "
+                "export from its float source")
     planned = site_plan(model, scheme)
     table = site_table(model)
     names = {id(m): n for n, m in model.named_modules()}
@@ -213,9 +234,7 @@ def check(model, scheme, mitigation: str | None = None, act_order: bool = False)
             for path in _readers(model, table, site, names):
                 inputs[path] = (site, args)
         elif info.kind in CACHE_POINTS:
-            _refuse(f"{site} ({config.label()}): compressed-tensors' KV cache takes static symmetric scales per "
-                    "tensor or per head, which no diffquant cache scheme uses (they are min-max with a float offset, "
-                    "per token); leave the cache out of the scheme to export the rest")
+            _refuse_cache(site, config)
         else:
             _refuse(f"{site} ({config.label()}): compressed-tensors quantizes Linear weights and inputs; {info.kind} "
                     "quantization (attention logits or probabilities, per-head logit scales, other activations) has "
