@@ -193,7 +193,7 @@ def test_weight_only_exports_load_bit_identical_without_diffquant(tmp_path):
 def test_designs_export_and_load_after_import_diffquant(tmp_path):
     folders = []
     for design in DESIGNS:
-        export(FAMILIES[design].build(), get_scheme("w4a16-g32"), tmp_path / design, solvers.parse("gptq"))
+        export(FAMILIES[design].build(), get_scheme("w4a16-g32"), tmp_path / design)
         folders.append((tmp_path / design, False))
         assert json.loads((tmp_path / design / "config.json").read_text())["model_type"].startswith("diffquant_")
     results = load_fresh(folders, import_diffquant=True)
