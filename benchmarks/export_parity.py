@@ -25,6 +25,7 @@ RECIPES = {
     "w4a16+gptq": ["--scheme", "w4a16", "--weights", "gptq"],
     "w8a8-static+smoothquant": ["--scheme", "w8a8-static", "--mitigate", "smoothquant:0.5"],
     "w8a8-dynamic+smoothquant": ["--scheme", "w8a8", "--mitigate", "smoothquant:0.5"],
+    "fp8+smoothquant": ["--scheme", "fp8", "--mitigate", "smoothquant:0.5"],
 }
 
 CHILD = r'''
@@ -78,14 +79,18 @@ def main(argv=None) -> None:
     p.add_argument("--cache-dir", default=None)
     a = p.parse_args(argv)
     out = Path(a.out)
+    label = Path(a.model).name
+    path = out / f"parity-{label}.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    kept = [r for r in old.get("rows", []) if r["recipe"] not in a.recipes]  # recipes not rerun stay
     rows = []
-    for name in a.recipes:
-        folder = Path(a.work) / f"{Path(a.model).name}-{name}"
-        code = cli(["quantize", "--model", a.model, *RECIPES[name], "--data", a.data, "--tokens", str(a.tokens),
+    for recipe in a.recipes:
+        folder = Path(a.work) / f"{label}-{recipe}"
+        code = cli(["quantize", "--model", a.model, *RECIPES[recipe], "--data", a.data, "--tokens", str(a.tokens),
                     "--seq-len", str(a.seq_len), "--export", "compressed-tensors", "--out", str(folder), "--force"]
                    + (["--cache-dir", a.cache_dir] if a.cache_dir else []))
         if code:
-            raise SystemExit(f"diffquant quantize failed for {name}")
+            raise SystemExit(f"diffquant quantize failed for {recipe}")
         result = json.loads((folder / "quantize.json").read_text())
         from transformers import AutoTokenizer
 
@@ -96,7 +101,7 @@ def main(argv=None) -> None:
         loaded = fresh_loss(folder, folder / "eval_ids.pt", design)
         (folder / "eval_ids.pt").unlink()
         sim = result["simulated"]
-        rows.append({"recipe": name, "scheme": result["scheme"]["name"], "tokens": sim["tokens"],
+        rows.append({"recipe": recipe, "scheme": result["scheme"]["name"], "tokens": sim["tokens"],
                      "float": {k: result["fp"][k] for k in ("loss", "ppl")},
                      "simulated": {k: sim[k] for k in ("loss", "ppl")},
                      "loaded": {k: loaded[k] for k in ("loss", "ppl")},
@@ -106,11 +111,12 @@ def main(argv=None) -> None:
     import compressed_tensors
     import transformers
 
+    order = list(RECIPES)
+    rows = sorted(kept + rows, key=lambda r: order.index(r["recipe"]) if r["recipe"] in order else len(order))
     doc = {"model": a.model, "data": a.data, "seq_len": a.seq_len, "rows": rows,
            "versions": {"transformers": transformers.__version__, "compressed_tensors": compressed_tensors.__version__,
                         "torch": torch.__version__}}
-    name = Path(a.model).name
-    atomic_write_json(out / f"parity-{name}.json", doc)
+    atomic_write_json(path, doc)
     lines = [f"{a.model}, held-out {a.data} ({rows[0]['tokens']:,} predicted tokens, windows of {a.seq_len}); "
              "perplexity as `diffquant quantize` prints it (4 significant digits); loaded: transformers' "
              "from_pretrained in an interpreter without diffquant.", "",
@@ -121,7 +127,7 @@ def main(argv=None) -> None:
                      f"{fmt_interval(r['simulated']['ppl'], None)} | {fmt_interval(r['loaded']['ppl'], None)} | "
                      f"{r['loaded_minus_simulated_loss']:+.2e} | {r['export_bytes'] / 1e6:.1f} MB / "
                      f"{r['float_bytes'] / 1e6:.1f} MB |")
-    atomic_write_text(out / f"parity-{name}.md", "\n".join(lines) + "\n")
+    atomic_write_text(out / f"parity-{label}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

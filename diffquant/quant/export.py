@@ -23,6 +23,11 @@ complete; a difference is a bug and nothing is written):
 | int8 / fp8 Linear inputs, dynamic per token    | input_activations: strategy token, dynamic                   |
 | int8 / fp8 Linear inputs, static per tensor    | strategy tensor, static, `input_scale`                       |
 
+GPTQ's act-order permutes the order in which columns are solved, not the grid: diffquant fixes each group's
+scale on the original column order before any column moves (the reference's static groups), so a group stays
+a run of consecutive columns and no `weight_g_idx` is needed (compressed-tensors 0.20 removed actorder "group",
+the g_idx form, altogether).
+
 Formats: weight-only int → `pack-quantized` (b bits per code, packed in int32), int8 weights and inputs →
 `int-quantized`, fp8 → `float-quantized`. The activation quantizer runs in the loader (transformers or
 vLLM), not in the file: compressed-tensors' fp8 arithmetic equals diffquant's (scale absmax/448, e4m3
