@@ -20,6 +20,12 @@ In this environment: diffquant's RTN and GPTQ on the same weights, each evaluate
 evaluated by the same function (so the two GPTQs differ only in their weights); per-Linear relative output
 error ‖X·Ŵᵀ − X·Wᵀ‖² / ‖X·Wᵀ‖² on float inputs X from the calibration windows. Results:
 docs/weights/llmcompressor.json and .md.
+
+`--methods export` compares the two checkpoints a user would ship: llm-compressor's GPTQ output as it saves it
+(compressed-tensors, `save_compressed=True`) beside `diffquant quantize --weights gptq --export compressed-tensors`
+of the same recipe (int4 symmetric groups of `--group`, every Linear but lm_head), both read back the way a user
+reads them, as `--model DIR` (`diffquant.models.load.load_model`: dequantized on load): safetensors size,
+held-out perplexity, and per-Linear weight error ‖Ŵ − W‖² / ‖W‖² against the float weights.
 """
 
 from __future__ import annotations
@@ -93,6 +99,9 @@ with torch.no_grad():
         logits = model(ids).logits[0, :-1].float()
         losses.append(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:])))
 save_file(weights, ARGS["weights"])
+if ARGS.get("save_dir"):  # the checkpoint as llm-compressor ships it (compressed-tensors)
+    model.save_pretrained(ARGS["save_dir"], save_compressed=True)
+    AutoTokenizer.from_pretrained(ARGS["model_dir"]).save_pretrained(ARGS["save_dir"])
 import compressed_tensors, llmcompressor, transformers
 print("RESULT " + json.dumps({"seconds": seconds, "per_sequence_loss": losses, "grid": grid,
                               "versions": {"llmcompressor": llmcompressor.__version__,
@@ -124,14 +133,16 @@ OURS = {"gptq": ("rtn", "gptq"), "awq": ("awq:no-clip", "awq")}
 REFERENCE = {"gptq": "diffquant gptq", "awq": "diffquant awq:no-clip"}  # the paired column's counterpart
 
 
-def run_peer(model_dir: Path, calib_path: Path, eval_path: Path, weights: Path, method: str, option, group: int
-             ) -> dict:
-    """llm-compressor's run of one configuration, cached beside its weights (a rerun reads the cache)."""
+def run_peer(model_dir: Path, calib_path: Path, eval_path: Path, weights: Path, method: str, option, group: int,
+             save_dir: Path | None = None) -> dict:
+    """llm-compressor's run of one configuration, cached beside its weights (a rerun reads the cache);
+    `save_dir`: also its compressed-tensors checkpoint."""
     cached = weights.with_suffix(".json")
-    if cached.is_file() and weights.is_file():
+    if cached.is_file() and weights.is_file() and (save_dir is None or (save_dir / "config.json").is_file()):
         return json.loads(cached.read_text())
     args = {"model_dir": str(model_dir), "calib": str(calib_path), "eval": str(eval_path), "weights": str(weights),
-            "method": method, "actorder": option, "duo_scaling": option, "group": group}
+            "method": method, "actorder": option, "duo_scaling": option, "group": group,
+            "save_dir": str(save_dir) if save_dir else None}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     code = f"ARGS = {json.dumps(args)!r}\nimport json\nARGS = json.loads(ARGS)\n" + CHILD
@@ -178,7 +189,8 @@ def main(argv=None) -> None:
     from diffquant.paths import atomic_write_json, atomic_write_text
     from diffquant.quant import granularity as G
     from diffquant.quant.config import int_config
-    from diffquant.quant.scheme import LAYER_WEIGHTS, QuantScheme, attach_scheme
+    from diffquant.quant.recipe import Recipe, quantize_
+    from diffquant.quant.scheme import LAYER_WEIGHTS, QuantScheme
     from diffquant.sweeps import versus_float
     from peers import SCRATCH, export_model
     from weight_solvers import CALIBRATION_WINDOWS, _data
@@ -187,7 +199,7 @@ def main(argv=None) -> None:
     p.add_argument("--calibration", type=int, default=CALIBRATION_WINDOWS,
                    help="calibration windows of 256 tokens from the training split (weight_solvers.py's)")
     p.add_argument("--group", type=int, default=64, help="int4 group size (must divide 576 and 1536)")
-    p.add_argument("--methods", nargs="+", choices=("gptq", "awq"), default=["gptq", "awq"],
+    p.add_argument("--methods", nargs="+", choices=("gptq", "awq", "export"), default=["gptq", "awq"],
                    help="sections to (re)compute; the others are kept from OUT/llmcompressor.json")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
@@ -203,27 +215,25 @@ def main(argv=None) -> None:
                          f"int4 weights in groups of {a.group}, activations in full precision")
     out = Path(a.out)
     old = json.loads((out / "llmcompressor.json").read_text()) if (out / "llmcompressor.json").is_file() else {}
-    sections = {m: old[m] for m in ("gptq", "awq") if m in old and m not in a.methods}
+    sections = {m: old[m] for m in ("gptq", "awq", "export") if m in old and m not in a.methods}
     if "gptq" not in a.methods and "rows" in old:  # written before sections existed: the GPTQ section
         sections["gptq"] = {"rows": old["rows"], "layer_errors": old["layer_errors"]}
     for sec in sections.values():  # written when one calibration held for the whole file
         sec.setdefault("calibration", old.get("calibration"))
     calibration = {"windows": len(calib), "tokens": int(calib.numel()), "corpus": "kjv (training split)"}
     for method in a.methods:
+        if method == "export":
+            sections["export"] = {**export_section(model, model_dir, calib, calib_path, eval_path, seqs, scheme,
+                                                   a.group), "calibration": calibration}
+            continue
         rows, errors = [], {}
         for name in OURS[method]:
             t0 = time.perf_counter()
-            solved = solvers.solve_weights_(model, solvers.parse(name), scheme, calib, progress=False)
-            seconds = time.perf_counter() - t0
-            attachment = attach_scheme(model, solved.scheme(scheme))
-            solved.install(attachment)
-            try:
+            with quantize_(model, Recipe(scheme, solver=solvers.parse(name)), calib):
+                seconds = time.perf_counter() - t0
                 r = language_modeling(model, seqs)
                 dequant = {f"{n}.weight": m.weight.detach().clone() for n, m in model.named_modules()
                            if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
-            finally:
-                attachment.remove()
-                solved.remove()
             rows.append({"weights": f"diffquant {name}", "seconds": seconds, **_eval_row(r, fp, versus_float)})
             if method == "gptq":  # AWQ rescales each Linear's input: float inputs would misread its weights
                 errors[f"diffquant {name}"] = layer_errors(model, dequant, calib)
@@ -290,6 +300,8 @@ def report(r: dict) -> str:
     for method, reading in (("gptq", gptq_reading), ("awq", awq_reading)):
         if method in r:
             text += "\n" + section_table(r, method) + reading(r[method])
+    if "export" in r:
+        text += "\n" + export_table(r["export"], r["float"])
     return text
 
 
@@ -376,6 +388,95 @@ def awq_reading(sec: dict) -> str:
         text += (f"With its default duo scaling (s = mean|x|^α / mean|W|^(1−α)) llm-compressor's AWQ minus diffquant's "
                  f"awq:no-clip is {mean:+.4f} nats [{lo:+.4f}, {hi:+.4f}] ({_side(lo, hi)}).\n")
     return text
+
+
+def weight_errors(float_weights: dict, weights: dict) -> dict[str, float]:
+    """{weight: ‖Ŵ − W‖² / ‖W‖²} (float64) over the weights both hold, Ŵ from `weights`, W from `float_weights`."""
+    out = {}
+    for name, w in float_weights.items():
+        if name in weights:
+            w, q = w.double(), weights[name].double()
+            out[name] = float(((q - w) ** 2).sum() / (w ** 2).sum())
+    return out
+
+
+def checkpoint_side(folder: Path, float_weights: dict, seqs) -> dict:
+    """One shipped checkpoint read back as `--model DIR`: its safetensors bytes, what it says it holds, held-out
+    loss and perplexity (`language_modeling`), and per-Linear weight error against `float_weights`."""
+    from diffquant.evaluate import language_modeling
+    from diffquant.models.load import load_model
+
+    model, _ = load_model(str(folder))
+    weights = {f"{n}.weight": m.weight.detach() for n, m in model.named_modules()
+               if f"{n}.weight" in float_weights}
+    r = language_modeling(model, seqs)
+    return {"bytes": sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")),
+            "holds": getattr(model, "_diffquant_source_quantization", None), "loss": r["loss"], "ppl": r["ppl"],
+            "ppl_ci95": r["ppl_ci95"], "per_sequence_loss": r["per_sequence_loss"],
+            "weight_error": weight_errors(float_weights, weights)}
+
+
+def export_section(model, model_dir: Path, calib, calib_path: Path, eval_path: Path, seqs, scheme, group: int) -> dict:
+    """llm-compressor's shipped GPTQ checkpoint beside diffquant's export of the same recipe (see the doc)."""
+    import torch
+
+    from transformers import AutoTokenizer
+
+    from diffquant.quant.gptq_config import GPTQ
+    from diffquant.quant.recipe import Recipe, quantize_
+    from peers import SCRATCH
+
+    float_weights = {f"{n}.weight": m.weight.detach().clone() for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
+    theirs = SCRATCH / f"llmc-gptq-export-{len(calib)}-g{group}"
+    run_peer(model_dir, calib_path, eval_path, SCRATCH / f"llmc-gptq-none-{len(calib)}-g{group}-saved.safetensors",
+             "gptq", "none", group, save_dir=theirs)
+    ours = SCRATCH / f"diffquant-gptq-export-{len(calib)}-g{group}"
+    with quantize_(model, Recipe(scheme, solver=GPTQ()), calib) as q:
+        q.export(ours, AutoTokenizer.from_pretrained(model_dir))
+    float_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    return compare_sides({"diffquant gptq (export)": checkpoint_side(ours, float_weights, seqs),
+                          "llm-compressor gptq (save_compressed)": checkpoint_side(theirs, float_weights, seqs)},
+                         float_bytes)
+
+
+def compare_sides(sides: dict[str, dict], float_bytes: int) -> dict:
+    """The side-by-side rows: size (and its share of the float model's), perplexity, the paired loss change of
+    each side from the first (95% t over the same sequences), and the median and worst per-Linear weight error."""
+    import statistics
+
+    from diffquant.stats.intervals import paired
+
+    first = next(iter(sides.values()))
+    rows = []
+    for label, side in sides.items():
+        errors = side["weight_error"]
+        row = {"checkpoint": label, "bytes": side["bytes"], "share_of_float": side["bytes"] / float_bytes,
+               "holds": side["holds"], "loss": side["loss"], "ppl": side["ppl"], "ppl_ci95": side["ppl_ci95"],
+               "weight_error_median": statistics.median(errors.values()) if errors else None,
+               "weight_error_worst": max(errors.values()) if errors else None, "weight_error": errors}
+        if side is not first:
+            d = paired(first["per_sequence_loss"], side["per_sequence_loss"])
+            row["delta_vs_first"], row["delta_vs_first_ci95"] = d["mean"], d["ci95"]
+        rows.append(row)
+    return {"float_bytes": float_bytes, "rows": rows}
+
+
+def export_table(sec: dict, fp: dict) -> str:
+    from diffquant.report.tables import markdown
+
+    body = [["float", f"{sec['float_bytes'] / 1e6:.1f} MB", f"{fp['ppl']:.3f}", "", "", ""]]
+    for row in sec["rows"]:
+        ci = row.get("delta_vs_first_ci95")
+        body.append([row["checkpoint"], f"{row['bytes'] / 1e6:.1f} MB ({row['share_of_float']:.0%})",
+                     f"{row['ppl']:.3f} [{row['ppl_ci95'][0]:.3f}, {row['ppl_ci95'][1]:.3f}]",
+                     "-" if ci is None else f"{row['delta_vs_first']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]",
+                     f"{row['weight_error_median']:.2e}", f"{row['weight_error_worst']:.2e}"])
+    first = sec["rows"][0]["checkpoint"]
+    return ("Shipped checkpoints (compressed-tensors), each read back as `--model DIR` (dequantized on load); weight "
+            "error ‖Ŵ − W‖² / ‖W‖² per Linear against the float weights.\n\n" + markdown(
+                ["checkpoint", "safetensors", "perplexity [95%]", f"Δloss vs {first} [95%]", "weight error (median)",
+                 "weight error (worst)"], body) + "\n")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ class DemoConfig:
 QUICK = DemoConfig(train_tokens=30_000, eval_tokens=1024, profile_tokens=2048, granularities=("tensor",),
                    wa_bits=(8, 4), smollm_tokens=256)
 PAPER_SCALE = "3B parameters, 350B training tokens"
+SEQ = 256
 # Seconds each step took in the committed runs (docs/demo/summary.json, docs/demo-quick/summary.json: 2 CPU cores,
 # an empty cache, other work on the machine; `python docs/readme_results.py --run-demo / --run-quick` measures them
 # again, and a test keeps these equal to those files), for the plan the demo prints before it starts.

@@ -5,8 +5,10 @@
 
 Each family of `diffquant.models.matrix` is built tiny; the table says which site points it has, whether
 attention logits can be tapped, which scheme presets apply (`attach_scheme`'s own check) and which real
-backends load it and run a forward with finite logits here. The numbers behind every ✓ of the first
-columns are checked against independent computations by tests/test_architectures.py.
+backends load it and run a forward with finite logits here, and which presets export to compressed-tensors
+(`quant/export.py`'s check; the export of each family is loaded bit-identically by transformers in
+tests/test_export.py). The numbers behind every ✓ of the first columns are checked against independent
+computations by tests/test_architectures.py.
 """
 
 from __future__ import annotations
@@ -91,6 +93,27 @@ def _backends(model, ids) -> str:
     return ", ".join(ok) + (f"; fails: {', '.join(failed)}" if failed else "")
 
 
+EXPORT_PRESETS = ("w8a16", "w4a16", "w4a16-g32", "w8a8", "w8a8-static", "w4a8", "fp8")
+
+
+def _export(model) -> str:
+    """The presets `diffquant quantize --export compressed-tensors` writes for this family, or why none."""
+    from diffquant.errors import DiffquantError
+    from diffquant.quant.export import check
+    from diffquant.quant.scheme import PRESETS
+
+    ok, why, notes = [], "", set()
+    for name in EXPORT_PRESETS:
+        try:
+            notes.update(check(model, PRESETS[name]).notes)
+            ok.append(name)
+        except DiffquantError as e:
+            why = why or str(e)
+    if not ok:
+        return "– (Conv1D weights)" if "Conv1D" in why else "– (fused MoE experts)" if "Experts" in why else "–"
+    return ", ".join(ok) + (" (loads with dequantize=True)" if notes else "")
+
+
 def rows(real: bool = True) -> list[list[str]]:
     import torch
 
@@ -109,7 +132,7 @@ def rows(real: bool = True) -> list[list[str]]:
         schemes = {name: applies(model, scheme) is None for name, scheme in PRESETS.items()}
         weight_only = [n for n in ("w8a16", "w4a16", "nf4", "fp4") if schemes[n]]
         row = [f"{family.name}", family.note, ", ".join(points), logits, "✓" if schemes["w8a8"] else "–",
-               ", ".join(weight_only) or "–"]
+               ", ".join(weight_only) or "–", _export(model)]
         if real:
             row.append(_backends(model, ids))
         out.append(row)
@@ -119,7 +142,7 @@ def rows(real: bool = True) -> list[list[str]]:
 def table(real: bool = True) -> str:
     from diffquant.report.tables import markdown
 
-    header = ["family", "what is special", "module sites", "logits", "w8a8", "weight-only"]
+    header = ["family", "what is special", "module sites", "logits", "w8a8", "weight-only", "compressed-tensors export"]
     if real:
         header.append("real backends that run here (CPU; share of layer weights converted where not all)")
     return markdown(header, rows(real)).strip()

@@ -75,8 +75,9 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(a.threads)
     from diffquant.evaluate import language_modeling
-    from diffquant.quant import solvers
-    from diffquant.quant.scheme import get_scheme, attach_scheme
+    from diffquant.quant.recipe import Recipe, quantize_
+    from diffquant.quant.scheme import get_scheme
+    from diffquant.quant.solvers import parse
     from diffquant.runs import start_run
     from diffquant.sweeps import versus_float
 
@@ -87,18 +88,13 @@ def main(argv=None) -> None:
     rows = []
     for name in a.solvers:
         t0 = time.perf_counter()
-        solved = solvers.solve_weights_(model, solvers.parse(name), scheme, calib, progress=not a.quick)
-        seconds = time.perf_counter() - t0
-        attachment = attach_scheme(model, solved.scheme(scheme))
-        solved.install(attachment)
-        try:
+        with quantize_(model, Recipe(scheme, solver=parse(name)), calib, progress=not a.quick) as q:
+            seconds = time.perf_counter() - t0  # the solve (w4a16 has no activation scales to calibrate)
             r = language_modeling(model, seqs)
-        finally:
-            attachment.remove()
-            solved.remove()
         rows.append({"weights": name, "solve_seconds": seconds, "loss": r["loss"], "loss_se": r["loss_se"],
                      "ppl": r["ppl"], "ppl_ci95": r["ppl_ci95"], "per_sequence_loss": r["per_sequence_loss"],
-                     "record": {k: v for k, v in solved.record.items() if k != "weights"}, **versus_float(fp, r)})
+                     "record": {k: v for k, v in q.record["weights"].items() if k != "weights"},
+                     **versus_float(fp, r)})
         result = {"model": label, "scheme": scheme.to_dict(),
                   "float": {k: fp[k] for k in ("loss", "loss_se", "ppl", "ppl_ci95", "tokens")},
                   "evaluation": {"sequences": len(seqs), "seq_len": seqs.shape[1], "predicted_tokens": fp["tokens"],

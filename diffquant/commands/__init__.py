@@ -210,6 +210,9 @@ def _quantize(sub) -> None:
     p.add_argument("--save-weights", action="store_true",
                    help="simulated schemes: also save a full copy of the float weights (default: the scheme and a "
                         "reference to --model, a few kB)")
+    p.add_argument("--export", choices=["compressed-tensors"], default=None,
+                   help="write the simulated model to --out as a checkpoint others load: compressed-tensors "
+                        "(transformers' from_pretrained, vLLM; pip install 'diffquant[export]')")
     out_args(p, required=False)
     p.set_defaults(func=_lazy("diffquant.quant.cli", "run_cli"))
 

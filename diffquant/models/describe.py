@@ -15,4 +15,6 @@ def describe(model) -> dict:
         "hidden_size": model.config.hidden_size,
         "dtype": str(p.dtype).replace("torch.", ""),
         "device": str(p.device),
+        **({"quantization": model._diffquant_source_quantization}  # a compressed-tensors checkpoint's (dequantized)
+           if getattr(model, "_diffquant_source_quantization", None) else {}),
     }

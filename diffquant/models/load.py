@@ -35,7 +35,10 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
     `source` is a preset and design (`tiny:diff`, `tiny:baseline`, `tiny:gated`; random weights, with a
     byte-level tokenizer, one token per UTF-8 byte), a zoo name (`smollm2-135m`), a directory written by
     `save_pretrained`, a folder written by `diffquant quantize` (a scheme and the model it applies to), a
-    `.gguf` file, or a hub id when `hub=True`. Nothing is downloaded from a hub unless `hub=True`.
+    `.gguf` file, or a hub id when `hub=True`. Nothing is downloaded from a hub unless `hub=True`. A
+    compressed-tensors checkpoint (llm-compressor's, or `diffquant quantize --export`'s) loads as a float model
+    of its dequantized weights, with what it held in `model._diffquant_source_quantization` (see
+    `quant/compressed.py`).
     """
     kwargs = {"dtype": _dtype(dtype)}
     if attn_implementation:
@@ -139,9 +142,14 @@ def _load_zoo(name: str, kwargs: dict, cache: str | None):
 
 
 def _from_pretrained(path, kwargs: dict, local_files_only: bool = True, **extra):
+    import warnings
+
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from diffquant.quant import compressed
+
+    held = None  # a compressed-tensors checkpoint's quantization_config
     if "gguf_file" not in extra:
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=local_files_only)
@@ -149,14 +157,20 @@ def _from_pretrained(path, kwargs: dict, local_files_only: bool = True, **extra)
             raise DiffquantError(f"could not read the config of {path}: {str(e).splitlines()[0][:300]}") from None
         if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise DiffquantError(f"{path} is a {config.model_type!r} model, not a causal language model")
+        held = compressed.quantization_config(config)
+        extra = {**extra, **compressed.load_kwargs(path, config)}  # compressed-tensors: dequantized on load
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=local_files_only, **kwargs, **extra)
+        with warnings.catch_warnings():  # "loading attributes (e.g. ['dequantize']) will be overwritten": meant so
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=local_files_only, **kwargs, **extra)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e) or "does not recognize this architecture" in str(e):
             raise DiffquantError(f"{path} is not a causal language model ({str(e).splitlines()[0][:200]})") from None
         raise
     except OSError as e:
         raise DiffquantError(f"could not load {path}: {str(e).splitlines()[0][:300]}") from None
+    compressed.as_float(model, held)
+    extra.pop("quantization_config", None)
     return model, _tokenizer(path, local_files_only, **extra)
 
 

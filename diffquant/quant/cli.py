@@ -24,6 +24,10 @@ def list_text() -> str:
         width = max(len(n) for n, _ in reg[registry])
         lines += [f"  {n:<{width}}  {doc}" + (f" [{status[n]}]" if registry == "backends" else "")
                   for n, doc in reg[registry]]
+    from diffquant.quant.export import REFUSED
+
+    lines.append("export (--export compressed-tensors: the simulated model, every weight bit-identical); refused:")
+    lines += [f"  {k:<28} {v}" for k, v in REFUSED.items()]
     return "\n".join(lines)
 
 
@@ -66,9 +70,17 @@ def run_cli(args) -> None:
     if real and (recipe.fixes or recipe.solver is not None):
         raise DiffquantError("--mitigate and --weights apply to simulated schemes (--backend fake); real backends "
                              "quantize the float weights as they are")
+    export = getattr(args, "export", None)
+    if export and (real or args.save_weights):
+        raise DiffquantError("--export writes the simulated model (--backend fake) as its own checkpoint; it does not "
+                             "go with a real --backend or --save-weights")
     out = prepare_out(args.out, args.force, "quantize.json")
     ((_, (model, tokenizer)),) = load_models(args).items()
     plan(model, recipe.adjusted_scheme())  # a scheme that cannot apply is refused here, before any evaluation
+    if export:  # a recipe the format cannot hold is refused before any data, calibration or solving
+        from diffquant.quant.recipe import check_export
+
+        check_export(model, recipe)
     calib = corpus_windows(args.data, tokenizer, "train", args.seq_len, args.calib_batches * args.seq_len,
                            args.cache_dir, chars=200_000)
     evalset = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.tokens, args.cache_dir)
@@ -80,6 +92,8 @@ def run_cli(args) -> None:
               "mitigation": args.mitigate, "weights": recipe.solver.label() if recipe.solver else "rtn",
               "calibration": {"split": "train", "sequences": len(calib), "tokens": int(calib.numel())},
               "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+    if getattr(model, "_diffquant_source_quantization", None):  # a compressed-tensors checkpoint, dequantized
+        result["source_quantization"] = model._diffquant_source_quantization
     if real:  # refused here, before any evaluation, where the kernels cannot run this model
         for note in backends.check(args.backend, model, device):
             print(note, flush=True)
@@ -95,7 +109,9 @@ def run_cli(args) -> None:
     result["simulated"] = _evaluate(model, evalset, q.scheme.name, args.batch_size)
     result["simulated"]["paired_loss_change"] = paired(result["fp"].pop("per_sequence_loss"),
                                                        result["simulated"].pop("per_sequence_loss"))
-    if not real:  # the scheme, and a reference to the float model unless its weights were copied
+    if export:
+        result["export"] = q.export(out, tokenizer)
+    elif not real:  # the scheme, and a reference to the float model unless its weights were copied
         q.save(out, None if args.save_weights else _source_reference(args.model, args.hub))
     else:
         q.remove()
@@ -112,6 +128,12 @@ def run_cli(args) -> None:
     atomic_write_json(out / "quantize.json", result)
     print(summary_text(result))
     print(f"wrote {out}: {_sizes(out)}")
+    if export:
+        for note in result["export"]["notes"]:
+            print(f"note: {note}")
+        print(f"load it with transformers' AutoModelForCausalLM.from_pretrained({str(out)!r}) (compressed-tensors "
+              f"installed; vLLM serves it too), or as --model {out} in any diffquant command")
+        return
     print(f"use it as --model {out} in any diffquant command (profile, sweep, quantize, lm-eval), or "
           f"diffquant.models.load.load_model({str(out)!r}) in Python"
           + ("" if real or args.save_weights else f"; it applies the scheme to {args.model}, which must stay where it is"))
@@ -142,6 +164,11 @@ def summary_text(r: dict) -> str:
              "sequences (perplexity: the exponential of the loss interval)",
              f"  fp          {loss_ppl(r['fp'])}  size {r['fp_bytes']:,} B",
              f"  simulated   {loss_ppl(r['simulated'])}{change}"]
+    if "export" in r:
+        e = r["export"]
+        lines.append(f"  exported    {e['format']} ({e['quantization_config']['format']}), {e['safetensors_bytes']:,} B of "
+                     f"safetensors ({e['safetensors_bytes'] / r['fp_bytes']:.1%} of the float model's size); every "
+                     "weight bit-identical to the simulated one")
     if "real" in r:
         lines.append(f"  real        loss {r['real']['loss']:.4f}  ppl {r['real']['ppl']:.3f}  size {r['real_bytes']:,} B"
                      f"  (real - simulated loss: {r['gap_loss_real_minus_simulated']:+.4f})")

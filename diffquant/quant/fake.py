@@ -217,6 +217,28 @@ class FakeQuant:
             raise DiffquantError("fixed scales need a static quantizer")
         self.scale, self.zero, self.fixed = scale, zero, True
 
+    def weight_grid(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, scale, zero) of a canonical weight `w` ([out, in]) as this quantizer rounds it: the scales it
+        holds (static: calibrated, or fixed by a solver) or takes from `w` (dynamic), by the same functions as
+        the forward, and the codes `Q.quantize` gives ([out, in]; integer codes, or the unscaled grid values of
+        a float format), so `Q.dequantize` of them is the simulated weight. Scales are shaped as `Q.grouped`
+        leaves them (groups: [out, groups, 1]). For the export (`quant/export.py`)."""
+        from diffquant.quant.granularity import PerGroup
+        from diffquant.taps.sites import WEIGHT_DIMS
+
+        cfg = self.config
+        if cfg.dynamic:
+            scale, zero = Q.dynamic_qparams(w, cfg.format, cfg.granularity, WEIGHT_DIMS)
+        elif self.scale is None:
+            raise DiffquantError("static weight quantizer used before calibration; run calibrate()")
+        else:
+            scale, zero = self.scale.to(w.device), self.zero.to(w.device)
+        xf = w.detach() if w.dtype == torch.float32 else w.detach().float()
+        codes = Q.quantize(Q.grouped(xf, cfg.granularity, WEIGHT_DIMS)[0], scale, zero, cfg.format)
+        if isinstance(cfg.granularity, PerGroup):
+            codes = codes.flatten(-2)[..., :w.shape[-1]]  # a ragged last group's padding
+        return codes, scale, zero
+
     def state(self) -> dict:
         """Static scales as lists (saved with a quantized checkpoint)."""
         if self.scale is None:

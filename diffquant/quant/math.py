@@ -186,6 +186,14 @@ def dynamic_fake_quantize(x: torch.Tensor, fmt: Format, gran: Granularity, dims:
                           valid: torch.Tensor | None = None, compiled: bool = False) -> torch.Tensor:
     """Scales from this tensor (the paper's dynamic absmax setting), then fake-quantize. Scales never span
     two sequences: "per tensor" is per tensor of one sequence (see `grouped`)."""
+    scale, zero = dynamic_qparams(x, fmt, gran, dims, valid)
+    return fake_quantize(x, scale, zero, fmt, gran, compiled, dims)
+
+
+def dynamic_qparams(x: torch.Tensor, fmt: Format, gran: Granularity, dims: tuple[str, ...],
+                    valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) that `dynamic_fake_quantize` takes from x (shaped as `grouped` leaves them); the export
+    reads a round-to-nearest weight's grid from here, so it is the simulation's grid by construction."""
     xd = x.detach() if x.dtype == torch.float32 else x.detach().float()
     xg, reduce = grouped(xd, gran, dims, per_sequence=True)
     if fmt.minmax and valid is None and xg.numel() != x.numel():  # zero padding must not join a min-max range
@@ -194,8 +202,7 @@ def dynamic_fake_quantize(x: torch.Tensor, fmt: Format, gran: Granularity, dims:
     if valid is not None:  # kept broadcast where it can be: no full-size mask
         vg = grouped(valid.expand_as(x) if elementwise_groups(gran) else valid, gran, dims)[0]
     lo, hi = value_range(xg, reduce, vg, fmt.symmetric, not fmt.minmax)
-    scale, zero = qparams(lo, hi, fmt)
-    return fake_quantize(x, scale, zero, fmt, gran, compiled, dims)
+    return qparams(lo, hi, fmt)
 
 
 def keep_masked(y: torch.Tensor, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -227,6 +227,22 @@ class Quantized:
     def __exit__(self, *exc) -> None:
         self.remove()
 
+    def export(self, out, tokenizer=None, format: str = "compressed-tensors") -> dict:
+        """Write exactly this simulated model as a compressed-tensors checkpoint (safetensors, config.json's
+        quantization_config, the tokenizer) that transformers and vLLM load; every written weight is checked
+        against the simulation first. What the format cannot hold is refused in one line (`check_export`)."""
+        from diffquant.quant.export import check, export_compressed_tensors
+
+        if format != "compressed-tensors":
+            raise DiffquantError(f"unknown export format {format!r}; diffquant writes compressed-tensors")
+        if self.removed or self.attachment is None:
+            raise DiffquantError("this quantized model was removed; quantize it again to export it")
+        labels = [f.label() for f in self.recipe.fixes] or [None]
+        act_order = bool(getattr(self.recipe.solver, "act_order", False))
+        for label in labels[:-1]:
+            check(self.model, self.attachment.scheme, label, act_order)
+        return export_compressed_tensors(self.model, self.attachment, out, tokenizer, labels[-1], act_order)
+
     def save(self, folder, source: dict | None = None) -> dict:
         """The scheme (with static scales), the fixes' records and the solved weights, into `folder`; `source`
         names the float model for a folder that holds no weights of its own."""
@@ -235,6 +251,17 @@ class Quantized:
         if self.removed or self.attachment is None:
             raise DiffquantError("this quantized model was removed; quantize it again to save it")
         return save_scheme(self.attachment, folder, source, [a.record for a in self.applied], self.solved)
+
+
+def check_export(model, recipe) -> None:
+    """Refuse, in one line and before any work, a recipe a compressed-tensors checkpoint cannot hold
+    (quant/export.py: rotations, logit quantization, formats the format has no grid for, ...)."""
+    from diffquant.quant.export import check
+
+    recipe = Recipe.of(recipe)
+    act_order = bool(getattr(recipe.solver, "act_order", False))
+    for label in [f.label() for f in recipe.fixes] or [None]:
+        check(model, recipe.adjusted_scheme(), label, act_order)
 
 
 def quantize_(model, recipe, calibration: "torch.Tensor | None" = None, *, compile: bool = False,
