@@ -18,10 +18,11 @@ from diffquant.models.matrix import FAMILIES, VOCAB
 from diffquant.quant import granularity as G
 from diffquant.quant import solvers
 from diffquant.quant.config import QuantConfig, int_config
-from diffquant.quant.export import check, export_compressed_tensors
+from diffquant.quant.export import check
 from diffquant.quant.formats import Format
-from diffquant.quant.mitigate import Clip, SmoothQuant, adjust_scheme, mitigate_
-from diffquant.quant.scheme import LAYER_WEIGHTS, LINEAR_INPUTS, QuantScheme, calibrate, get_scheme, quantize_
+from diffquant.quant.mitigate import Clip, SmoothQuant, adjust_scheme
+from diffquant.quant.recipe import Recipe, quantize_
+from diffquant.quant.scheme import LAYER_WEIGHTS, LINEAR_INPUTS, QuantScheme, attach_scheme, get_scheme
 
 IDS = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
 CALIB = torch.randint(3, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
@@ -72,38 +73,26 @@ def linear_weights(model) -> dict:
     return {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def export(model, scheme, folder, solver=None, mitigation=None, calibrate_on=CALIB, references=False) -> dict:
-    """diffquant's pipeline on `model` (fix → solver → scheme → calibration), exported to `folder` with what the
-    child compares against: the simulated Linear weights and logits on IDS; `references`: also the logits of the
-    simulated weights alone, and with the Linear inputs quantized by compressed-tensors' rule (`ct_rule`) at the
-    simulation's static scales."""
-    applied = mitigate_(model, mitigation, CALIB, scheme)
-    solved = solvers.solve_weights_(model, solver, scheme, CALIB, progress=False)
-    attachment = quantize_(model, solved.scheme(scheme))
-    solved.install(attachment)
-    calibrate(model, attachment, calibrate_on.split(2))
-    act_order = getattr(solver, "act_order", False)
-    info = export_compressed_tensors(model, attachment, folder, mitigation=mitigation and mitigation.label(),
-                                     act_order=act_order)
-    with torch.no_grad():
-        ref = {"ids": IDS, "logits": model(IDS).logits, "weights": linear_weights(model)}
-    attachment.remove()
+def export(model, scheme, folder, solver=None, mitigation=None, references=False) -> dict:
+    """diffquant's pipeline on `model` (fix → solver → scheme → calibration, `quantize_`), exported to `folder` with
+    what the child compares against: the simulated Linear weights and logits on IDS; `references`: also the logits
+    of the simulated weights alone, and with the Linear inputs quantized by compressed-tensors' rule (`ct_rule`)
+    at the simulation's static scales."""
+    recipe = Recipe(scheme, (mitigation,) if mitigation is not None else (), solver)
+    with quantize_(model, recipe, CALIB) as q:
+        info = q.export(folder)
+        with torch.no_grad():
+            ref = {"ids": IDS, "logits": model(IDS).logits, "weights": linear_weights(model)}
+        attachment = q.attachment
     if references:
-        solved.remove()
-        applied.remove()
         with torch.no_grad():
             ref["logits_float"] = model(IDS).logits
-        applied = mitigate_(model, mitigation, CALIB, scheme)  # deterministic: the same fix and weights again
-        solved = solvers.solve_weights_(model, solver, scheme, CALIB, progress=False)
-        weights_only = quantize_(model, solved.scheme(QuantScheme("weights", (), scheme.weights)))
-        solved.install(weights_only)
-        with torch.no_grad():
-            ref["logits_weights_only"] = model(IDS).logits
-        ref["logits_ct_rule"] = ct_rule(model, IDS, scheme, attachment)
-        weights_only.remove()
+        weights_only = Recipe(QuantScheme("weights", (), scheme.weights), recipe.fixes, solver)
+        with quantize_(model, weights_only, CALIB):  # deterministic: the same fix and weights again
+            with torch.no_grad():
+                ref["logits_weights_only"] = model(IDS).logits
+            ref["logits_ct_rule"] = ct_rule(model, IDS, scheme, attachment)
     torch.save(ref, folder / "ref.pt")
-    solved.remove()
-    applied.remove()
     return info
 
 
@@ -395,7 +384,7 @@ def test_llmcompressor_check_compares_shipped_checkpoints(tmp_path, load_script)
         q = simulated[name.removesuffix(".weight")].double()
         assert side["weight_error"][name] == pytest.approx(float(((q - w.double()) ** 2).sum() / (w.double() ** 2).sum()))
     model_sim = FAMILIES["llama"].build()
-    attachment = quantize_(model_sim, get_scheme("w4a16-g32"))
+    attachment = attach_scheme(model_sim, get_scheme("w4a16-g32"))
     assert side["loss"] == pytest.approx(language_modeling(model_sim, CALIB)["loss"], rel=1e-6)
     attachment.remove()
 
