@@ -13,7 +13,7 @@ def entries() -> dict[str, list[tuple[str, str]]]:
     from diffquant.models.zoo import ZOO
     from diffquant.quant.backends import BACKENDS
     from diffquant.quant.mitigate import DOCS as FIXES
-    from diffquant.quant.scheme import PRESETS as SCHEMES
+    from diffquant.quant.scheme import SCHEME_PRESETS as SCHEMES
     from diffquant.quant.solvers import DOCS as SOLVERS
     from diffquant.stats.metric_sets import REGISTRY as METRIC_SETS
     from diffquant.taps.sites import MODEL_SITES, POINTS

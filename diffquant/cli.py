@@ -54,7 +54,7 @@ def _cmd_sites(args) -> None:
             print(f"{point:<16} {shape:<34} {doc}")
         return
     from diffquant.models.load import load_model
-    from diffquant.quant.scheme import PRESETS, applies
+    from diffquant.quant.scheme import SCHEME_PRESETS, applies
     from diffquant.taps import site_table
 
     model, _ = load_model(args.model, hub=args.hub)
@@ -63,9 +63,9 @@ def _cmd_sites(args) -> None:
     for site in sites:
         note = " (MoE router: left in float by wildcard weight patterns)" if site.router else ""
         print(f"{site.name:<44} [{', '.join(site.dims)}]{note}")
-    ok = [name for name, scheme in PRESETS.items() if applies(model, scheme) is None]
+    ok = [name for name, scheme in SCHEME_PRESETS.items() if applies(model, scheme) is None]
     print(f"\nscheme presets that apply to {type(model).__name__}: {', '.join(ok)}")
-    for name, scheme in PRESETS.items():
+    for name, scheme in SCHEME_PRESETS.items():
         if name not in ok:
             print(f"  not {name}: {applies(model, scheme).split('. ')[0]}")
 

@@ -3,7 +3,6 @@ number can be traced to how it was made; helpers to pool seeds."""
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
@@ -18,14 +17,6 @@ def start_run(out: str | Path, settings, device: str) -> Path:
     atomic_write_json(out / "settings.json", asdict(settings) if is_dataclass(settings) else dict(settings))
     atomic_write_json(out / "environment.json", environment_record(device))
     return out
-
-
-def mean_spread(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one seed)."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return float("nan"), float("nan")
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def fmt_ms(values: list[float]) -> str:

@@ -100,12 +100,12 @@ def _export(model) -> str:
     """The presets `diffquant quantize --export compressed-tensors` writes for this family, or why none."""
     from diffquant.errors import DiffquantError
     from diffquant.quant.export import check
-    from diffquant.quant.scheme import PRESETS
+    from diffquant.quant.scheme import SCHEME_PRESETS
 
     ok, why, notes = [], "", set()
     for name in EXPORT_PRESETS:
         try:
-            notes.update(check(model, PRESETS[name]).notes)
+            notes.update(check(model, SCHEME_PRESETS[name]).notes)
             ok.append(name)
         except DiffquantError as e:
             why = why or str(e)
@@ -118,7 +118,7 @@ def rows(real: bool = True) -> list[list[str]]:
     import torch
 
     from diffquant.models.matrix import FAMILIES, VOCAB
-    from diffquant.quant.scheme import PRESETS, applies
+    from diffquant.quant.scheme import SCHEME_PRESETS, applies
     from diffquant.taps import site_table
 
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -129,7 +129,7 @@ def rows(real: bool = True) -> list[list[str]]:
         inside = ("k_cache", "v_cache", "attn_logits", "attn_probs", "attn_map", "lambda")  # where logits ✓
         points = [p for p in table.points() if p not in inside]
         logits = "✓" if "attn_logits" in table.points() else "– (own attention)"
-        schemes = {name: applies(model, scheme) is None for name, scheme in PRESETS.items()}
+        schemes = {name: applies(model, scheme) is None for name, scheme in SCHEME_PRESETS.items()}
         weight_only = [n for n in ("w8a16", "w4a16", "nf4", "fp4") if schemes[n]]
         row = [f"{family.name}", family.note, ", ".join(points), logits, "✓" if schemes["w8a8"] else "–",
                ", ".join(weight_only) or "–", _export(model)]

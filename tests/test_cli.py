@@ -188,3 +188,10 @@ def test_profile_says_when_it_got_fewer_tokens(tmp_path, capsys):
     assert main(["profile", "--model", "micro:baseline", "--data", str(tmp_path / "t.txt"), "--tokens", "100000",
                  "--seq-len", "64", "--out", str(tmp_path / "p"), "--no-plots"]) == 0
     assert "fewer tokens than asked" in capsys.readouterr().out
+
+
+def test_zoo_models_are_labelled_by_their_exact_name():
+    from diffquant.commands.common import parse_model_args
+
+    assert parse_model_args(["smollm2-135m", "runs/pair/diff", "A=runs/x"]) == [
+        ("SmolLM2-135M-Instruct (Q4_1 → fp32)", "smollm2-135m"), ("diff", "runs/pair/diff"), ("A", "runs/x")]

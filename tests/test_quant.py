@@ -12,7 +12,7 @@ from diffquant.quant import math as Q
 from diffquant.quant.config import QuantConfig, int_config
 from diffquant.quant.fake import FakeQuant
 from diffquant.quant.formats import NF4_VALUES, Format, grid, parse_format
-from diffquant.quant.scheme import PRESETS, QuantScheme, calibrate, get_scheme, attach_scheme
+from diffquant.quant.scheme import SCHEME_PRESETS, QuantScheme, calibrate, get_scheme, attach_scheme
 from diffquant.taps.sites import POINTS, Site
 from diffquant.taps.tap import TapContext
 
@@ -282,7 +282,7 @@ def test_static_calibrations():
 
 
 def test_scheme_round_trip(tmp_path):
-    for scheme in PRESETS.values():
+    for scheme in SCHEME_PRESETS.values():
         assert QuantScheme.from_dict(json.loads(json.dumps(scheme.to_dict()))) == scheme
     (tmp_path / "s.yaml").write_text("name: mine\nactivations:\n  '*.attn_logits': {format: int5, granularity: head}\n"
                                      "weights:\n  'layers.*.mlp.*.weight': {format: nf4, granularity: {kind: group, size: 32}}\n")
@@ -299,10 +299,10 @@ def test_identity_and_removal_are_exact(micro_pair):
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with torch.no_grad():
             ref = model(ids).logits
-            a = attach_scheme(model, PRESETS["fp"])
+            a = attach_scheme(model, SCHEME_PRESETS["fp"])
             assert torch.equal(model(ids).logits, ref)
             a.remove()
-            a = attach_scheme(model, PRESETS["w8a8"])
+            a = attach_scheme(model, SCHEME_PRESETS["w8a8"])
             assert not torch.equal(model(ids).logits, ref)
             a.remove()
             assert torch.equal(model(ids).logits, ref)
@@ -338,7 +338,7 @@ def test_edited_weight_is_requantized(micro_pair):
 
     model = copy.deepcopy(micro_pair[0])
     ids = torch.randint(0, 512, (1, 8))
-    a = attach_scheme(model, PRESETS["w8a16"])
+    a = attach_scheme(model, SCHEME_PRESETS["w8a16"])
     try:
         with torch.no_grad():
             model(ids)
@@ -346,7 +346,7 @@ def test_edited_weight_is_requantized(micro_pair):
             lin.parametrizations.weight.original.data.mul_(2)
             edited = model(ids).logits
         a.remove()
-        a = attach_scheme(model, PRESETS["w8a16"])
+        a = attach_scheme(model, SCHEME_PRESETS["w8a16"])
         with torch.no_grad():
             fresh = model(ids).logits
     finally:
@@ -367,7 +367,7 @@ def test_16_bit_int_quantizer_is_nearly_exact(micro_pair):
 
 def test_lambda_and_norms_stay_full_precision(micro_pair):
     model = micro_pair[1]
-    a = attach_scheme(model, PRESETS["w4a8"])  # group 128 over width 64 and 176: ragged groups
+    a = attach_scheme(model, SCHEME_PRESETS["w4a8"])  # group 128 over width 64 and 176: ragged groups
     try:
         for name, module in model.named_modules():
             if hasattr(module, "parametrizations"):
@@ -400,7 +400,7 @@ def test_quantization_aware_training_lowers_loss(micro_pair):
 def test_static_scheme_needs_calibration(micro_pair):
     model = micro_pair[0]
     ids = torch.randint(0, 512, (2, 8))
-    a = attach_scheme(model, PRESETS["w8a8-static"])
+    a = attach_scheme(model, SCHEME_PRESETS["w8a8-static"])
     try:
         with pytest.raises(DiffquantError, match="before calibration"):
             model(ids)

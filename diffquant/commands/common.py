@@ -8,10 +8,15 @@ from diffquant.errors import DiffquantError
 
 
 def parse_model_args(values: list[str]) -> list[tuple[str, str]]:
+    """(label, source) per --model: LABEL=SOURCE, else the zoo model's exact name (SmolLM2-135M-Instruct (Q4_1 →
+    fp32), as every report names it) or the folder's name."""
+    from diffquant.models.zoo import ALIASES, ZOO
+
     out = []
     for v in values:
         label, sep, source = v.partition("=")
-        out.append((label, source) if sep and source else (Path(v).name or v, v))
+        default = ZOO[ALIASES[v]].display if v in ALIASES else (Path(v).name or v)
+        out.append((label, source) if sep and source else (default, v))
     labels = [label for label, _ in out]
     if len(set(labels)) != len(labels):
         raise DiffquantError(f"model labels must differ, got {labels}; name them LABEL=SOURCE")

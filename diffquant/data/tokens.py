@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 
 import numpy as np
 import torch
@@ -72,13 +71,6 @@ def encode(tokenizer, text: str) -> np.ndarray:
     else:
         ids = [np.asarray(tokenizer(p, add_special_tokens=False)["input_ids"], dtype=np.int32) for p in pieces]
     return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
-
-
-def tokenizer_hash(tokenizer) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    blob = backend.to_str() if backend is not None else repr(tokenizer.get_vocab())
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
 
 def sequences(stream: np.ndarray, seq_len: int, tokens: int | None = None) -> torch.Tensor:
     """[n, seq_len] windows from the start of the stream covering `tokens` tokens (all if None)."""

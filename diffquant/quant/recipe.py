@@ -107,9 +107,9 @@ class Recipe:
         return " → ".join(s.label() if not isinstance(s, QuantScheme) else s.name for s in self.steps)
 
     def to_dict(self) -> dict:
-        from diffquant.quant.scheme import PRESETS
+        from diffquant.quant.scheme import SCHEME_PRESETS
 
-        scheme = self.scheme.name if PRESETS.get(self.scheme.name) == self.scheme else self.scheme.to_dict()
+        scheme = self.scheme.name if SCHEME_PRESETS.get(self.scheme.name) == self.scheme else self.scheme.to_dict()
         return {"fixes": [f.label() for f in self.fixes], "weights": self.solver.label() if self.solver else "rtn",
                 "scheme": scheme}
 

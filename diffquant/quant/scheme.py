@@ -35,10 +35,10 @@ class QuantScheme:
     def __post_init__(self) -> None:
         for pattern, _ in self.weights:
             if not pattern.endswith(".weight"):
-                raise ValueError(f"weight pattern {pattern!r} must end with '.weight'")
+                raise DiffquantError(f"weight pattern {pattern!r} must end with '.weight'")
         for pattern, _ in self.activations:
             if pattern.endswith(".weight"):
-                raise ValueError(f"activation pattern {pattern!r} names a weight; put it under 'weights'")
+                raise DiffquantError(f"activation pattern {pattern!r} names a weight; put it under 'weights'")
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description,
@@ -49,7 +49,7 @@ class QuantScheme:
     def from_dict(d: dict) -> "QuantScheme":
         unknown = set(d) - {"name", "description", "activations", "weights"}
         if unknown:
-            raise ValueError(f"unknown scheme keys {sorted(unknown)}")
+            raise DiffquantError(f"unknown scheme keys {sorted(unknown)}")
         try:
             return QuantScheme(
                 name=d.get("name", "custom"), description=d.get("description", ""),
@@ -148,13 +148,13 @@ def kv_presets() -> dict[str, QuantScheme]:
     return {s.name: s for s in out}
 
 
-PRESETS = _presets()
+SCHEME_PRESETS = _presets()
 
 
 def get_scheme(name_or_path: str) -> QuantScheme:
     """A preset name, or a JSON/YAML file describing a scheme."""
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
+    if name_or_path in SCHEME_PRESETS:
+        return SCHEME_PRESETS[name_or_path]
     path = Path(name_or_path)
     if path.suffix.lower() in (".json", ".yaml", ".yml"):
         if not path.is_file():
@@ -172,7 +172,7 @@ def get_scheme(name_or_path: str) -> QuantScheme:
         if not isinstance(data, dict):
             raise DiffquantError(f"{path} must hold a mapping with 'activations' and/or 'weights'")
         return QuantScheme.from_dict(data)
-    raise DiffquantError(f"unknown scheme {name_or_path!r}; choose one of: {', '.join(PRESETS)}, or a .json/.yaml file")
+    raise DiffquantError(f"unknown scheme {name_or_path!r}; choose one of: {', '.join(SCHEME_PRESETS)}, or a .json/.yaml file")
 
 
 def plan(model, scheme: QuantScheme) -> dict[str, QuantConfig]:

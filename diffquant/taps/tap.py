@@ -22,7 +22,6 @@ from diffquant.taps.sites import Site, SiteTable, is_experts
 
 
 Tap = Callable[[torch.Tensor, TapContext], "torch.Tensor | None"]
-Selector = "str | Iterable[str] | Callable[[Site], bool]"
 
 
 def canonical_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
