@@ -60,6 +60,11 @@ class SinkObserver:
         else:
             self.sinks.add_hidden(x, ctx.valid, ctx.batch.row_offset)
 
+    def first_key(self, mass: torch.Tensor, rows: torch.Tensor, ctx) -> None:
+        """attn_probs / attn_map from each query's mass on its first key alone, which the layer's own attention
+        kernel gives (taps/attention.py `first_key_masses`): the layer need not compute its T × T map."""
+        self.sinks.add_first_key("probs" if self.point == "attn_probs" else "map", mass, rows)
+
 
 SINK_POINTS = ("attn_probs", "attn_map", "lambda", "v", "hidden")
 

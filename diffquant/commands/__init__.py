@@ -102,7 +102,9 @@ def _profile(sub) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="sequence length (default 256)")
     p.add_argument("--allow-long-context", action="store_true", help=LONG_CONTEXT_HELP)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--sites", nargs="+", default=["*.attn_logits", "*.hidden"], help="site globs (default: logits, hidden)")
+    p.add_argument("--sites", nargs="+", default=["*.attn_logits", "*.hidden"],
+                   help="site globs (default: logits, hidden); attn_logits, attn_probs and attn_map compute their "
+                        "layers' attention explicitly (T × T in query blocks), the other layers keep their kernel")
     p.add_argument("--k", type=int, default=100, help="top-k kept per site (default 100)")
     p.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or auto")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -115,7 +117,9 @@ def _profile(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="fuse the statistics with torch.compile (one-off compile, then several times faster)")
     p.add_argument("--no-sinks", action="store_true",
-                   help="skip the attention-sink and massive-activation metrics (on by default)")
+                   help="skip the attention-sink and massive-activation metrics (on by default; where no attention "
+                        "site is profiled they cost one more call of each layer's own attention kernel, or, with "
+                        "padding or an eager model, its explicit T × T attention in query blocks)")
     p.add_argument("--metrics", default="", help=METRICS_HELP)
     p.set_defaults(func=_lazy("diffquant.commands.profile", "run_cli"))
 
