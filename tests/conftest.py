@@ -81,3 +81,15 @@ def quanto_without_a_compiler():
     lib.impl("unpack", unpack, "CPU")
     yield
     lib._destroy()
+
+
+def offline_prefix() -> list[str] | None:
+    """A command prefix that runs a program with networking cut (a fresh network namespace, in a user namespace so
+    no root is needed), or None where this machine does not permit it."""
+    import shutil
+    import subprocess
+
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode != 0:
+        return None
+    return [unshare, "-rn"]
