@@ -86,7 +86,8 @@ def prerequisites(smoke: bool, backend: str) -> tuple[list[str], bool]:
 
 def step_benchmarks(device: str, smoke: bool, out: Path) -> dict:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--out", str(out / f"results-{device}.json")]
-    cmd += ["--quick", "--only", "diff_vs_baseline"] if smoke else ["--only", "profiler", "diff_vs_baseline", "sweep", "memory"]
+    sections = ["diff_vs_baseline"] if smoke else ["profiler", "diff_vs_baseline", "sweep", "memory"]
+    cmd += (["--quick"] if smoke else []) + ["--only", *sections]
     subprocess.run(cmd, check=True, cwd=ROOT)
     results = json.loads((out / f"results-{device}.json").read_text())
     return {"file": f"results-{device}.json",
@@ -193,7 +194,8 @@ def step_backend(device: str, smoke: bool, out: Path, backend: str) -> dict:
 def step_recipe(device: str, smoke: bool, out: Path, limit: float) -> dict:
     """The GPU recipe for `limit` seconds: its estimate is printed before training; stopped there if still running."""
     folder = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check")) / "recipe"
-    cmd = [sys.executable, str(ROOT / "experiments" / "gpu_recipe.py"), "--out", str(folder)] + (["--quick"] if smoke else [])
+    cmd = [sys.executable, str(ROOT / "experiments" / "gpu_recipe.py"), "--out", str(folder)]
+    cmd += ["--quick"] if smoke else []
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
         code, text = r.returncode, r.stdout + r.stderr
@@ -201,8 +203,8 @@ def step_recipe(device: str, smoke: bool, out: Path, limit: float) -> dict:
         code, text = "stopped at the limit", (e.stdout or b"").decode() + (e.stderr or b"").decode()
     estimate = folder / "estimate.json"
     line = next((x for x in text.splitlines() if "gpu_recipe (" in x and "estimated" in x), None)
-    return {"exit": code, "estimate_line": line, "estimate": json.loads(estimate.read_text()) if estimate.is_file() else None,
-            "timing": json.loads((folder / "timing.json").read_text()) if (folder / "timing.json").is_file() else None,
+    read = lambda f: json.loads(f.read_text()) if f.is_file() else None  # noqa: E731
+    return {"exit": code, "estimate_line": line, "estimate": read(estimate), "timing": read(folder / "timing.json"),
             "status": "ok" if line and code in (0, "stopped at the limit") else "failed", "log_tail": text[-1500:]}
 
 
@@ -215,10 +217,12 @@ def run_step(name: str, smoke: bool, out: Path, backend: str) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     result_file = work / f"{name}.json"
     result_file.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--step", name, "--out", str(out), "--backend", backend] + (["--cpu-smoke"] if smoke else [])
+    cmd = [sys.executable, __file__, "--step", name, "--out", str(out), "--backend", backend]
+    cmd += ["--cpu-smoke"] if smoke else []
     t = time.perf_counter()
     try:  # the recipe stops itself at its limit; the others are stopped here
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=limit + (30 if name == "recipe" else 0), cwd=ROOT)
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                           timeout=limit + (30 if name == "recipe" else 0))
         status, tail = ("ok" if r.returncode == 0 else "failed"), (r.stdout + r.stderr)[-1500:]
     except subprocess.TimeoutExpired as e:
         status, tail = "timed out", ((e.stdout or b"").decode() + (e.stderr or b"").decode())[-1500:]
@@ -274,7 +278,8 @@ def main(argv=None) -> int:
     tmp = out / "gpu_check.json.tmp"  # written whole, then renamed (diffquant itself may be what is missing)
     tmp.write_text(json.dumps(summary, indent=1, default=str))
     os.replace(tmp, out / "gpu_check.json")
-    print(f"gpu_check: {'ok' if summary['ok'] else 'FAILED'} in {summary['seconds']} s; summary in {out / 'gpu_check.json'}")
+    verdict = "ok" if summary["ok"] else "FAILED"
+    print(f"gpu_check: {verdict} in {summary['seconds']} s; summary in {out / 'gpu_check.json'}")
     return 0 if summary["ok"] else 1
 
 

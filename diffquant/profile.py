@@ -1,8 +1,9 @@
 """The outlier profiler: stream tokens through models with observers on selected sites.
 
 Nothing proportional to the number of tokens is kept: each site's `SiteStats` lives on the device of
-its activation and is updated in place. With `torchrun`, each rank profiles its share of the sequences
-and the statistics are merged across ranks before the report is written.
+its activation and is updated in place. With `torchrun`, each rank profiles a contiguous run of the batches one
+process would run (`rank_batches`), and the statistics are merged across ranks before the report is written: the
+same passes as one process, so the merged report is one process's (sums to float64 rounding).
 """
 
 from __future__ import annotations
@@ -154,6 +155,10 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     metric_state = paper_sets.attach_accumulators(metrics, table, taps)
     rank, world = rank_world()
     starts = rank_batches(len(sequences), batch_size, rank, world)
+    batches = -(-len(sequences) // batch_size)
+    if world > batches and rank == 0 and progress:
+        print(f"profile {label}: {batches} batches of {batch_size} for {world} ranks; {world - batches} ranks idle "
+              "(a smaller --batch-size would use them)")
     batch = Batch()
     device = input_device(model)
     with tapped(model, taps, batch), torch.inference_mode(), frozen_weights():

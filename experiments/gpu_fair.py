@@ -1,6 +1,6 @@
-"""The fair comparison of experiments/fair_rivals.py at the `small` preset (33.7M parameters) on one GPU,
-within `--minutes` (8) of an H200 including start-up, fully offline: it trains on generated Bigram-Backcopy
-sequences (no corpus, no hub), so the first time a GPU is at hand it runs unchanged.
+"""The fair comparison of experiments/fair_rivals.py at the `small` preset (25.4M parameters with its 66-symbol
+vocabulary) on one GPU, within `--minutes` (8) of an H200 including start-up, fully offline: it trains on generated
+Bigram-Backcopy sequences (no corpus, no hub), so the first time a GPU is at hand it runs unchanged.
 
 Plan: 8 designs × (3 rates + 4 more seeds) = 56 runs. At start it measures, on the machine, every design's
 training tokens/s and the seconds of a tracking snapshot (8 a run), a run's measurement (32 held-out sequences,
