@@ -1,8 +1,9 @@
 """The outlier profiler: stream tokens through models with observers on selected sites.
 
 Nothing proportional to the number of tokens is kept: each site's `SiteStats` lives on the device of
-its activation and is updated in place. With `torchrun`, each rank profiles its share of the sequences
-and the statistics are merged across ranks before the report is written.
+its activation and is updated in place. With `torchrun`, each rank profiles a contiguous run of the batches one
+process would run (`rank_batches`), and the statistics are merged across ranks before the report is written: the
+same passes as one process, so the merged report is one process's (sums to float64 rounding).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class SinkObserver:
             self.sinks.add_values(x, ctx.valid)
         else:
             self.sinks.add_hidden(x, ctx.valid, ctx.batch.row_offset)
+
+    def first_key(self, mass: torch.Tensor, rows: torch.Tensor, ctx) -> None:
+        """attn_probs / attn_map from each query's mass on its first key alone, which the layer's own attention
+        kernel gives (taps/attention.py `first_key_masses`): the layer need not compute its T × T map."""
+        self.sinks.add_first_key("probs" if self.point == "attn_probs" else "map", mass, rows)
 
 
 SINK_POINTS = ("attn_probs", "attn_map", "lambda", "v", "hidden")
@@ -148,6 +154,15 @@ def input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def rank_batches(n: int, batch_size: int, rank: int, world: int) -> list[int]:
+    """First rows of this rank's batches: the batches of one process (rows 0, b, 2b, ...) dealt out as
+    contiguous runs, so every pass of the per-pass statistics holds the same sequences whatever the number of
+    ranks, and the merged report equals one process's. A rank left without a batch (more ranks than batches)
+    runs nothing and adds nothing to the merge."""
+    starts = list(range(0, n, batch_size))
+    return starts[rank * len(starts) // world:(rank + 1) * len(starts) // world]
+
+
 def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT_SITES, *, batch_size: int = 8,
                   k: int = 100, progress: bool = True, label: str = "model", compile: bool = False,
                   sinks: bool = False, metrics: Iterable[str] = ()) -> ModelProfile:
@@ -182,20 +197,26 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
                 taps.setdefault(site.name, []).append(SinkObserver(sink, site.kind))
     metric_state = paper_sets.attach_accumulators(metrics, table, taps)
     rank, world = rank_world()
-    lo, hi = rank * len(sequences) // world, (rank + 1) * len(sequences) // world
-    mine = sequences[lo:hi]  # contiguous shards keep global row numbers simple
+    starts = rank_batches(len(sequences), batch_size, rank, world)
+    batches = -(-len(sequences) // batch_size)
+    if world > batches and rank == 0 and progress:
+        print(f"profile {label}: {batches} batches of {batch_size} for {world} ranks; {world - batches} ranks idle "
+              "(a smaller --batch-size would use them)")
     batch = Batch()
     device = input_device(model)
     with tapped(model, taps, batch), evaluating(model):
-        bar = tqdm(total=mine.numel(), unit="tok", desc=f"profile {label}", disable=not progress or rank != 0)
-        for start in range(0, len(mine), batch_size):
-            ids = mine[start:start + batch_size].to(device)
-            batch.input_ids, batch.row_offset = ids, lo + start
+        bar = tqdm(total=sequences[starts[0]:starts[-1] + batch_size].numel() if starts else 0, unit="tok",
+                   desc=f"profile {label}", disable=not progress or rank != 0)
+        for start in starts:
+            ids = sequences[start:start + batch_size].to(device)
+            batch.input_ids, batch.row_offset = ids, start
             model(ids, use_cache=False, logits_to_keep=1)  # no site reads the vocabulary logits
             bar.update(ids.numel())
         bar.close()
-    stats = {name: o.stats for name, o in {**observers, **weight_observers}.items() if o.stats is not None}
-    stats = merge_across_ranks(stats)
+    stats = merge_across_ranks({name: o.stats for name, o in observers.items() if o.stats is not None})
+    # every rank observed the same weights when the taps were attached: one rank's statistics, not a sum of all
+    stats.update({name: o.stats for name, o in weight_observers.items() if o.stats is not None})
+    stats = {s.name: stats[s.name] for s in selected if s.name in stats}
     layer_sinks = gather_merge(layer_sinks)
     metric_state = {name: gather_merge(accs) for name, accs in metric_state.items()}
     bos = getattr(model.config, "bos_token_id", None)

@@ -20,7 +20,9 @@ Every cell (design, rate, seed) trains with resume and writes its measurements a
 OUT/cells/<design>/lr<rate>/s<seed>.json: an interrupted run continues where it stopped (checkpoints under
 --runs), and a finished cell is never redone, in a later session too, since OUT is committed and RUNS is not (unless it
 lacks a scheme the experiment now measures: then it is trained and measured again in full).
-The token budget per model is fixed once in OUT/plan.json from a measured tokens/s and `--budget-hours`.
+The token budget per model is fixed once in OUT/plan.json from `--budget-hours` and what was measured at start: each
+design's training tokens/s, and the seconds of a tracking snapshot, a run's measurement and a checkpoint write.
+With `--worker K/N`, worker K runs on GPU K mod the visible GPUs.
 
     python experiments/fair_rivals.py --plan-only                 # what it would run, and how long
     nice -n 19 python experiments/fair_rivals.py --budget-hours 6 # the comparison (resumable)
@@ -130,57 +132,77 @@ def cell_folder(runs: Path, design: str, lr: float, seed: int) -> Path:
 # ---------------------------------------------------------------- plan
 
 
-def throughput(e: Experiment, device: str, steps: int = 2) -> float:
-    """Training tokens/s of the slowest of baseline and DIFF at this setting (forward, backward, AdamW step),
-    measured over `steps` steps after one warm-up step."""
-    from diffquant.models.presets import build, get_preset
+def measure_costs(e: Experiment, device: str, steps: int = 2) -> dict:
+    """What a plan is made from, measured on this machine: every design's training tokens/s (as `train` runs it),
+    and on the slowest design the seconds of one tracking snapshot, of one run's measurement (held-out loss,
+    profile, every scheme, calibration included) and of one checkpoint write (weights and optimizer state).
+    Every design is charged the slowest one's tracking, measurement and checkpoints (an upper bound)."""
+    import tempfile
+
     from diffquant.data.synthetic import is_synthetic, parse
+    from diffquant.models.fused import fuse
+    from diffquant.models.presets import build, get_preset
+    from diffquant.track import snapshot
+    from measure import measure
+    from pairs import seconds, train_rate
 
-    spec = get_preset(e.train["preset"])
-    seq_len = e.train.get("seq_len") or spec.seq_len
+    seq_len = e.train.get("seq_len") or get_preset(e.train["preset"]).seq_len
     vocab = parse(e.train["corpus"]).vocab + 1 if is_synthetic(e.train["corpus"]) else None
-    rates = []
-    for arch in ("baseline", "diff"):
-        model = build(spec, arch, vocab=vocab, seq_len=seq_len).to(device).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        ids = torch.randint(0, vocab or spec.vocab, (e.train["batch_size"], seq_len), device=device)
-        for i in range(steps + 1):
-            if i == 1:
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
-                loss = model(ids, labels=ids, use_cache=False).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        rates.append(ids.numel() * steps / (time.perf_counter() - t0))
-    return min(rates)
+    rates = {d: train_rate(e.train["preset"], d, e.train["batch_size"], seq_len, vocab, device, steps)
+             for d in e.designs}
+    slowest = min(rates, key=rates.get)
+    model = build(get_preset(e.train["preset"]), slowest, vocab=vocab, seq_len=seq_len).to(device).eval()
+    fuse(model)
+    ids = lambda n: torch.randint(0, vocab or model.config.vocab_size, (n, seq_len), device=device)  # noqa: E731
+    track_batch, seqs, calib = ids(train_config(e, slowest, e.lrs[0], 0, 1).track_sequences), ids(
+        e.eval_sequences), ids(e.calibration_sequences)
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()  # the optimizer state a checkpoint holds
+    with tempfile.TemporaryDirectory() as tmp:
+        save = seconds(lambda: (model.save_pretrained(tmp), torch.save(opt.state_dict(), f"{tmp}/state.pt")), device)
+    return {"tokens_per_s": rates, "slowest": slowest,
+            "snapshot_s": seconds(lambda: snapshot(model, track_batch, 0, 0), device),
+            "measure_s": seconds(lambda: measure(model, seqs, e.schemes, calib), device), "save_s": save}
 
 
-def make_plan(e: Experiment, budget_hours: float, tokens_per_s: float, overhead: float = 0.25) -> dict:
-    """Runs to do and the tokens per model that fit `budget_hours`: the budget, less `overhead` (tracking and
-    measurement), divided by the number of runs at `tokens_per_s`, in whole steps; never more than e.tokens."""
-    runs = len(e.designs) * (len(e.lrs) + len(e.seeds) - 1)  # the sweep's run is the first seed's
+def make_plan(e: Experiment, budget_hours: float, costs: dict) -> dict:
+    """Runs to do and the tokens per model that fit `budget_hours` with everything a run does: each design's
+    training at its own measured rate, `track_points` snapshots (+2: the first and the last), one measurement,
+    and a checkpoint every `save_every` steps and at the end (`costs` from `measure_costs`); in whole steps,
+    never more than e.tokens. A budget that tracking, measurement and checkpoints alone exceed is refused."""
+    per_design = len(e.lrs) + len(e.seeds) - 1  # runs of each design: the sweep's run is the first seed's
+    runs = len(e.designs) * per_design
     step_tokens = e.train["batch_size"] * e.train["seq_len"]
-    fit = budget_hours * 3600 * (1 - overhead) * tokens_per_s / runs
-    tokens = int(min(e.tokens, fit) // step_tokens * step_tokens)
+    saves_per_token = 1 / (e.train.get("save_every", 200) * step_tokens)
+    fixed = runs * ((e.track_points + 2) * costs["snapshot_s"] + costs["measure_s"] + costs["save_s"])
+    per_token = per_design * sum(1 / costs["tokens_per_s"][d] for d in e.designs) + runs * costs["save_s"] * saves_per_token
+    budget = budget_hours * 3600
+    tokens = int(min(e.tokens, (budget - fixed) / per_token) // step_tokens * step_tokens)
     if tokens < step_tokens:
-        raise DiffquantError(f"{budget_hours} h fit {fit:.0f} tokens per model, less than one step of {step_tokens}")
+        raise DiffquantError(f"{budget_hours * 60:.1f} min do not fit {runs} runs: their tracking, measurement and "
+                             f"checkpoints alone take {fixed / 60:.1f} min; allow more time, or fewer designs or seeds")
+    train_s = per_design * sum(tokens / costs["tokens_per_s"][d] for d in e.designs)
+    estimate = {"training": train_s, "tracking": runs * (e.track_points + 2) * costs["snapshot_s"],
+                "measurement": runs * costs["measure_s"],
+                "checkpoints": runs * costs["save_s"] * (1 + tokens * saves_per_token)}
     return {"experiment": e.name, "runs": runs, "designs": list(e.designs), "lrs": list(e.lrs), "seeds": list(e.seeds),
             "tokens_per_model": tokens, "wanted_tokens": e.tokens, "cut": tokens < e.tokens, "steps": tokens // step_tokens,
-            "tokens_per_s": tokens_per_s, "budget_hours": budget_hours, "overhead": overhead,
-            "train_hours": runs * tokens / tokens_per_s / 3600}
+            "tokens_per_s": min(costs["tokens_per_s"].values()), "budget_hours": budget_hours, "costs": costs,
+            "estimate_s": estimate, "train_hours": train_s / 3600}
 
 
 def describe_plan(plan: dict) -> str:
-    cut = (f"cut from {plan['wanted_tokens']:,} to fit {plan['budget_hours']} h" if plan["cut"] else "not cut")
-    return (f"{plan['experiment']}: {plan['runs']} runs ({len(plan['designs'])} designs × ({len(plan['lrs'])} rates + "
+    cut = (f"cut from {plan['wanted_tokens']:,} to fit {plan['budget_hours']:.3g} h" if plan["cut"] else "not cut")
+    head = (f"{plan['experiment']}: {plan['runs']} runs ({len(plan['designs'])} designs × ({len(plan['lrs'])} rates + "
             f"{len(plan['seeds']) - 1} more seeds)), {plan['tokens_per_model']:,} tokens per model ({plan['steps']} steps; "
-            f"{cut}), {plan['tokens_per_s']:,.0f} tokens/s measured: about {plan['train_hours']:.2f} h of training "
-            f"+ {plan['overhead']:.0%} for tracking and measurement")
+            f"{cut})")
+    if "estimate_s" not in plan:  # plans made before tracking, measurement and checkpoints were measured
+        return (head + f", {plan['tokens_per_s']:,.0f} tokens/s measured: about {plan['train_hours']:.2f} h of training "
+                f"+ {plan['overhead']:.0%} for tracking and measurement")
+    est = plan["estimate_s"]
+    rates = plan["costs"]["tokens_per_s"]
+    return (head + f", {min(rates.values()):,.0f}-{max(rates.values()):,.0f} training tokens/s measured per design: "
+            f"about {sum(est.values()) / 60:.1f} min (" + ", ".join(f"{k} {v / 60:.1f}" for k, v in est.items()) + ")")
 
 
 # ---------------------------------------------------------------- cells
@@ -512,7 +534,9 @@ def run(e: Experiment, out: Path, runs: Path, budget_hours: float, device: str, 
     if plan_path.is_file() and not replan:
         plan = json.loads(plan_path.read_text())
     else:
-        plan = make_plan(e, budget_hours, throughput(e, device))
+        t0 = time.perf_counter()
+        costs = measure_costs(e, device)
+        plan = make_plan(e, budget_hours - (time.perf_counter() - t0) / 3600, costs)  # the budget counts measuring
         if not plan_only:
             atomic_write_json(plan_path, plan)
     print(describe_plan(plan), flush=True)
@@ -566,7 +590,7 @@ def _plot(per_design: dict[str, list[dict]], tokens: int, out: Path) -> None:
 
 
 def main(argv=None, experiments: dict | None = None) -> dict | None:
-    from pairs import device
+    from pairs import device, worker_device
 
     experiments = experiments or EXPERIMENTS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -590,7 +614,8 @@ def main(argv=None, experiments: dict | None = None) -> dict | None:
     out = Path(a.out or f"docs/rivals/fair-{e.name}")
     runs = Path(a.runs) if a.runs else (out / "runs" if a.quick else Path("runs/fair") / e.name)
     budget = a.budget_hours if not a.quick or "--budget-hours" in (argv or sys.argv) else 1.0
-    return run(e, out, runs, budget, device(), a.plan_only, a.replan, worker)
+    where = device() if worker is None else worker_device(worker[0], torch.cuda.device_count())
+    return run(e, out, runs, budget, where, a.plan_only, a.replan, worker)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -11,6 +12,59 @@ from diffquant.training import TrainConfig, train_pair
 
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def worker_device(worker: int, devices: int) -> str:
+    """The device of worker K of `--worker K/N`: GPU K mod the visible GPUs (each on its own where there are
+    enough), the CPU where there is none."""
+    return f"cuda:{worker % devices}" if devices else "cpu"
+
+
+def seconds(fn, device: str) -> float:
+    """Wall time of fn(), the device's queued work included."""
+    import time
+
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def train_rate(preset: str, arch: str, batch_size: int, seq_len: int, vocab: int | None, device: str,
+               steps: int = 2) -> float:
+    """Training tokens/s of one design as `train` runs it (forward with bf16 autocast on CUDA, backward, AdamW
+    step), over `steps` steps after one warm-up step, on random token ids."""
+    from diffquant.models.presets import build, get_preset
+
+    spec = get_preset(preset)
+    model = build(spec, arch, vocab=vocab, seq_len=seq_len).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, vocab or spec.vocab, (batch_size, seq_len), device=device)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(device).startswith("cuda")):
+            loss = model(ids, labels=ids, use_cache=False).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    step()
+    return ids.numel() * steps / seconds(lambda: [step() for _ in range(steps)], device)
+
+
+def fit_or_refuse(estimate: dict[str, float], minutes: float, what: str, hint: str) -> None:
+    """Print the estimated time of a plan, part by part, before anything long starts; refuse (one line) a plan
+    that will not fit `minutes`."""
+    from diffquant.errors import DiffquantError
+
+    total = sum(estimate.values())
+    parts = ", ".join(f"{k} {v / 60:.1f}" for k, v in estimate.items())
+    print(f"{what}: estimated {total / 60:.1f} min ({parts}), measured on this machine; the plan allows {minutes:.1f}",
+          flush=True)
+    if total > minutes * 60:
+        raise DiffquantError(f"{what} would take about {total / 60:.1f} min, more than the {minutes:.1f} allowed: {hint}")
 
 
 def validation_text(corpus: str) -> str:
@@ -25,7 +79,8 @@ def trained_pairs(preset: str, corpus: str, tokens: int, seeds: list[int], root:
     """One trained pair folder per seed under root (resumed if already there); `track` writes emergence.json."""
     folders = []
     for seed in seeds:
-        folder = root / (f"{preset}-{corpus}-{tokens}-s{seed}" + (f"-n{needle_fraction}" if needle_fraction else "")
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", corpus)  # synth:bb:vocab=65 -> synth_bb_vocab_65
+        folder = root / (f"{preset}-{name}-{tokens}-s{seed}" + (f"-n{needle_fraction}" if needle_fraction else "")
                          + ("-track" if track else ""))
         cfg = TrainConfig(preset=preset, corpus=corpus, tokens=tokens, seed=seed, batch_size=batch_size, lr=lr,
                           needle_fraction=needle_fraction, eval_every=100, save_every=200, track=track)

@@ -79,3 +79,15 @@ def quanto_kernels():
 
     assert "inactive" not in torch._C._dispatch_dump("quanto::unpack"), "quanto::unpack is replaced"
     return get_extension("quanto_cpp")
+
+
+def offline_prefix() -> list[str] | None:
+    """A command prefix that runs a program with networking cut (a fresh network namespace, in a user namespace so
+    no root is needed), or None where this machine does not permit it."""
+    import shutil
+    import subprocess
+
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode != 0:
+        return None
+    return [unshare, "-rn"]

@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 import fair_rivals as fr  # noqa: E402
 
+from diffquant.errors import DiffquantError  # noqa: E402
 from diffquant.stats.intervals import holm_adjust  # noqa: E402
 
 
@@ -28,16 +29,36 @@ def test_holm_by_hand():
     assert holm_adjust([]) == []
 
 
-def test_plan_cuts_tokens_to_the_budget_in_whole_steps():
-    e = fr.Experiment("t", dict(batch_size=4, seq_len=10), tokens=10**9, lrs=(1, 2, 3), seeds=(0, 1, 2, 3, 4),
-                      designs=("a", "b"))
-    plan = fr.make_plan(e, budget_hours=1.0, tokens_per_s=1000.0, overhead=0.25)
-    # 2 designs × (3 rates + 4 more seeds) = 14 runs; 3600 s × 0.75 × 1000 / 14 = 192857.1 → whole 40-token steps
+def test_plan_fits_training_tracking_measurement_and_checkpoints_in_the_budget():
+    e = fr.Experiment("t", dict(batch_size=4, seq_len=10, save_every=100), tokens=10**9, lrs=(1, 2, 3),
+                      seeds=(0, 1, 2, 3, 4), designs=("a", "b"), track_points=3)
+    costs = {"tokens_per_s": {"a": 1000.0, "b": 500.0}, "snapshot_s": 2.0, "measure_s": 10.0, "save_s": 4.0}
+    plan = fr.make_plan(e, budget_hours=1.0, costs=costs)
+    # 2 designs × (3 rates + 4 more seeds) = 14 runs, 7 a design. Fixed: 14 × (5 snapshots × 2 s + 10 s + a last
+    # checkpoint 4 s) = 336 s. Per token: 7 × (1/1000 + 1/500) s of training, and 14 × 4 s every 100 steps of 40
+    # tokens = 0.014 s: 0.035 s. (3600 − 336) / 0.035 = 93257.1 tokens → whole 40-token steps: 93240
     assert plan["runs"] == 14
-    assert plan["tokens_per_model"] == 192840 and plan["cut"] and plan["steps"] == 4821
+    assert plan["tokens_per_model"] == 93240 and plan["cut"] and plan["steps"] == 2331
+    est = plan["estimate_s"]
+    assert est["training"] == pytest.approx(7 * 93240 * (1 / 1000 + 1 / 500))
+    assert est["tracking"] == 140 and est["measurement"] == 140
+    assert est["checkpoints"] == pytest.approx(14 * 4 * (1 + 2331 / 100))
+    assert sum(est.values()) == pytest.approx(3600, abs=0.035 * 40)  # the budget, to within one step
+    assert "about 60.0 min (training" in fr.describe_plan(plan)
     small = fr.make_plan(fr.Experiment("t", dict(batch_size=4, seq_len=10), tokens=400, lrs=(1, 2, 3),
-                                       designs=("a",)), 1.0, 1000.0)
+                                       designs=("a",)), 1.0, costs)
     assert small["tokens_per_model"] == 400 and not small["cut"]
+    with pytest.raises(DiffquantError, match="6.0 min do not fit 14 runs: their tracking, measurement and checkpoints "
+                                             "alone take 5.6 min"):
+        fr.make_plan(e, budget_hours=0.1, costs={**costs, "tokens_per_s": {"a": 1.0, "b": 1.0}})
+
+
+def test_workers_go_to_their_own_gpu():
+    from pairs import worker_device
+
+    assert [worker_device(k, 2) for k in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert worker_device(3, 8) == "cuda:3" and worker_device(0, 1) == "cuda:0"
+    assert worker_device(5, 0) == "cpu"
 
 
 def test_each_design_gets_its_own_best_rate():
@@ -133,21 +154,20 @@ def test_standing_reads_only_the_holm_adjusted_tests():
     assert text.endswith("not tested (one value in every run): sink rate.")
 
 
-def _offline_allowed() -> bool:
-    unshare = shutil.which("unshare")
-    return unshare is not None and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0
-
-
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """One quick comparison, run once for the module: the GPU script's `--quick` with networking disabled where
-    `unshare -n` is permitted (it runs fair_rivals' quick experiment into OUT/runs), else fair_rivals in-process."""
+    """One quick comparison, run once for the module: the GPU script's `--quick` with networking cut where this
+    machine permits it (it runs fair_rivals' quick experiment into OUT/runs), else fair_rivals in-process."""
+    from conftest import offline_prefix
+
     out = tmp_path_factory.mktemp("fair")
-    if _offline_allowed():
+    prefix = offline_prefix()
+    if prefix is not None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-        r = subprocess.run(["unshare", "-n", sys.executable, str(ROOT / "experiments" / "gpu_fair.py"), "--quick",
+        r = subprocess.run([*prefix, sys.executable, str(ROOT / "experiments" / "gpu_fair.py"), "--quick",
                             "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
+        assert "training tokens/s measured per design: about" in r.stdout  # the estimate, printed before training
         return out, json.loads((out / "results.json").read_text()), True
     return out, fr.main(["--quick", "--out", str(out)]), False
 
@@ -214,7 +234,7 @@ def test_a_cell_missing_a_scheme_is_measured_again_in_full(quick_run, tmp_path):
 def test_gpu_script_runs_offline(quick_run):
     out, _, offline = quick_run
     if not offline:
-        pytest.skip("unshare -n is not permitted here (needs a user or network namespace); the GPU script's offline "
+        pytest.skip("unshare -rn is not permitted here (needs user and network namespaces); the GPU script's offline "
                     "run is not checked on this machine")
     assert (out / "results.json").is_file() and (out / "sweep.json").is_file()
 

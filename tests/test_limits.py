@@ -69,6 +69,25 @@ def test_query_block_from_the_memory_budget(monkeypatch):
     assert A.query_block(1, 9, 8192) == 7  # $DIFFQUANT_ATTN_BLOCK overrides
 
 
+def test_query_block_from_the_device_memory(monkeypatch):
+    """Without $DIFFQUANT_ATTN_MEMORY: on CUDA an eighth of the device or half of what is free, whichever is less,
+    read once per device (reading syncs it); on CPU the measured 2 GiB."""
+    from diffquant.taps import attention as A
+
+    monkeypatch.setattr(A, "BLOCK", None)
+    monkeypatch.setattr(A, "MEMORY_MIB", None)
+    monkeypatch.setattr(A, "_budgets", {})
+    reads = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: reads.append(d) or (60 << 30, 80 << 30))
+    h100 = torch.device("cuda", 0)
+    assert A.memory_budget(h100) == 10 << 30  # 80 GiB / 8 < 60 GiB free / 2
+    # 10 GiB / (1 × 9 heads × 8192 keys × 160 B) = 910.2 rows -> 896
+    assert A.query_block(1, 9, 8192, h100) == 896 and A.query_block(1, 9, 8192) == 128  # CPU: 2 GiB
+    assert len(reads) == 1
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (4 << 30, 80 << 30))
+    assert A.memory_budget(torch.device("cuda", 1)) == 2 << 30  # a busy device: half its free 4 GiB
+
+
 def test_memory_estimate_and_refusal(micro_pair, monkeypatch):
     from diffquant import memory
     from diffquant.taps import attention as A

@@ -142,12 +142,11 @@ def quick_pairs(tmp_path_factory):
 
 
 QUICK_PAIR = "tiny-kjv-20000-s0"
-TRAINS_PAIRS = {"table5_outliers.py", "fig8_logit_quant.py", "weight_act_grid.py", "needle_under_quant.py",
-                "gpu_recipe.py"}
+TRAINS_PAIRS = {"table5_outliers.py", "fig8_logit_quant.py", "weight_act_grid.py", "needle_under_quant.py"}
 
 
 @pytest.mark.parametrize("script", ["table5_outliers.py", "fig8_logit_quant.py", "weight_act_grid.py",
-                                    "needle_under_quant.py", "gpu_recipe.py", "real_model_profile.py", "emergence.py",
+                                    "needle_under_quant.py", "real_model_profile.py", "emergence.py",
                                     "rivals.py", "mitigations.py"])
 def test_experiments_quick(script, tmp_path, quick_pairs, capsys):
     argv = ["--quick", "--out", str(tmp_path)] + (["--pairs", str(quick_pairs)] if script in TRAINS_PAIRS else [])

@@ -240,24 +240,101 @@ def test_diff_map_and_lambda(micro_pair):
     assert abs(attn.lambda_init - (0.8 - 0.6 * torch.exp(torch.tensor(-0.3 * 1)).item())) < 1e-6
 
 
-def test_untapped_layers_use_sdpa_is_causal(micro_pair, monkeypatch):
-    """With taps on one layer only, the others give SDPA no mask (its is_causal path) unless padding
-    makes the mask more than causal; outputs match the untapped model either way."""
-    model = micro_pair[0]
+def _explicit_layers(monkeypatch) -> list:
+    """The layer of every explicit (T × T) attention computation from now on."""
     seen = []
-    real = tapped_attention_module.sdpa_attention_forward
+    real = tapped_attention_module._probabilities
+    monkeypatch.setattr(tapped_attention_module, "_probabilities",
+                        lambda module, *a, **k: seen.append(module.layer_idx) or real(module, *a, **k))
+    return seen
 
-    def spy(module, q, k, v, attention_mask, **kw):
-        seen.append(attention_mask is None)
-        return real(module, q, k, v, attention_mask, **kw)
 
-    monkeypatch.setattr(tapped_attention_module, "sdpa_attention_forward", spy)
-    ids = torch.randint(0, 512, (2, 12))
-    padded = torch.ones(2, 12, dtype=torch.long)
-    padded[0, :3] = 0
-    for mask, expect in ((None, True), (padded, False)):
-        seen.clear()
-        ref = _reference(model, "sdpa", ids, mask)
-        out = _tapped(model, ids, mask, sites=("layers.0.attn_logits",))
-        assert seen == [expect] * (model.config.num_hidden_layers - 1)
-        assert (out - ref).abs().max().item() <= 1e-5
+def test_untapped_layers_run_their_own_attention(any_model, monkeypatch):
+    """A tap on the last layer's logits: only that layer computes explicitly; the layers before it run the
+    model's own SDPA call, on the mask SDPA gets (none where the input is plainly causal: its is_causal
+    path), so their outputs are the untapped model's bit for bit, with and without padding."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    last = any_model.config.num_hidden_layers - 1
+    explicit = _explicit_layers(monkeypatch)
+    masks = []
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = lambda m, q, k, v, mask, **kw: masks.append(mask is None) or real(m, q, k, v, mask, **kw)
+    try:
+        ids = torch.randint(0, 512, (2, 12))
+        padded = torch.ones(2, 12, dtype=torch.long)
+        padded[0, :3] = 0
+        for mask in (None, padded):
+            explicit.clear()
+            h_ref, h_tapped = [], []
+            hook = any_model.model.layers[last - 1].register_forward_hook(lambda m, a, o: h_ref.append(o))
+            with torch.no_grad():
+                ref = any_model(ids, attention_mask=mask).logits
+            hook.remove()
+            masks.clear()
+            hook = any_model.model.layers[last - 1].register_forward_hook(lambda m, a, o: h_tapped.append(o))
+            try:
+                out = _tapped(any_model, ids, mask, sites=(f"layers.{last}.attn_logits",))
+            finally:
+                hook.remove()
+            assert explicit == [last]
+            assert torch.equal(h_tapped[0], h_ref[0])
+            calls = last * (2 if any_model.config.model_type == "diffllama" and mask is not None else 1)
+            diff_unpadded = any_model.config.model_type == "diffllama" and mask is None  # one padded SDPA call of its own
+            assert masks == ([] if diff_unpadded else [mask is None] * calls)
+            assert (out - ref).abs().max().item() <= 1e-5
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def test_a_tapped_layer_sees_the_same_whatever_else_is_tapped(micro_pair):
+    """Layer 0's logit statistics are the same bit for bit when every layer is tapped and when it alone is."""
+    from diffquant.profiler import profile_model
+
+    ids = torch.randint(0, 512, (3, 40), generator=torch.Generator().manual_seed(1))
+    for model in micro_pair:
+        alone = profile_model(model, ids, ["layers.0.attn_logits"], progress=False).sites["layers.0.attn_logits"]
+        every = profile_model(model, ids, ["*.attn_logits"], progress=False).sites["layers.0.attn_logits"]
+        assert alone.summary() == every.summary()
+
+
+def test_sinks_alone_keep_every_layer_on_its_kernel(micro_pair, monkeypatch):
+    """The sink metrics with hidden-state sites (the default profile's sinks beside `--sites '*.hidden'`): no
+    layer computes its T × T map; the first-key masses come from the layers' own kernel and equal the
+    explicit computation's."""
+    from diffquant.profiler import profile_model
+
+    ids = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(2))
+    for model in micro_pair:
+        ref = profile_model(model, ids, ["*.attn_logits"], sinks=True, progress=False).sink_summary()
+        explicit = _explicit_layers(monkeypatch)
+        got = profile_model(model, ids, ["*.hidden"], sinks=True, progress=False).sink_summary()
+        assert explicit == []
+        for layer, want in ref["layers"].items():
+            for key in ("first_mass", "first_mass_map", "share", "value_ratio", "massive_ratio"):
+                if want.get(key) is not None:
+                    assert got["layers"][layer][key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (layer, key)
+        monkeypatch.undo()
+
+
+def test_masks_are_built_per_query_block(micro_pair, monkeypatch):
+    """With blocks of 8 query rows on 40 tokens, every mask the tapped attention builds covers one block (never
+    40 × 40), transformers passes it no mask (plainly causal input), and nothing stays behind in a global."""
+    monkeypatch.setattr(tapped_attention_module, "BLOCK", 8)
+    shapes, given = [], []
+    rows = tapped_attention_module.Visible.rows
+
+    def spy(self, device, r=None):
+        given.append(self.mask)
+        out = rows(self, device, r)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(tapped_attention_module.Visible, "rows", spy)
+    for model in micro_pair:
+        _tapped(model, torch.randint(0, 512, (2, 40)), sites=("*.attn_logits", "*.attn_probs"))
+    assert shapes and all(s[-2] <= 8 and s[-1] == 40 for s in shapes)
+    assert all(m is None for m in given)
+    globals_ = vars(tapped_attention_module).values()
+    assert not any(isinstance(v, torch.Tensor) or (isinstance(v, (list, dict)) and any(
+        isinstance(x, torch.Tensor) for x in (v.values() if isinstance(v, dict) else v))) for v in globals_)

@@ -184,11 +184,14 @@ def _profile(sub) -> None:
     model_args(p, several=True)
     data_args(p, tokens=65536, seq_len=256, what="profiled on its validation split")
     p.add_argument("--sites", nargs="+", default=["*.attn_logits", "*.hidden"],
-                   help=SITES_HELP + " (default *.attn_logits *.hidden)")
+                   help=SITES_HELP + " (default *.attn_logits *.hidden); attn_logits, attn_probs and attn_map compute "
+                        "their layers' attention explicitly (T × T in query blocks), the other layers keep their kernel")
     p.add_argument("--k", type=int, default=100, help="top-k kept per site (default 100)")
     p.add_argument("--metrics", default="", help=METRICS_HELP)
     p.add_argument("--no-sinks", action="store_true",
-                   help="skip the attention-sink and massive-activation metrics (on by default; they tap attn_probs)")
+                   help="skip the attention-sink and massive-activation metrics (on by default; where no attention "
+                        "site is profiled they cost one more call of each layer's own attention kernel, or, with "
+                        "padding or an eager model, its explicit T × T attention in query blocks)")
     p.add_argument("--compile", action="store_true",
                    help="fuse the statistics with torch.compile (one-off compile, then several times faster)")
     p.add_argument("--no-plots", action="store_true")

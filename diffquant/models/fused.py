@@ -8,11 +8,16 @@ what the baseline's attention costs. `fuse(model)` gives every DiffLlama attenti
 (same parameters, same checkpoints, numerically equal to the two-call forward, ≤ 1e-5 in fp32):
 
 - with diffquant's tapped attention, one call that passes `diff_lambda` and the paired values, so every
-  logit, probability and differential map is observed (and quantized) once;
-- otherwise, where the mask is plainly causal (or a single query decodes), one SDPA call with Q and K
-  zero-padded to 2d (the same scores) and V = [V1 | V2]: one softmax and SDPA's fused kernels, in training
-  and inference, with no T × T tensor; with padding masks the explicit fused computation (one fp32 softmax,
-  the differential map times the paired values).
+  logit, probability and differential map is observed (and quantized) once, in the layers that have taps;
+  layers whose taps need no map (none, the cache sites, λ, the sink metrics' first-key mass) run as below;
+- on SDPA where the mask is plainly causal (or a single query decodes), one SDPA call with Q and K zero-padded
+  to 2d (the same scores) and V = [V1 | V2]: one softmax and SDPA's fused kernels (its flash kernel on a GPU:
+  every head dimension 2d), in training and inference, with no T × T tensor;
+- on flash-attention (any implementation whose mask transformers builds as flash-attention's), and on SDPA with
+  a padding mask, the registered kernel twice, with the two halves of V, as transformers' DiffLlama and the
+  paper's reference code (multihead_flashdiff_1) do: flash-attention wants one head dimension for Q, K and V,
+  and its padding masks ([batch, key]) are the kernel's to read;
+- on eager, the explicit fused computation (one fp32 softmax, the differential map times the paired values).
 """
 
 from __future__ import annotations
@@ -56,24 +61,29 @@ def fused_forward(self, hidden_states, position_embeddings, attention_mask=None,
     input_shape = hidden_states.shape[:-1]
     query, key, value = project_qkv(self, hidden_states, position_embeddings, cache, kwargs)
     lam = diff_lambda(self, query.dtype)
-    heads = query.shape[1]
-    impl = self.config._attn_implementation
-    weights = None
+    heads, half = query.shape[1], query.shape[1] // 2
     q_len, k_len = query.shape[2], key.shape[2]
-    taps = {}
-    if impl == A.NAME:  # the cache sites (K1|K2 and V1|V2 as KV heads) first, then the other taps
-        key, value, taps = A.cache_taps(self, q_len, key, value, attention_mask)
-        cache_only = len(taps) == 0 and len(getattr(self, "_diffquant_taps", None) or {}) > 0
-        if cache_only and self.__dict__.get("_diffquant_fallback") == "sdpa":
-            impl = "sdpa"  # nothing else observes this layer: its fast kernel, on the transformed K and V
-    plain = attention_mask is None and (q_len == k_len or q_len == 1) or A.plain_causal(attention_mask, q_len, k_len)
-    if impl == "sdpa" and plain and not kwargs.get("output_attentions"):
-        out = _sdpa_padded(query, key, value, self.scaling)  # [B, T, H, 2d], the two calls' layout
-        half = heads // 2
-        out = out[:, :, :half] - lam * out[:, :, half:]
-    else:
+    impl, taps = self.config._attn_implementation, {}
+    if impl == A.NAME:  # tapped: the cache sites (K1|K2 and V1|V2 as KV heads) first, then the model's own kernel
+        key, value, taps = A.cache_taps(self, q_len, key, value, attention_mask, kwargs)
+        impl = self.__dict__.get("_diffquant_fallback")
+    kernel = A.kernel_for(impl, attention_mask)
+    if kwargs.get("output_attentions") or (taps and not A.first_key_only(self, taps, attention_mask)):
+        kernel = None  # the maps are wanted: the explicit fused computation
+    weights = None
+    if kernel is None:
         out, weights = A.diff_attention(self, query, key, paired_values(value, heads), attention_mask, self.scaling,
-                                        lam, taps)
+                                        lam, taps, kwargs)
+    elif impl == "sdpa" and attention_mask is None and (q_len == k_len or q_len == 1):
+        out = _sdpa_padded(query, key, value, self.scaling)  # [B, T, H, 2d], the two calls' layout
+        out = out[:, :, :half] - lam * out[:, :, half:]
+    else:  # transformers' two calls on the kernel (flash-attention, or SDPA with a padding mask)
+        v1, v2 = (v.repeat(1, 2, 1, 1) for v in torch.chunk(value, 2, dim=1))
+        out = torch.cat([kernel(self, query, key, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)[0]
+                         for v in (v1, v2)], dim=-1)
+        out = out[:, :, :half] - lam * out[:, :, half:]
+    if kernel is not None and taps:  # the sink metrics' first-key mass, from the kernel (first_key_only)
+        A.first_key_taps(taps, A.first_key_masses(kernel, self, query, key, self.scaling, kwargs), k_len, lam)
     out = (1 - self.lambda_init) * self.groupnorm(out)
     return self.o_proj(out.reshape(*input_shape, -1)), weights
 

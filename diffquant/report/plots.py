@@ -87,8 +87,16 @@ def plot_histograms(models: list[dict], out: Path) -> list[Path]:
 
 
 def _bin_edges(h: dict, idx: list[int]) -> tuple[list[float], list[float]]:
-    """Edges of histogram bins as profile reports store them: float32 magnitude bins, or the log-spaced
-    bins ({"lo", "ratio"}) of reports written before them."""
+    """Edges of histogram bins as profile reports store them: float32 magnitude bins rounded to 16 bits
+    (stats/histogram.py), the truncated ones of earlier reports, or the log-spaced bins ({"lo", "ratio"}) of
+    reports written before those."""
+    import torch
+
+    from diffquant.stats.histogram import FORMAT, bin_edges
+
+    if h.get("format") == FORMAT:
+        lo, hi = bin_edges(torch.tensor(idx, dtype=torch.int64))
+        return lo.tolist(), hi.tolist()
     if h.get("format") == "float32-high16":  # bin i: floats whose bit pattern starts with the 16 bits i
         edge = lambda i: struct.unpack("<f", struct.pack("<I", i << 16))[0]  # noqa: E731
         return [edge(i) for i in idx], [edge(i + 1) for i in idx]

@@ -8,33 +8,25 @@ from diffquant.stats.site_stats import SiteStats
 
 
 def merge_across_ranks(stats: dict[str, SiteStats]) -> dict[str, SiteStats]:
-    """All-gather every rank's statistics (moved to CPU, they are small) and merge them on each rank."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    """All-gather every rank's statistics (moved to CPU, they are small) and merge them on each rank (see
+    `gather_merge`), back on the device they were computed on."""
+    if rank_world()[1] == 1:
         return stats
-    local = {name: s.to("cpu") for name, s in stats.items()}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
     device = next(iter(stats.values())).nonfinite.device if stats else torch.device("cpu")
-    merged = {}
-    for name in gathered[0]:
-        total = gathered[0][name]
-        for other in gathered[1:]:
-            total = total.merge(other[name])
-        merged[name] = total.to(device)
-    return merged
+    merged = gather_merge({name: s.to("cpu") for name, s in stats.items()})
+    return {name: s.to(device) for name, s in merged.items()}
 
 
 def gather_merge(objects: dict) -> dict:
-    """All-gather a dict of small CPU statistics with a `merge` method and merge them on each rank."""
+    """All-gather a dict of small CPU statistics with a `merge` method and merge them on each rank, in rank
+    order, over every key some rank has: a rank that ran no batch holds none, and adds nothing."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if rank_world()[1] == 1:
         return objects
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, objects)
-    merged = {}
+    merged: dict = {}
     for part in gathered:
         for key, value in part.items():
             merged[key] = value if key not in merged else merged[key].merge(value)

@@ -1,44 +1,53 @@
 """Histogram of |x| over float32 bit patterns, for quantiles with bounded relative error.
 
-Bin i holds the float32 magnitudes whose upper 16 bits (sign cleared) equal i, i.e. [f(i), f(i + 1))
-with f(i) the float whose bit pattern is i << 16 (bfloat16 truncation). Every finite float32 has a bin,
-each bin is 2^-7 wide relative to its lower edge, so its midpoint lies within 0.4% of any value in it.
-Finding the bin is a shift and a mask of the bit pattern, not a logarithm; then one bincount.
-Bin 0 ([0, 9.2e-41): zeros and the smallest subnormals) is reported as 0.
+Bin i holds the float32 magnitudes that round (half up, in bit space) to the bfloat16 number f(i) whose bit
+pattern is i << 16: the patterns [(i << 16) − 2^15, (i << 16) + 2^15). So every bfloat16 value sits at its
+bin's centre, never on an edge: a bf16 model's activations are counted exactly, and a quantile reports the
+bf16 numbers themselves (a histogram that truncated instead put every bf16 value on its bin's lower edge and
+reported the midpoint above it, 0.4% high). Each bin spans at most 2^-8 of f(i) on either side (RESOLUTION),
+so f(i) lies within 0.4% of any value in the bin. Finding the bin is an add and a shift of the bit pattern,
+not a logarithm; then one bincount. Bin 0 ([0, 4.6e-41): zeros and the smallest subnormals) is reported as
+0; the last bin holds the finite magnitudes that would round to infinity and is reported as float32's max.
 """
 
 from __future__ import annotations
 
 import torch
 
-NBINS = 0x7F80  # bins of finite magnitudes; patterns from 0x7F80 up are inf and NaN
-_DROP = 0x7FFF  # a NaN pattern: where masked-out values are sent (never counted)
+NBINS = 0x7F81  # bins of finite magnitudes: patterns 0x7F80 << 16 and up are inf and NaN (bin 0x7F80: see above)
+_DROP = 0x7FFF  # a bin past the finite ones: where masked-out values are sent (never counted)
+_HALF = 0x8000  # half a bin, in bit-pattern units: rounds the upper 16 bits to nearest
+RESOLUTION = 2.0**-8  # the most |v − f(i)| / f(i) of any v in bin i
+FORMAT = "float32-round16"  # as `sparse` names it; "float32-high16" (truncated bins) in reports written before
 
 
 def magnitude_bins(x: torch.Tensor) -> torch.Tensor:
-    """The bin of each |x| (x float32) as int32: the upper 16 bits of its bit pattern, sign cleared."""
-    return torch.bitwise_right_shift(x.view(torch.int32), 16).bitwise_and_(0x7FFF)
+    """The bin of each |x| (x float32) as int32: its bit pattern, sign cleared, rounded to the upper 16 bits.
+    NaN patterns land on bins past NBINS (never counted); no pattern overflows."""
+    bits = x.view(torch.int32)
+    return torch.bitwise_right_shift(bits, 16).bitwise_and_(0x7FFF) + torch.bitwise_right_shift(bits, 15).bitwise_and_(1)
 
 
 def abs_magnitude_bins(a: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-    """`magnitude_bins` of values whose sign bit is clear (`abs()` of float32): one shift, no mask; with
-    `in_place`, in a's own buffer (a then holds the bins' bit patterns)."""
+    """`magnitude_bins` of finite values whose sign bit is clear (`abs()` of float32): an add and a shift; with
+    `in_place`, in a's own buffer (a then holds the bins' bit patterns). Non-finite values may give any bin,
+    negative ones included: callers count only finite values (SiteStats checks their sum first)."""
     bits = a.view(torch.int32)
-    return bits.bitwise_right_shift_(16) if in_place else torch.bitwise_right_shift(bits, 16)
+    return (bits.add_(_HALF) if in_place else bits + _HALF).bitwise_right_shift_(16)
 
 
 def bin_edges(i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower and upper edges (float64) of bins i."""
+    """Lower and upper edges (float64) of bins i: the magnitudes that round to them."""
     i = torch.as_tensor(i, dtype=torch.int64)
-    lo = (i << 16).to(torch.int32).view(torch.float32).double()
-    hi = ((i + 1) << 16).to(torch.int32).view(torch.float32).double()
-    return lo, hi.clamp_max(torch.finfo(torch.float32).max)  # the last finite bin ends at float32 max
+    lo = ((i << 16) - _HALF).clamp_min(0).to(torch.int32).view(torch.float32).double()
+    hi = ((i << 16) + _HALF).clamp_max(0x7F7FFFFF).to(torch.int32).view(torch.float32).double()
+    return lo, hi  # the last bin ends at float32 max
 
 
 def bin_value(i: torch.Tensor) -> torch.Tensor:
-    """The value reported for bins i: their midpoint, 0 for bin 0."""
-    lo, hi = bin_edges(i)
-    return torch.where(torch.as_tensor(i) == 0, 0.0, (lo + hi) / 2)
+    """The value reported for bins i: the bfloat16 number at their centre (0 for bin 0, float32 max for the last)."""
+    i = torch.as_tensor(i, dtype=torch.int64)
+    return (i << 16).to(torch.int32).view(torch.float32).double().clamp_max(torch.finfo(torch.float32).max)
 
 
 class AbsHistogram:
@@ -49,8 +58,8 @@ class AbsHistogram:
 
     def add(self, x: torch.Tensor, ok: torch.Tensor | None = None) -> None:
         """Count |x| (x float32) where `ok` (broadcastable to x) is True; inf and NaN are skipped."""
-        bins = magnitude_bins(x)
-        self.add_bins(bins if ok is None else torch.where(ok, bins, _DROP))
+        finite = torch.isfinite(x)
+        self.add_bins(torch.where(finite if ok is None else finite & ok, magnitude_bins(x), _DROP))
 
     def add_bins(self, bins: torch.Tensor, zeros_left_out: torch.Tensor | int = 0) -> None:
         """Count precomputed `magnitude_bins`, less `zeros_left_out` of the zeros (values that were masked
@@ -65,17 +74,21 @@ class AbsHistogram:
         return out
 
     def quantiles(self, qs: list[float]) -> list[float | None]:
-        """Quantiles of |x| with torch.quantile's rank convention (linear, 0-based), to within 0.4%."""
+        """Quantiles of |x| with torch.quantile's convention (0-based rank q·(n − 1), linear between the two
+        values either side of it), each value read as its bin's: exact for bfloat16 data, else within
+        RESOLUTION (0.4%)."""
         counts = self.counts.cpu()
-        cum = torch.cumsum(counts, 0)
+        cum = torch.cumsum(counts, 0).double()
         total = int(cum[-1])
         if total == 0:
             return [None for _ in qs]
         ranks = torch.tensor([q * (total - 1) for q in qs], dtype=torch.float64)
-        idx = torch.searchsorted(cum.double(), ranks, right=True).clamp_max(NBINS - 1)
-        return bin_value(idx).tolist()
+        below, above = (torch.searchsorted(cum, r, right=True).clamp_max(NBINS - 1)
+                        for r in (ranks.floor(), ranks.ceil()))
+        lo, hi = bin_value(below), bin_value(above)
+        return (lo + (ranks - ranks.floor()) * (hi - lo)).tolist()
 
     def sparse(self) -> dict:
         """The non-empty bins, self-describing, for JSON (plots redraw densities from it)."""
         nz = self.counts.nonzero().flatten()
-        return {"format": "float32-high16", "bins": dict(zip(map(str, nz.tolist()), self.counts[nz].tolist()))}
+        return {"format": FORMAT, "bins": dict(zip(map(str, nz.tolist()), self.counts[nz].tolist()))}

@@ -61,9 +61,14 @@ def first_key_mass(probs: torch.Tensor, valid: torch.Tensor | None, block: tuple
     first = v.to(torch.int8).argmax(dim=-1)  # [b, 1, q] first valid key of each query row
     own = torch.arange(start, start + q, device=probs.device) + (k - total)  # each query's own key position
     rows = v.any(dim=-1) & (first != own)  # not the query itself
-    mass = probs.float().gather(-1, first[..., None].expand(b, h, q, 1))[..., 0]
-    mass = torch.where(rows, mass, 0.0)
-    return mass.sum(dim=(0, 2)).double(), rows.sum().double()
+    return first_key_sums(probs.float().gather(-1, first[..., None].expand(b, h, q, 1))[..., 0], rows)
+
+
+def first_key_sums(mass: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`first_key_mass` from each query's mass on its first valid key ([batch, head, q]) and the query rows
+    to count (boolean, broadcastable to [batch, 1, q])."""
+    rows = rows.expand(mass.shape[0], 1, mass.shape[2])
+    return torch.where(rows, mass.float(), 0.0).sum(dim=(0, 2)).double(), rows.sum().double()
 
 
 def norm_ratio(x: torch.Tensor, valid_tokens: torch.Tensor | None, first_only: bool):
@@ -99,6 +104,12 @@ class LayerSinks:
 
     def add_mass(self, which: str, probs: torch.Tensor, valid: torch.Tensor | None, block=None) -> None:
         s, n = first_key_mass(probs.detach(), valid, block)
+        self.mass[which] = s.cpu() + self.mass.get(which, 0)
+        self.queries[which] = n.cpu() + self.queries.get(which, 0)
+
+    def add_first_key(self, which: str, mass: torch.Tensor, rows: torch.Tensor) -> None:
+        """`add_mass` from each query's mass on its first key alone (see `first_key_sums`)."""
+        s, n = first_key_sums(mass.detach(), rows)
         self.mass[which] = s.cpu() + self.mass.get(which, 0)
         self.queries[which] = n.cpu() + self.queries.get(which, 0)
 

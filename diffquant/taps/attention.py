@@ -1,24 +1,36 @@
 """diffquant's attention function, registered with transformers' AttentionInterface as "diffquant".
 
-It computes the logits explicitly so taps can observe or transform them, masks them, softmaxes in
-fp32 and multiplies by V. The mask function registered beside it always materialises the mask:
-transformers would otherwise pass `attention_mask=None` for unpadded input and rely on the kernel's
-own causality, which an explicit matmul does not have. Layers without attention taps fall through to
-SDPA when the model ran on SDPA (with no mask, its `is_causal` kernel, where the mask is plainly causal),
-and to the explicit computation otherwise (eager models with logit softcapping or attention sinks,
-flash-attention models, whose kernels cannot take the materialised mask).
+While a tap sits on an attention site, the model runs this function in every layer, but only the layers
+with taps leave their own kernel: a layer without attention taps calls the implementation the model was
+loaded with (SDPA, flash-attention) on exactly the mask that implementation gets, so its output is the
+untapped model's bit for bit. The mask function registered beside it builds that mask (`diffquant_mask`):
+SDPA's (None where it is plainly causal: SDPA's `is_causal` path), eager's additive one, or flash-attention's
+[batch, key] padding mask; for any other implementation, SDPA's boolean mask, always materialised, and
+every layer explicit. A tapped layer computes the logits explicitly, so taps can observe or transform them,
+masks them, softmaxes in fp32 and multiplies by V. Its mask is built per query block from whichever form
+transformers passed (`Visible`): causality (the module's `is_causal`: transformers passes no mask for
+plainly causal input and relies on the kernel being causal), flash-attention's padding mask and
+`sliding_window`, or the rows of a 4-D mask. Eager models, and eager-only designs (logit softcapping,
+attention sinks, clipped softmax), run the explicit computation in every layer, as their eager attention does.
+
+What each site needs: `attn_logits` and a transforming tap on `attn_probs` need the explicit path in the layers
+they tap (the T × T logits exist only there). The sink metrics read only each query's mass on the first key:
+where a layer's only attention taps are such observers and the mask is plainly causal, that column comes from
+a second call of the layer's own kernel with a one-hot value (`first_key_masses`), and the layer never goes
+explicit. `k_cache` / `v_cache` and `lambda` keep the layer's own kernel.
 
 DIFF: diffquant runs DiffLlama with one attention call per layer (models/fused.py, `diff_attention`
 here): every logit, probability and differential map passes the taps once. A DiffLlama in transformers'
 own two-call form is handled too: the second call (same Q and K) reuses the first call's probabilities;
 the check compares Q and K as the layer passed them, before grouped-query heads are repeated.
 
-Long contexts: queries are processed in blocks (`query_block`: as many query rows as fit a memory budget,
-$DIFFQUANT_ATTN_MEMORY MiB, default 2048; $DIFFQUANT_ATTN_BLOCK fixes the rows instead), so the logits never
-exist as one [batch, head, T, T] tensor: the extra memory is O(batch · head · block · T). Taps see
-each block with its query offset (`ctx.block`), statistics are exactly those of the whole tensor, and a
-quantizer whose scale spans queries (per tensor or per head) first reads every block's range
-(`needs_range` / `observe_range`), then quantizes each block with the full range.
+Long contexts: queries are processed in blocks (`query_block`: as many query rows as fit a memory budget, from
+the device: $DIFFQUANT_ATTN_MEMORY MiB if set, else on CUDA an eighth of the device's memory or half of what is
+free, whichever is less, and 2048 MiB on CPU; $DIFFQUANT_ATTN_BLOCK fixes the rows instead), so the logits
+never exist as one [batch, head, T, T] tensor: the extra memory is O(batch · head · block · T). Taps see each
+block with its query offset (`ctx.block`), statistics are exactly those of the whole tensor, and a quantizer
+whose scale spans queries (per tensor or per head) first reads every block's range (`needs_range` /
+`observe_range`), then quantizes each block with the full range.
 
 Sinks (`s_aux`, gpt-oss and diffquant's `sink` design) are a per-head logit in the softmax denominator:
 they are parameters, not activations, so `attn_logits` never contains them.
@@ -27,52 +39,139 @@ they are parameters, not activations, so `attn_logits` never contains them.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask,
+                                        flash_attention_mask, sdpa_mask)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from diffquant.errors import DiffquantError
 from diffquant.taps.sites import CACHE_POINTS
 
 NAME = "diffquant"
 BLOCK: int | None = int(os.environ["DIFFQUANT_ATTN_BLOCK"]) if os.environ.get("DIFFQUANT_ATTN_BLOCK") else None
-MEMORY_MIB = int(os.environ.get("DIFFQUANT_ATTN_MEMORY", "2048"))
+MEMORY_MIB: int | None = int(os.environ["DIFFQUANT_ATTN_MEMORY"]) if os.environ.get("DIFFQUANT_ATTN_MEMORY") else None
+CPU_MEMORY_MIB = 2048  # on CPU: larger blocks were no faster on SmolLM2 (2-core machine), and 2 GiB fits any laptop
 # Peak bytes per element of one query block's [batch, head, rows, T] logits while tapped: the logits, mask,
 # probabilities and the statistics' temporaries. Measured on SmolLM2-135M-Instruct (default profile sites with
 # sinks, one sequence of 2,048-8,192 tokens): peak RSS grows by about 158 bytes per block element.
 BYTES_PER_LOGIT = 160
+_budgets: dict[str, int] = {}  # per CUDA device, its block budget in bytes, read once (reading syncs the device)
+_originals: dict[int, str] = {}  # id(config) -> the implementation a tapped model was loaded with (see `remember`)
 
 
-def query_block(batch: int, heads: int, k_len: int) -> int:
-    """Query rows per block: $DIFFQUANT_ATTN_BLOCK if set, else the rows whose logits and temporaries fit
-    MEMORY_MIB (a multiple of 64, at least 64)."""
+def memory_budget(device=None) -> int:
+    """Bytes one query block's logits and temporaries may take (see the module docstring)."""
+    if MEMORY_MIB is not None:
+        return MEMORY_MIB << 20
+    device = torch.device(device if device is not None else "cpu")
+    if device.type != "cuda":
+        return CPU_MEMORY_MIB << 20
+    key = str(device)
+    if key not in _budgets:
+        free, total = torch.cuda.mem_get_info(device)
+        _budgets[key] = min(total // 8, free // 2)
+    return _budgets[key]
+
+
+def query_block(batch: int, heads: int, k_len: int, device=None) -> int:
+    """Query rows per block: $DIFFQUANT_ATTN_BLOCK if set, else the rows whose logits and temporaries fit the
+    device's `memory_budget` (a multiple of 64, at least 64)."""
     if BLOCK is not None:
         return BLOCK
-    rows = (MEMORY_MIB << 20) // max(1, batch * heads * k_len * BYTES_PER_LOGIT)
+    rows = memory_budget(device) // max(1, batch * heads * k_len * BYTES_PER_LOGIT)
     return max(64, rows // 64 * 64)
 
 
+def remember(configs, original: str | None) -> None:
+    """While a model is tapped: the implementation it was loaded with, under each of its configs (the mask
+    function is told only the config); `original=None` forgets them."""
+    for config in configs:
+        if original is None:
+            _originals.pop(id(config), None)
+        else:
+            _originals[id(config)] = original
+
+
+def _mask_kind(implementation: str | None) -> str | None:
+    """"sdpa", "eager" or "flash" by the mask function transformers registers for an implementation; None for
+    any other (flex attention's block masks, a user's own)."""
+    fn = ALL_MASK_ATTENTION_FUNCTIONS.get(implementation) if implementation else None
+    return {sdpa_mask: "sdpa", eager_mask: "eager", flash_attention_mask: "flash"}.get(fn)
+
+
 def diffquant_mask(*args, **kwargs):
-    """SDPA's boolean mask, never skipped: True where a query may attend a key."""
+    """The mask the tapped model's own implementation gets (so its untapped layers run their own kernel on
+    it); for an implementation diffquant cannot read the mask of, SDPA's boolean mask, never skipped."""
+    original = _originals.get(id(kwargs.get("config")))
+    if _mask_kind(original) is not None:
+        return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, **kwargs)
     kwargs["allow_is_causal_skip"] = False
     kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 
-def valid_positions(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device,
-                    rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """Boolean [batch|1, 1, q, k] mask of the positions a query may attend (bottom-right causal if None);
-    with `rows`, only queries rows[0]:rows[1]."""
-    r0, r1 = rows or (0, q_len)
-    if attention_mask is None:
-        q = torch.arange(r0, r1, device=device)[:, None] + (k_len - q_len)
-        return (torch.arange(k_len, device=device)[None, :] <= q)[None, None]
-    mask = attention_mask[:, :, r0:r1, :k_len]
-    if mask.dtype == torch.bool:
-        return mask
-    return mask > torch.finfo(mask.dtype).min / 2  # additive float mask (eager)
+def kernel_for(implementation: str | None, attention_mask):
+    """The attention function of a kernel implementation (SDPA, flash-attention) that can run on the mask this
+    call got; None for eager and implementations diffquant cannot read the masks of (computed explicitly)."""
+    kind = _mask_kind(implementation)
+    if kind == "sdpa" or (kind == "flash" and (attention_mask is None or attention_mask.dim() == 2)):
+        return ALL_ATTENTION_FUNCTIONS[implementation]
+    return None
+
+
+@dataclass(frozen=True)
+class Visible:
+    """Which keys each query may attend, from the mask as transformers passed it to the layer's attention:
+    None (causal when the module is, bottom-right aligned, as SDPA's `is_causal` and flash-attention align),
+    flash-attention's [batch, key] padding mask (with `window`: its sliding window), or a [batch|1, 1, q, k]
+    boolean or additive float mask. `rows` builds one query block's part: nothing of size T × T that
+    transformers did not build already."""
+
+    mask: torch.Tensor | None
+    q_len: int
+    k_len: int
+    causal: bool = True
+    window: int | None = None
+
+    @classmethod
+    def of(cls, module, attention_mask, q_len: int, k_len: int, kwargs: dict) -> "Visible":
+        if "cu_seq_lens_q" in kwargs:
+            raise DiffquantError("tapped attention does not take packed sequences (cu_seq_lens); pass a padded batch")
+        causal = kwargs.get("is_causal")
+        return cls(attention_mask, q_len, k_len, getattr(module, "is_causal", True) if causal is None else causal,
+                   kwargs.get("sliding_window"))
+
+    def rows(self, device, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Boolean [batch|1, 1, rows, k] of query rows rows[0]:rows[1] (all of them by default)."""
+        r0, r1 = rows or (0, self.q_len)
+        mask = self.mask
+        if mask is not None and mask.dim() == 4:
+            mask = mask[:, :, r0:r1, :self.k_len]
+            return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # additive (eager)
+        own = torch.arange(r0, r1, device=device)[:, None] + (self.k_len - self.q_len)  # each query's own key
+        keys = torch.arange(self.k_len, device=device)[None, :]
+        valid = keys <= own if self.causal else torch.ones(r1 - r0, self.k_len, dtype=torch.bool, device=device)
+        if self.window is not None:
+            valid = valid & (own - keys < self.window)
+        valid = valid[None, None]
+        if mask is not None:  # flash-attention's padding mask, keys aligned to its right end
+            valid = valid & mask[:, None, None, -self.k_len:].to(device=device, dtype=torch.bool)
+        return valid
+
+    def keys(self, device) -> torch.Tensor | None:
+        """[batch|1, 1, k, 1]: the key positions some query may attend (None when every one is), the
+        validity of a [batch, kv_head, pos, dim] cache site (left padding never sets a scale)."""
+        if self.mask is None:
+            return None
+        if self.mask.dim() == 2:
+            valid = self.mask[:, -self.k_len:].to(device=device, dtype=torch.bool)[:, None]
+        else:
+            valid = self.rows(device).any(dim=-2)
+        return None if bool(valid.all()) else valid.unsqueeze(-1)
 
 
 def diff_lambda(module) -> torch.Tensor:
@@ -82,54 +181,64 @@ def diff_lambda(module) -> torch.Tensor:
     return l1 - l2 + module.lambda_init
 
 
-_last_mask: list = [None, False]  # (mask, is plain causal) of the last untapped call: one check per forward
-
-
-def plain_causal(mask: torch.Tensor | None, q_len: int, k_len: int) -> bool:
-    """Whether a boolean mask is exactly the causal mask of q_len == k_len (no padding), so an untapped
-    layer can let SDPA use `is_causal` (1.7× faster than an explicit mask on CPU here)."""
-    if mask is None or mask.dtype != torch.bool or q_len != k_len or q_len < 2:
-        return False
-    if _last_mask[0] is not mask:
-        causal = valid_positions(None, q_len, k_len, mask.device)
-        _last_mask[:] = [mask, mask.shape[-2:] == causal.shape[-2:] and bool((mask == causal).all())]
-    return _last_mask[1]
-
-
-
-
-def key_valid(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor | None:
-    """[batch|1, 1, k, 1]: the key positions some query may attend (None when every one is), the
-    validity of a [batch, kv_head, pos, dim] cache site (left padding never sets a scale)."""
-    if attention_mask is None:
-        return None
-    valid = valid_positions(attention_mask, q_len, k_len, device).any(dim=-2)
-    return None if bool(valid.all()) else valid.unsqueeze(-1)
-
-
-def cache_taps(module, q_len: int, key: torch.Tensor, value: torch.Tensor, attention_mask):
+def cache_taps(module, q_len: int, key: torch.Tensor, value: torch.Tensor, attention_mask, kwargs=None):
     """Keys and values through the `k_cache` / `v_cache` taps, each KV head once (before grouped-query
     heads are repeated): the tensors a KV cache stores, after RoPE. Returns (key, value, the other taps).
     DiffLlama has these sites in its fused form only (see `SiteTable`)."""
     taps = getattr(module, "_diffquant_taps", None) or {}
     if not any(p in taps for p in CACHE_POINTS):
         return key, value, taps
-    valid = key_valid(attention_mask, q_len, key.shape[2], key.device)
+    valid = Visible.of(module, attention_mask, q_len, key.shape[2], kwargs or {}).keys(key.device)
     key = run_taps(taps.get("k_cache"), key, valid)
     value = run_taps(taps.get("v_cache"), value, valid)
     return key, value, {p: e for p, e in taps.items() if p not in CACHE_POINTS}
 
 
 def tapped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    key, value, taps = cache_taps(module, query.shape[2], key, value, attention_mask)
-    if not taps:
-        plain = all(kwargs.get(k) is None for k in ("softcap", "s_aux", "clip_softmax"))
-        if module.__dict__.get("_diffquant_fallback", "sdpa") == "sdpa" and plain:
-            if plain_causal(attention_mask, query.shape[2], key.shape[2]):
-                attention_mask = None  # SDPA then takes its is_causal path
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                          **kwargs)
+    key, value, taps = cache_taps(module, query.shape[2], key, value, attention_mask, kwargs)
+    kernel = kernel_for(module.__dict__.get("_diffquant_fallback"), attention_mask)
+    if kernel is not None and (not taps or first_key_only(module, taps, attention_mask)):
+        out = kernel(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        if taps:
+            first_key_taps(taps, first_key_masses(kernel, module, query, key, scaling, kwargs), key.shape[2])
+        return out
     return _attend(module, taps, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def first_key_only(module, taps: dict, attention_mask) -> bool:
+    """Whether a layer's attention taps read no more than each query's mass on the first key (observers with a
+    `first_key` method, and λ), so its own kernel can run: where the mask is plainly causal (None), and not in
+    DiffLlama's two-call form (whose second call would count them again)."""
+    if attention_mask is not None or (getattr(module, "_diffquant_paired", False)
+                                      and not getattr(module, "_diffquant_fused", False)):
+        return False
+    return set(taps) <= {"attn_probs", "attn_map", "lambda"} and all(
+        hasattr(tap, "first_key") for point in ("attn_probs", "attn_map") for tap, _ in taps.get(point, ()))
+
+
+def first_key_masses(kernel, module, query, key, scaling, kwargs) -> torch.Tensor:
+    """[batch, head, q]: each query's attention on key 0 (its first key: the mask is plainly causal), from the
+    layer's own kernel run once more with a value that is 1 in channel 0 of key 0 and 0 elsewhere."""
+    onehot = key.new_zeros(key.shape)  # as wide as the keys: every kernel takes that value width
+    onehot[:, :, 0, 0] = 1
+    out, _ = kernel(module, query, key, onehot, None, dropout=0.0, scaling=scaling, **kwargs)  # [batch, q, head, d]
+    return out[..., 0].transpose(1, 2).float()
+
+
+def first_key_taps(taps: dict, masses: torch.Tensor, k_len: int, lam: torch.Tensor | None = None) -> None:
+    """Feed the observers of a `first_key_only` layer: `masses` ([batch, head, q], from `first_key_masses`) to
+    attn_probs, and with DIFF's λ, A1 − λ·A2 of them to attn_map, as `first_key(mass, counted rows, ctx)`. Query
+    rows whose first key is themselves (query 0 of a fresh sequence) are not counted."""
+    q_len = masses.shape[-1]
+    rows = torch.arange(q_len, device=masses.device) + (k_len - q_len) > 0
+    run_taps(taps.get("lambda"), None if lam is None else lam.float(), None)
+    for tap, ctx in taps.get("attn_probs", ()):
+        tap.first_key(masses, rows, ctx)
+    if taps.get("attn_map"):
+        half = masses.shape[1] // 2
+        diff_map = masses[:, :half] - lam.float() * masses[:, half:]
+        for tap, ctx in taps["attn_map"]:
+            tap.first_key(diff_map, rows, ctx)
 
 
 def explicit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -147,55 +256,55 @@ def _attend(module, taps, query, key, value, attention_mask, scaling, dropout, k
         scaling = query.shape[-1] ** -0.5
     n_rep = query.shape[1] // key.shape[1]
     value = repeat_kv(value, query.shape[1] // value.shape[1])
-    block = query_block(query.shape[0], query.shape[1], key.shape[2])
+    visible = Visible.of(module, attention_mask, query.shape[2], key.shape[2], kwargs)
+    block = query_block(query.shape[0], query.shape[1], key.shape[2], query.device)
     if query.shape[2] > block:
         if getattr(module, "_diffquant_paired", False) and not getattr(module, "_diffquant_fused", False):
             raise DiffquantError("a long context in DiffLlama's two-call form: give the model the fused forward "
                                  "(diffquant.models.fused.fuse), which diffquant's loaders and taps do")
-        out = _blocked(module, taps, query, repeat_kv(key, n_rep), attention_mask, scaling, kwargs,
+        out = _blocked(module, taps, query, repeat_kv(key, n_rep), visible, scaling, kwargs,
                        lambda p, rows: torch.matmul(p.to(value.dtype), value), block)
         return out.transpose(1, 2).contiguous(), None
     pending = module.__dict__.pop("_diffquant_pending", None)
     if pending is not None and pending[0] is query and pending[1] is key:
         probs = pending[2]  # DiffLlama's second call: same Q and K, reuse (observed, maybe quantized) probs
     else:
-        probs = _probabilities(module, taps, query, repeat_kv(key, n_rep), attention_mask, scaling, kwargs)
+        probs = _probabilities(module, taps, query, repeat_kv(key, n_rep), visible, scaling, kwargs)
         if getattr(module, "_diffquant_paired", False):
             module._diffquant_pending = (query, key, probs)  # before repeat_kv, which makes a new tensor
             if "attn_map" in taps or "lambda" in taps:
                 lam = diff_lambda(module)
                 run_taps(taps.get("lambda"), lam, None)
-                _differential_map(module, taps, probs, lam, query.shape[2], key.shape[2], attention_mask, None)
+                _differential_map(taps, probs, lam, visible, None)
     out = torch.matmul(probs.to(value.dtype), value)
     return out.transpose(1, 2).contiguous(), probs
 
 
-def diff_attention(module, query, key, vpair, attention_mask, scaling, lam, taps: dict):
+def diff_attention(module, query, key, vpair, attention_mask, scaling, lam, taps: dict, kwargs=None):
     """DIFF in one call: the softmax maps of all H heads (taps on logits and probabilities see each once),
     A = P[:, :H/2] − λ·P[:, H/2:] per differential head (the `attn_map` site), and A·[V1 | V2].
     `taps`: the module's taps other than the cache sites (see `cache_taps`).
     Returns ([batch, pos, H/2, 2d], probabilities or None when computed in blocks)."""
     run_taps(taps.get("lambda"), lam.float(), None)
     key = repeat_kv(key, query.shape[1] // key.shape[1])
-    q_len, k_len = query.shape[2], key.shape[2]
+    visible = Visible.of(module, attention_mask, query.shape[2], key.shape[2], kwargs or {})
 
     def combine(probs, rows):
-        a = _differential_map(module, taps, probs, lam, q_len, k_len, attention_mask, rows)
+        a = _differential_map(taps, probs, lam, visible, rows)
         return torch.matmul(a.to(vpair.dtype), vpair)
 
-    block = query_block(query.shape[0], query.shape[1], k_len)
-    if q_len > block:
-        return _blocked(module, taps, query, key, attention_mask, scaling, {}, combine, block).transpose(1, 2), None
-    probs = _probabilities(module, taps, query, key, attention_mask, scaling, {})
+    block = query_block(query.shape[0], query.shape[1], visible.k_len, query.device)
+    if visible.q_len > block:
+        return _blocked(module, taps, query, key, visible, scaling, {}, combine, block).transpose(1, 2), None
+    probs = _probabilities(module, taps, query, key, visible, scaling, {})
     return combine(probs, None).transpose(1, 2), probs
 
 
-def _differential_map(module, taps, probs, lam, q_len, k_len, attention_mask, rows):
+def _differential_map(taps, probs, lam, visible: Visible, rows):
     half = probs.shape[1] // 2
     a = probs[:, :half] - lam.to(probs.dtype) * probs[:, half:]
     if "attn_map" in taps:
-        valid = valid_positions(attention_mask, q_len, k_len, probs.device, rows)
-        run_taps(taps["attn_map"], a, valid, _block_of(rows, q_len))
+        run_taps(taps["attn_map"], a, visible.rows(probs.device, rows), _block_of(rows, visible.q_len))
     return a
 
 
@@ -203,7 +312,7 @@ def _block_of(rows, q_len):
     return None if rows is None else (rows[0], rows[1], q_len)
 
 
-def _blocked(module, taps, query, key, attention_mask, scaling, kwargs, consume, block):
+def _blocked(module, taps, query, key, visible: Visible, scaling, kwargs, consume, block):
     """Attention in query blocks of `block` rows: `consume(probs_block, rows)` turns each block's probabilities
     into its output rows; nothing of size T × T is kept."""
     q_len = query.shape[2]
@@ -214,10 +323,9 @@ def _blocked(module, taps, query, key, attention_mask, scaling, kwargs, consume,
         tap.start_range()
         for rows in blocks:
             logits = _logits(query[:, :, rows[0]:rows[1]], key, scaling, kwargs.get("softcap"))
-            valid = valid_positions(attention_mask, q_len, key.shape[2], query.device, rows)
-            tap.observe_range(logits, ctx.with_valid(valid))
+            tap.observe_range(logits, ctx.with_valid(visible.rows(query.device, rows)))
     try:
-        outs = [consume(_probabilities(module, taps, query, key, attention_mask, scaling, kwargs, rows), rows)
+        outs = [consume(_probabilities(module, taps, query, key, visible, scaling, kwargs, rows), rows)
                 for rows in blocks]
     finally:
         for tap, _ in ranged:
@@ -232,7 +340,7 @@ def _logits(query, key, scaling, softcap):
     return logits
 
 
-def _probabilities(module, taps, query, key, attention_mask, scaling, kwargs, rows=None):
+def _probabilities(module, taps, query, key, visible: Visible, scaling, kwargs, rows=None):
     """Softmax probabilities of all queries (or of query rows `rows` of a blocked call), through the taps."""
     sinks, clip = kwargs.get("s_aux"), kwargs.get("clip_softmax")
     q_len = query.shape[2]
@@ -240,7 +348,7 @@ def _probabilities(module, taps, query, key, attention_mask, scaling, kwargs, ro
         query = query[:, :, rows[0]:rows[1]]
     block = _block_of(rows, q_len)
     logits = _logits(query, key, scaling, kwargs.get("softcap"))
-    valid = valid_positions(attention_mask, q_len, key.shape[2], query.device, rows)
+    valid = visible.rows(query.device, rows)
     tapped = run_taps(taps.get("attn_logits"), logits, valid, block)
     scores = masked_scores(tapped, logits, valid)
     if sinks is not None:  # a learned per-head logit in the denominator only (gpt-oss): softmax, then drop it

@@ -128,8 +128,14 @@ class Attachment:
             model.__dict__[f"_diffquant_{kind}_original"] = original
             for m in modules:
                 m._diffquant_fallback = original
+            if kind == "attn":  # so the mask function builds the mask this implementation gets
+                attention.remember(self._configs(), original)
         model.__dict__[f"_diffquant_{kind}_users"] = users + 1
         self._switched.append(kind)
+
+    def _configs(self) -> list:
+        """The model's config and its attention modules' (transformers builds the mask from the decoder's)."""
+        return [self.model.config, *(getattr(m, "config", None) for m in self.table.attention_modules)]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -149,6 +155,7 @@ class Attachment:
             if model.__dict__[f"_diffquant_{kind}_users"] == 0:
                 original = model.__dict__.pop(f"_diffquant_{kind}_original")
                 if kind == "attn":
+                    attention.remember(self._configs(), None)
                     model.set_attn_implementation(original)
                 else:
                     model.set_experts_implementation(original)

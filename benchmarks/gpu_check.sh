@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The first thing to run on a GPU machine (about 7 minutes on one H100/H200, no network): the GPU benchmark sections
+# (results-cuda.json: tokens/s and peak GPU memory of the forward, the profiles, DIFF vs the baseline, a sweep), a
+# bf16 profile compared with the fp32 one, one real low-bit backend's kernel on the GPU, and the GPU recipe's
+# first minutes; one JSON summary, $OUT/gpu_check.json (benchmarks/gpu_check.py holds the steps and their limits).
+#
+#     bash benchmarks/gpu_check.sh               # on the GPU machine; exit 0 when every step is ok
+#     bash benchmarks/gpu_check.sh --cpu-smoke   # anywhere: every step on CPU with tiny settings (the suite runs it)
+#
+# The GPU machine reaches no package registry: what its Python lacks travels as wheels in .whl/ beside the
+# checkout, installed here into /tmp/gpu_check-site first. Prepare them once where pip works (Python 3.12):
+#     echo /.whl/ >> .git/info/exclude
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#         -d .whl "transformers==5.25.0" "torchao==0.18.0"
+# and name .whl in the device call's carry. Every prerequisite is checked up front, one line each.
+# Settings: OUT (summary folder, default /tmp/gpu_check-out), GPU_CHECK_MODEL (a transformers folder to profile
+# in bf16, e.g. SmolLM2-135M saved with save_pretrained; default the tiny preset), GPU_CHECK_BACKEND (default
+# torchao-int8wo), GPU_CHECK_WORK (scratch, default /tmp/gpu_check), PYTHON (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SMOKE=()
+for arg in "$@"; do
+    case "$arg" in
+        --cpu-smoke) SMOKE=(--cpu-smoke) ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument $arg (--cpu-smoke, or none)"; exit 2 ;;
+    esac
+done
+PY=${PYTHON:-python3}
+command -v "$PY" >/dev/null || { echo "MISSING $PY: no Python on this machine"; exit 2; }
+echo "ok $PY: $("$PY" --version 2>&1)"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check-site \
+        .whl/*.whl || { echo "FAILED installing the wheels in .whl/ (one version of each?)"; exit 2; }
+    export PYTHONPATH=/tmp/gpu_check-site${PYTHONPATH:+:$PYTHONPATH}
+    echo "ok wheels from .whl/: $(cd .whl && ls *.whl | tr '\n' ' ')"
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export OUT=${OUT:-/tmp/gpu_check-out} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+exec "$PY" benchmarks/gpu_check.py "${SMOKE[@]}" --out "$OUT"
