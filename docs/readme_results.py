@@ -703,10 +703,16 @@ def findings_part() -> str:
     return "\n".join(out)
 
 
+def export_part() -> str:
+    """The export's parity on SmolLM2 (docs/export/parity-smollm2-135m.md, written by benchmarks/export_parity.py)."""
+    return "\n".join(_md("docs/export/parity-smollm2-135m.md")).strip()
+
+
 def README_PARTS() -> list[tuple[tuple[str, str], str, str]]:
     """The README's generated parts: (markers, text, what)."""
     return [(("<!-- quick:begin -->", "<!-- quick:end -->"), quick_part(), "the quick demo's numbers"),
             (("<!-- profile:begin -->", "<!-- profile:end -->"), profile_part(), "SmolLM2's profile table"),
+            (("<!-- export:begin -->", "<!-- export:end -->"), export_part(), "the export's parity"),
             (("<!-- findings:begin -->", "<!-- findings:end -->"), findings_part(), "the findings")]
 
 
