@@ -368,3 +368,18 @@ def test_workers_share_the_cells_without_meeting(tmp_path):
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # nothing retrained
     with pytest.raises(fr.DiffquantError, match="K/N"):
         fr.main(args + ["--worker", "2/2"])
+
+
+def test_kivi_recent_window_shares_by_closed_form():
+    """KIVI-2 on the 257-token windows, 128 recent positions: the one-forward simulation keeps the sequence's last
+    128 positions for every query (positions 129..256; the real quantizer's span, tested in test_kv_cache), so the
+    causal pairs reading a quantized key are Σ_{q<129}(q + 1) + 128·129; a decoding cache (each query's 128 most
+    recent kept) quantizes Σ_{j=1}^{129} j of them. All pairs: 257·258/2."""
+    got = fr.recent_window_shares(257, 128)
+    pairs = 257 * 258 // 2
+    assert got["pairs"] == pairs == 33153
+    assert got["entries"] == pytest.approx(128 / 257)
+    assert got["prefill_pairs"] == pytest.approx((129 * 130 // 2 + 128 * 129) / pairs)  # 75.1%
+    assert got["decode_pairs"] == pytest.approx((129 * 130 // 2) / pairs)  # 25.3%
+    short = fr.recent_window_shares(100, 128)  # the window covers the whole sequence: nothing is quantized
+    assert short["entries"] == 1.0 and short["prefill_pairs"] == short["decode_pairs"] == 0.0
