@@ -287,11 +287,16 @@ def contrary_sentence(results: dict | None, reference: str = "DIFF", other: str 
     """One sentence under the emergence table: where DIFF's outlier measures are higher than the Transformer's
     (Holm over the table's tests), which is opposite to the paper's Table 5, with the losses both reached and the
     measures that go the other way or are not detected; nothing when no outlier measure is higher."""
-    from diffquant.stats.intervals import welch
+    from diffquant.stats.intervals import detectable, welch
 
     adjusted = against_pvalues(results, reference)
     if not adjusted or (other, "loss") not in adjusted:
         return []
+
+    def undetected(k):  # "no difference detected" with the effect the test could have detected
+        size = detectable(agg[other][k]["values"], agg[reference][k]["values"], len(adjusted))
+        return f"no difference detected, detectable {size['sd']:.1f} SD = {size['units']:.3g}"
+
     agg = results["aggregate"]
     label = {k: VERDICT_METRICS[k] for k in VERDICT_METRICS}
 
@@ -308,11 +313,12 @@ def contrary_sentence(results: dict | None, reference: str = "DIFF", other: str 
     lower = [k for k, (w, p) in tested.items() if k not in TABLE5_DIRECTION and k != "loss" and w["diff"] > 0]
     loss = tested["loss"]
     return [f"Contrary to the paper's Table 5, in this setting ({len(results['seeds'])} seeds, held-out losses "
-            f"{pair('loss')} nats for {reference} vs {other}, no difference detected, Holm p {loss[1]:.2g}) {reference}'s "
+            f"{pair('loss')} nats for {reference} vs {other}, Holm p {loss[1]:.2g}: {undetected('loss')} nats) "
+            f"{reference}'s "
             "outliers are larger: "
             + ", ".join(f"{label[k]} {pair(k)} (Holm p {tested[k][1]:.2g})" for k in higher)
             + (", while its " + ", ".join(f"{label[k]} is lower, {pair(k)} (Holm p {tested[k][1]:.2g}"
-                                          + (")" if tested[k][1] < 0.05 else ": no difference detected)")
+                                          + (")" if tested[k][1] < 0.05 else f": {undetected(k)})")
                                           for k in lower) if lower else "")
             + f"; Welch's t over seeds, Holm over the table's {len(adjusted)} tests.", ""]
 

@@ -615,7 +615,8 @@ def standing(doc: dict) -> str:
             f"family of {size['primary']} tests; the other metrics, scale-free only, as a secondary family of "
             f"{size['secondary']}): " + ". ".join(primary + secondary))
     if quiet:
-        text += f". No difference detected (n = {n}) on the other secondary metrics: {'; '.join(quiet)}"
+        text += (f". No difference detected (n = {n}; detectable {minimum_detectable_effect(n, size['secondary']):.1f} "
+                 f"SD) on the other secondary metrics: {'; '.join(quiet)}")
     paragraphs.append(text + ".")
     limits = []
     tied = lr_ties(doc)

@@ -296,7 +296,7 @@ def verdict(t: dict, key: str = "p_holm") -> str:
     n = min(t["n"])
     if t[key] >= 0.05:
         size = t.get("detectable")
-        return (f"no difference detected (n = {n}" + (f"; detectable {size['sd']:.1f} SD = {size['units']:.2g} nats"
+        return (f"no difference detected (n = {n}" + (f"; detectable {size['sd']:.1f} SD = {size['units']:.3g} nats"
                                                        if size else "") + ")")
     return "DIFF costs more" if t["diff"] > 0 else "DIFF costs less"
 

@@ -373,7 +373,7 @@ def design_table(setting: str, groups: dict[str, dict[int, dict]]) -> str:
             t, n = tests[i], min(len(groups["diff"]), len(groups["baseline"]))
             size = t and detectable(seed_costs(groups["diff"], i), seed_costs(groups["baseline"], i), family)
             verdict = ("-" if t is None else f"no difference detected (n = {n}; detectable {size['sd']:.1f} SD = "
-                       f"{size['units']:.2g} nats)" if holm[i] >= 0.05
+                       f"{size['units']:.3g} nats)" if holm[i] >= 0.05
                        else "DIFF costs less" if t["diff"] < 0 else "DIFF costs more")
             cells += ["-" if t is None else f"{t['diff']:+.4f}", "-" if t is None else f"{t['p']:.3g}",
                       "-" if holm[i] is None else f"{holm[i]:.3g}", verdict]

@@ -126,8 +126,14 @@ def test_the_contrary_emergence_result_is_stated_with_its_tests():
         assert float(got.group(2)) == pytest.approx(mean[k][1], rel=5e-3)
         assert got.group(3) == f"{adjusted[k]:.2g}"
     assert f"logit top-1/median is lower, {mean['logit_ratio'][0]:.1f} vs {mean['logit_ratio'][1]:.0f} (Holm p " \
-           f"{adjusted['logit_ratio']:.2g}: no difference detected)" in line
-    assert f"no difference detected, Holm p {adjusted['loss']:.2g})" in line and "equal" not in line
+           f"{adjusted['logit_ratio']:.2g}: no difference detected, detectable" in line
+    assert f"Holm p {adjusted['loss']:.2g}: no difference detected, detectable" in line and "equal" not in line
+    for k, unit in (("logit_ratio", r"\)"), ("loss", " nats")):
+        size = re.search(r"Holm p " + re.escape(f"{adjusted[k]:.2g}") + r": no difference detected, detectable "
+                         r"([\d.]+) SD = ([\d.e-]+)" + unit, line)
+        assert size, k
+        assert_detectable(size.group(1), size.group(2), [m[k] for m in per["Transformer"]],
+                          [m[k] for m in per["DIFF"]], tests=len(raw))
     table = "\n".join(_results_block())
     assert "| DIFF | 48.7 ± 13.3 | 39.3 ± 2.3 | 24.1 ± 10.4 | 8.50 ± 0.79 | - |" in table  # the pooled rate dropped
 
