@@ -622,16 +622,40 @@ def breakdown_lines(b: dict | None) -> list[str]:
             "ebaa11f (same values, bit for bit): " + "; ".join(was) + ".", ""]
 
 
+def versions_text(results: dict) -> str:
+    """Each side's package versions as the file records them, for the parity run and for the cost cases apart:
+    the two were measured in different sessions, and the cost cases' diffquant and peers need not share a
+    transformers version (each workflow records its own)."""
+    def say(by_side: dict[str, list[dict]]) -> str:
+        return "; ".join(f"{PEER_LABELS.get(k, k)}: " + " / ".join(", ".join(f"{n} {v}" for n, v in vs.items())
+                                                               for vs in found)
+                         for k, found in by_side.items() if found)
+
+    parity = results.get("parity") or {}
+    at_parity = {"diffquant": [(parity.get("diffquant") or {}).get("versions")],
+                 **{k: [r.get("versions")] for k, r in parity.get("peers", {}).items()}}
+    at_cost = {}
+    for case in results.get("cost") or []:
+        for k, w in case.get("workflows", {}).items():
+            if w.get("versions") and w["versions"] not in at_cost.setdefault(k, []):
+                at_cost[k].append(w["versions"])
+    parts = [f"{what}: {text}." for what, text in (("Versions in the parity run", say({k: [v for v in vs if v] for k, vs
+                                                                                       in at_parity.items()})),
+                                                   ("In the cost cases", say(at_cost))) if text]
+    ours = {v.get("transformers") for v in at_cost.get("diffquant", [])}
+    theirs = {v.get("transformers") for k in PEERS for v in at_cost.get(k, [])}
+    if ours and theirs and ours != theirs:
+        parts.append(f"So the cost cases time diffquant on transformers {', '.join(sorted(ours))} and the peers on "
+                     f"{', '.join(sorted(theirs))}: not one version, and not re-measured here.")
+    return " ".join(parts)
+
+
 def markdown_part(results: dict) -> list[str]:
     """The parity and cost tables as markdown lines, from a peers.json dict."""
     from diffquant.report.tables import markdown
 
     parity = results.get("parity") or {}
-    versions = {peer: r.get("versions") for peer, r in parity.get("peers", {}).items() if "versions" in r}
-    ours = (parity.get("diffquant") or {}).get("versions")
-    vtext = "; ".join(f"{PEER_LABELS[k]}: " + ", ".join(f"{n} {v}" for n, v in vs.items())
-                      for k, vs in {"diffquant": ours, **versions}.items() if vs)
-    lines = [f"Model: {results['model']}; tokens: {results['corpus']}; versions: {vtext}.", ""]
+    lines = [f"Model: {results['model']}; tokens: {results['corpus']}. {versions_text(results)}", ""]
     if parity:
         lines += [f"Parity on {parity['tokens']:,} tokens (windows of {parity['seq_len']}), {parity['sites']} sites: "
                   "the largest relative difference over the layers between each peer's values reduced exactly "

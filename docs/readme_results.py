@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -119,6 +120,8 @@ def _md(path: str) -> list[str]:
 
 
 def emergence_part() -> list[str]:
+    from diffquant.stats.outlier_regime import NAME
+
     lines = []
     search, results = _load("docs/emergence/search.json"), _load("docs/emergence/results.json")
     hits = None
@@ -131,8 +134,8 @@ def emergence_part() -> list[str]:
                  "When outliers appear")  # the heading says what was found
         lines += [f"### {title} (`experiments/emergence.py`)", "",
                   "The search: the baseline alone, tracked during training (seed 0), under settings taken from the "
-                  "literature before any run (each setting's reason is in the script); the outlier regime is hidden "
-                  "top-1/median ≥ 100 or sink rate ≥ 0.5 on held-out sequences.", "", *_md("docs/emergence/search.md")]
+                  f"literature before any run (each setting's reason is in the script); the regime searched for is "
+                  f"{NAME}, on held-out sequences.", "", *_md("docs/emergence/search.md")]
     if search and results:
         chosen = found.get(results["setting"], {})
         budget = chosen.get("extrapolated_tokens")
@@ -151,7 +154,7 @@ def emergence_part() -> list[str]:
         from diffquant.stats.sinks import SINK_DEFINITION
 
         old = (results or {}).get("sink_definition") != SINK_DEFINITION
-        lines += [*_md("docs/emergence/results.md"), *against_diff(results),
+        lines += [*_md("docs/emergence/results.md"), *against_diff(results), *contrary_sentence(results),
                   "![emergence](docs/emergence/emergence.png)", ""]
         lines += (["Seed 0's training curves; the sink-rate panel is DIFF's rate by the old definition, pooling its A1 "
                    "and A2 maps.", ""] if old else [])
@@ -175,23 +178,23 @@ def regime_part() -> list[str]:
                   "before every seed is in.", ""]
     if (ROOT / "docs/rivals/fair-guo/results.md").is_file():
         body = (ROOT / "docs/rivals/fair-guo/results.md").read_text().split("\n", 1)[1].strip()
-        tables, _, tests = body.partition("## Against DIFF")
-        said = [line for line in tests.splitlines() if line.startswith("Where DIFF stands")]
+        tables, _, tests = body.partition("## Tests")
+        standing = tests.split("\n| ", 1)[0].split("\n")[1:]  # the section's paragraphs, before its table
+        said = [line for line in standing if line.strip() and not line.startswith("Welch's t over seeds.")]
         lines += ["#### Every design compared fairly in this setting (`experiments/fair_rivals.py`)", "",
                   *[x for line in said for x in (line, "")], tables.strip().replace("## ", "##### "), "",
-                  "Every test behind the paragraph above (design − DIFF, Welch's t over seeds, raw and Holm-adjusted "
-                  "p), the outlier curves during training (emergence.png) and each cell's numbers: "
-                  "docs/rivals/fair-guo/results.md, docs/rivals/fair-guo/cells.", ""]
+                  "Every test behind the paragraphs above (design − DIFF and each ablation against its parent and the "
+                  "Transformer, Welch's t over seeds, raw and Holm-adjusted p, learning-rate ties), the outlier curves "
+                  "during training (emergence.png) and each cell's numbers: docs/rivals/fair-guo/results.md, "
+                  "docs/rivals/fair-guo/cells.", ""]
     if (ROOT / "docs/rivals/fair-guo/fixes/results.md").is_file():
         fair = _load("docs/rivals/fair-guo/results.json")
         planned = sum(t.get("family") == "planned" and t["p_holm"] is not None for t in fair["tests"]) if fair else 0
         lines += ["#### How much fixing DIFF needs against the baseline (`experiments/fixes_needed.py`)", "",
                   *_md("docs/rivals/fair-guo/fixes/results.md")]
         if planned:
-            lines += ["This table corrects over its own rows only (DIFF against the Transformer, the question it "
-                      "was run for); in the comparison of every design above, the same no-fix static-W4A4 cost is "
-                      f"one of {planned} tests in the planned family, which is why a difference can be detected here "
-                      "and not there.", ""]
+            lines += [f"The fair comparison's planned family holds {planned} tests; the text under the fixes table says "
+                      "which correction governs its rows (they join that family, grown by the added contrasts).", ""]
     return lines
 
 
@@ -241,10 +244,12 @@ def against_pvalues(results: dict | None, reference: str = "DIFF") -> dict[tuple
 
 def against_diff(results: dict | None, reference: str = "DIFF") -> list[str]:
     """Each design against DIFF, metric by metric: Welch's t-test over the seeds, Holm–Bonferroni-adjusted over
-    all the table's tests; 'higher'/'lower' where the adjusted p < 0.05, otherwise 'no difference detected
-    (n = seeds)', which is not 'equal'. So the table says when a rival removes outliers better or worse than DIFF."""
+    all the table's tests; 'higher'/'lower' where the adjusted p < 0.05, otherwise 'no difference detected', which
+    is not 'equal': it states n and the smallest difference the test could detect at 80% power (in SD at Holm's
+    first step over the table, and in the metric's units from the pooled SD). So the table says when a rival
+    removes outliers better or worse than DIFF, and how large a difference it could have missed."""
     from diffquant.report.tables import markdown
-    from diffquant.stats.intervals import verdict, welch
+    from diffquant.stats.intervals import detectable, verdict, welch
 
     adjusted = against_pvalues(results, reference)
     if not adjusted:
@@ -257,15 +262,65 @@ def against_diff(results: dict | None, reference: str = "DIFF") -> list[str]:
             continue
         row = [design]
         for k in metrics:
-            w = welch(values.get(k, {}).get("values", []), agg[reference][k]["values"])
-            row.append("-" if w is None else verdict(w["diff"], adjusted[(design, k)], w["n"]))
+            a, b = values.get(k, {}).get("values", []), agg[reference][k]["values"]
+            w = welch(a, b)
+            row.append("-" if w is None else verdict(w["diff"], adjusted[(design, k)], w["n"],
+                                                     detectable=detectable(a, b, len(adjusted))))
         rows.append(row)
     dropped = "sink_rate" in agg[reference] and "sink_rate" not in metrics
+    n = min(len(v["values"]) for d in agg.values() for v in d.values() if isinstance(v, dict) and "values" in v)
     return [f"Against {reference}: Welch's t-test over the {len(results['seeds'])} seeds, p-values Holm–Bonferroni-"
-            f"adjusted over the table's {len(adjusted)} tests; 'higher'/'lower' where the adjusted p < 0.05"
+            f"adjusted over the table's {len(adjusted)} tests; 'higher'/'lower' where the adjusted p < 0.05; "
+            f"'detectable': the smallest true difference a test detects with 80% power at Holm's first step "
+            f"({len(adjusted)} tests, n = {n}), in standard deviations and, after '=', in the metric's units from the "
+            "two designs' pooled SD (no equivalence margin was stated, so none is claimed)"
             + ("; DIFF's sink rate is left out, as it was measured by the old definition that pools A1 and A2"
                if dropped else "") + ":", "",
             markdown(["design", *[VERDICT_METRICS[k] for k in metrics]], rows), ""]
+
+
+# What the paper's Table 5 says DIFF does to the outliers: smaller hidden-state and attention-logit magnitudes.
+TABLE5_DIRECTION = ("hidden_ratio", "massive_ratio", "hidden_kurtosis", "logit_top1")
+
+
+def contrary_sentence(results: dict | None, reference: str = "DIFF", other: str = "Transformer") -> list[str]:
+    """One sentence under the emergence table: where DIFF's outlier measures are higher than the Transformer's
+    (Holm over the table's tests), which is opposite to the paper's Table 5, with the losses both reached and the
+    measures that go the other way or are not detected; nothing when no outlier measure is higher."""
+    from diffquant.stats.intervals import detectable, welch
+
+    adjusted = against_pvalues(results, reference)
+    if not adjusted or (other, "loss") not in adjusted:
+        return []
+
+    def undetected(k):  # "no difference detected" with the effect the test could have detected
+        size = detectable(agg[other][k]["values"], agg[reference][k]["values"], len(adjusted))
+        return f"no difference detected, detectable {size['sd']:.1f} SD = {size['units']:.3g}"
+
+    agg = results["aggregate"]
+    label = {k: VERDICT_METRICS[k] for k in VERDICT_METRICS}
+
+    def pair(k):  # 3 significant digits, the loss 4, trailing zeros kept
+        digits = 4 if k == "loss" else 3
+        return " vs ".join(f"{x:.{max(0, digits - 1 - math.floor(math.log10(abs(x))))}f}"
+                           for x in (agg[reference][k]["mean"], agg[other][k]["mean"]))
+
+    tested = {k: (welch(agg[other][k]["values"], agg[reference][k]["values"]), adjusted[(other, k)])
+              for k in verdict_metrics(results, reference) if (other, k) in adjusted}
+    higher = [k for k in TABLE5_DIRECTION if k in tested and tested[k][1] < 0.05 and tested[k][0]["diff"] < 0]
+    if not higher:
+        return []
+    lower = [k for k, (w, p) in tested.items() if k not in TABLE5_DIRECTION and k != "loss" and w["diff"] > 0]
+    loss = tested["loss"]
+    return [f"Contrary to the paper's Table 5, in this setting ({len(results['seeds'])} seeds, held-out losses "
+            f"{pair('loss')} nats for {reference} vs {other}, Holm p {loss[1]:.2g}: {undetected('loss')} nats) "
+            f"{reference}'s "
+            "outliers are larger: "
+            + ", ".join(f"{label[k]} {pair(k)} (Holm p {tested[k][1]:.2g})" for k in higher)
+            + (", while its " + ", ".join(f"{label[k]} is lower, {pair(k)} (Holm p {tested[k][1]:.2g}"
+                                          + (")" if tested[k][1] < 0.05 else f": {undetected(k)})")
+                                          for k in lower) if lower else "")
+            + f"; Welch's t over seeds, Holm over the table's {len(adjusted)} tests.", ""]
 
 
 def search_pair_note() -> list[str]:
@@ -275,14 +330,16 @@ def search_pair_note() -> list[str]:
     if not search:
         return []
     sys.path.insert(0, str(ROOT / "experiments"))
-    from emergence import RATIO, SEARCH, choose, in_regime
+    from emergence import SEARCH, choose
+
+    from diffquant.stats.outlier_regime import HIDDEN_RATIO, NAME, reached
 
     name = choose(SEARCH, search["results"])
     m = search["results"][name]
-    state = ("in the outlier regime" if in_regime(m) else
-             f"not in the outlier regime: the search reached none, and this baseline's hidden top-1/median (seed "
+    state = (f"in {NAME}" if reached(m) else
+             f"not in {NAME}: the search reached none, and this baseline's hidden top-1/median (seed "
              f"{search['seed']}, {search['eval_sequences']} held-out sequences) is {m['hidden_ratio']:.1f}, where the "
-             f"regime starts at {RATIO:g}, with sink rate {m['sink_rate']:.2f}")
+             f"regime starts at {HIDDEN_RATIO:g}, with sink rate {m['sink_rate']:.2f}")
     return [f"`{name}` is the pair of the setting the emergence search chose; it is {state}.", ""]
 
 
@@ -365,6 +422,22 @@ def fair_kv_part() -> list[str]:
     planned_family = "the comparison's planned correction (every metric planned before the run, in one family)"
     survival = ((f" Under {planned_family} these marks do not survive: {'; '.join(lost)}." if lost
                  else f" Every mark survives {planned_family}.") if marked and planned else "")
+    from fair_rivals import kv_granularity, lr_ties, recent_window_shares
+
+    tied = [d for d in doc.get("rates", {}) if "losses" in doc["rates"][d]] and lr_ties(doc)
+    ties = (f" The learning-rate sweep could not separate the best two rates of {', '.join(tied)}: every mark that "
+            "involves one of them rests on that choice (each verdict's seed-0 values at both rates: "
+            "docs/rivals/fair-guo/results.md)." if marked and tied else "")
+
+    seq_len = doc["experiment"].get("train", {}).get("seq_len")
+    kivi = recent_window_shares(seq_len, 128) if seq_len else None
+    window = (f"on these {seq_len}-token sequences the one forward keeps the last 128 positions in full precision for "
+              f"every query ({kivi['entries']:.1%} of the cached positions), so {kivi['prefill_pairs']:.1%} of the "
+              f"{kivi['pairs']:,} causal query–key pairs read a quantized entry, where a decoding KIVI cache, which "
+              f"keeps each query's 128 most recent positions, would quantize {kivi['decode_pairs']:.1%}; against a "
+              "long context both understate its cost" if kivi else
+              "the 128 most recent positions in full precision, so its cost is understated against a long context")
+    granularity = kv_granularity(doc) if doc["experiment"].get("train") else ""
     return ["#### The cache on every design, trained fairly (`experiments/fair_rivals.py`)", "",
             f"The fair comparison's models (Guo et al.'s Bigram-Backcopy recipe as run here, "
             f"{doc['plan']['tokens_per_model']:,} training tokens per model, each design at its own learning rate, {n} "
@@ -372,13 +445,13 @@ def fair_kv_part() -> list[str]:
             "after RoPE and the values quantized in one forward (prefill semantics): Δppl %, mean ± 95% t over seeds. "
             "A design marked higher/lower differs from DIFF at Holm-adjusted p < 0.05 within the fair comparison's "
             "exploratory secondary family of tests (docs/rivals/fair-guo/results.md); unmarked: no difference "
-            "detected." + survival + " "
+            "detected." + survival + ties + " "
             "kv4: int4 keys and values per token and KV head; "
             "kv4-sink1: the same with the first token in full precision; k4v2: int4 keys, int2 values; kivi2: KIVI-2 "
-            "(per-channel int2 keys in runs of 32, values per token in groups of 32, the 128 most recent positions in "
-            "full precision: on these 257-token sequences about half the cache stays in full precision, so its cost "
-            "is understated against a long context). These 3-layer models with one head per layer did not reach the "
-            "outlier regime at this budget (docs/regime).", "",
+            f"(per-channel int2 keys in runs of 32, values per token in groups of 32 channels; {window}). "
+            + (granularity + " " if granularity else "")
+            + "These 3-layer models with one head per layer did not reach the outlier regime "
+            "(diffquant.stats.outlier_regime) at this budget (docs/regime).", "",
             markdown(["design", "lr", *[METRICS[m][0] for m in FAIR_KV]], body), ""]
 
 
@@ -667,7 +740,7 @@ def findings_part() -> str:
         crit = search["criterion"]
         out.append(f"- **No outlier regime here**: none of {len(search['results'])} small settings (0.1–5M parameters, "
                    f"up to 8M tokens) brought the Transformer to hidden top-1/median ≥ {crit['hidden_ratio']:g} or a "
-                   f"sink rate ≥ {crit['sink_rate']:g} (largest {worst:.1f}) "
+                   f"sink rate ≥ {crit['sink_rate']:g} (largest {worst:.1f}; diffquant.stats.outlier_regime) "
                    "([emergence](docs/RESULTS.md#searching-for-the-outlier-regime)).")
     regime = _load("docs/emergence/results.json")
     if regime is not None and "aggregate" in regime:
@@ -690,7 +763,8 @@ def findings_part() -> str:
                       f"no difference from DIFF detected in the static W8A8 / W4A4 or int4-logit costs (n = {n}; "
                       f"{len(primary)} tests among the "
                       f"{len([r for r in fair['tests'] if r['family'] == 'planned' and r['p_holm'] is not None])} "
-                      "planned ones, Holm-adjusted)")
+                      f"planned ones, Holm-adjusted; a difference of {primary[0]['mde_sd']:.1f} SD would be detected at "
+                      "80% power, so smaller ones are not excluded)")
                    + " ([fair comparison](docs/RESULTS.md#guo-et-al-s-recipe)).")
     wa = _load("docs/weights/wa/results.json")
     if wa is not None:

@@ -1,13 +1,15 @@
 """When do outliers appear, and does DIFF prevent them? (issue: outlier emergence)
 
 1. search: train the *baseline* under each setting of SEARCH (tracked), and record whether it reaches the
-   outlier regime: hidden top-1 / median >= 100 (worst layer) or sink rate >= 0.5, on held-out sequences.
+   outlier regime (diffquant.stats.outlier_regime: hidden top-1 / median >= 100 or sink rate >= 0.5) on held-out
+   sequences: the ratio pooled over layers as `measure` takes it; the extrapolation reads the tracked worst layer.
 2. regime: in the first setting of SEARCH that reaches it (or, when none does, the one whose curves
    extrapolate to it at the smallest token budget), train every design identically for three seeds and
    report mean ± 95% t-interval over seeds.
 
     python experiments/emergence.py [--quick] [--out docs/emergence] [--runs runs/emergence]
     python experiments/emergence.py --only search|regime [--setting NAME] [--archs baseline diff] [--seeds 0 1 2]
+    python experiments/emergence.py --render      # rewrite search.md and results.md from the committed json
 
 Everything is resumable: finished runs are reused, an interrupted one continues from its checkpoint.
 The hyper-parameters were written down before any run (the literature's, see each comment); the same
@@ -32,10 +34,10 @@ from diffquant.report.style import display  # noqa: E402
 from diffquant.report.tables import markdown  # noqa: E402
 from diffquant.runs import start_run  # noqa: E402
 from diffquant.stats.intervals import fmt_pm  # noqa: E402
+from diffquant.stats.outlier_regime import HIDDEN_RATIO, NAME, SINK_RATE, reached  # noqa: E402
 from diffquant.stats.sinks import SINK_DEFINITION  # noqa: E402
 from diffquant.training import TrainConfig, prepare_data, train_pair  # noqa: E402
 
-RATIO, SINK = 100.0, 0.5  # the outlier regime: hidden top-1 / median, or sink rate (Gu et al.'s ε = 0.3)
 EVAL_SEQUENCES = 64  # held-out sequences for the final measurements
 
 # Each setting is TrainConfig overrides, chosen before any run from the cited papers.
@@ -99,7 +101,7 @@ def choose(settings: dict, found: dict) -> str:
     """The first setting in the regime; when none is, the one whose curves reach it soonest (the smallest
     extrapolated token budget; the largest hidden top-1/median when nothing extrapolates)."""
     done = [n for n in settings if n in found]
-    hits = [n for n in done if in_regime(found[n])]
+    hits = [n for n in done if reached(found[n])]
     if hits:
         return hits[0]
     budget = {n: found[n].get("extrapolated_tokens") for n in done}
@@ -108,17 +110,13 @@ def choose(settings: dict, found: dict) -> str:
     return max(done, key=lambda n: found[n]["hidden_ratio"])
 
 
-def in_regime(m: dict) -> bool:
-    return (m["hidden_ratio"] or 0) >= RATIO or (m["sink_rate"] or 0) >= SINK
-
-
 def extrapolate(emergence: list[dict]) -> float | None:
-    """Tokens at which the worst-layer hidden top-1/median would reach RATIO, from a log-log line through
-    the second half of the snapshots (None if it does not grow)."""
+    """Tokens at which the worst-layer hidden top-1/median would reach the regime's HIDDEN_RATIO, from a log-log
+    line through the second half of the snapshots (None if it does not grow)."""
     from diffquant.track import tokens_to_reach
 
     pts = [(p["tokens"], p["model"].get("hidden_ratio_max")) for p in emergence]
-    return tokens_to_reach([t for t, _ in pts], [r for _, r in pts], RATIO)
+    return tokens_to_reach([t for t, _ in pts], [r for _, r in pts], HIDDEN_RATIO)
 
 
 def search(settings: dict, runs: Path, out: Path, n_eval: int) -> dict:
@@ -135,7 +133,7 @@ def _search_row(name: str, overrides: dict, m: dict) -> list:
     return [name, overrides["preset"], m["parameters"], overrides["corpus"], overrides["lr"],
             overrides.get("weight_decay", 0.1), overrides.get("bos", False) or overrides["corpus"].startswith("synth"),
             overrides["seq_len"], m["train_tokens"], round(m["minutes"], 1), m["sink_rate"], m["hidden_ratio"],
-            m["massive_ratio"], m["logit_top1"], m["loss"], "yes" if in_regime(m) else "no",
+            m["massive_ratio"], m["logit_top1"], m["loss"], "yes" if reached(m) else "no",
             f"{budget / 1e6:,.0f}M" if budget else "does not grow"]
 
 
@@ -146,19 +144,27 @@ SEARCH_HEADER = ["setting", "preset", "parameters", "corpus", "lr", "weight deca
 
 def _write_search(settings: dict, found: dict, out: Path, n_eval: int) -> None:
     rows = [_search_row(name, settings[name], m) for name, m in found.items()]
-    atomic_write_json(out / "search.json", {"criterion": {"hidden_ratio": RATIO, "sink_rate": SINK},
+    atomic_write_json(out / "search.json", {"criterion": {"hidden_ratio": HIDDEN_RATIO, "sink_rate": SINK_RATE},
                                             "eval_sequences": n_eval, "seed": 0, "settings": settings, "results": found})
     atomic_write_text(out / "search.md", f"Baseline (Transformer) only, seed 0; measured on {n_eval} held-out "
-                      f"sequences. Regime: hidden top-1/median >= {RATIO:g} or sink rate >= {SINK}. Minutes are "
+                      f"sequences. Regime column: {NAME}, the hidden ratio pooled over layers. Minutes are "
                       "wall-clock on 2 CPU cores shared with other runs.\n\n" + markdown(SEARCH_HEADER, rows))
 
 
-OLD_SINK_LABEL = "sink rate (pooled A1/A2, old definition)"
+OLD_SINK_LABEL = "sink rate (softmax designs; DIFF's pooled A1/A2 rate, old definition, dropped)"
+
+
+def _differential(label: str) -> bool:
+    """Whether a row label (a design's display name) is a differential design (two softmax maps per head)."""
+    from diffquant.designs import DESIGNS
+
+    return any(d.display == label and d.maps_per_head == 2 for d in DESIGNS.values())
 
 
 def metric_label(doc: dict, key: str) -> str:
     """A metric's column label. Results without a `sink_definition` were measured before DIFF's sink rate was
-    taken per differential head: their DIFF rate pools the A1 and A2 maps, and the label says so."""
+    taken per differential head: their DIFF rate pools the A1 and A2 maps (A2 is subtracted, so that number counts
+    the cancelling map as sinks); the column then holds the softmax designs' rates only, and the label says so."""
     from measure import METRICS
 
     if key == "sink_rate" and doc.get("sink_definition") != SINK_DEFINITION:
@@ -168,19 +174,29 @@ def metric_label(doc: dict, key: str) -> str:
 
 def render_regime(doc: dict) -> str:
     """results.md from results.json: one row per design, mean ± 95% t-interval over seeds per metric, the
-    scale-free metrics first and the absolute magnitudes after them."""
+    scale-free metrics first and the absolute magnitudes after them. A differential design's sink rate measured
+    by the old pooled definition is left out ("-"), never shown beside the softmax designs' rates."""
     from measure import METRICS
 
     designs = list(doc["aggregate"])
     keys = [k for k in METRICS if k in doc["aggregate"][designs[0]]]
-    body = [[d, *[fmt_pm(doc["aggregate"][d][k]["mean"], doc["aggregate"][d][k]["half"], METRICS[k][1]) if k in
-                  doc["aggregate"][d] else "-" for k in keys],
-             doc["scale"][d]["parameters"], doc["scale"][d]["train_tokens"]] for d in designs]
+    old = doc.get("sink_definition") != SINK_DEFINITION
+
+    def cell(d, k):
+        a = doc["aggregate"][d].get(k)
+        if a is None or (k == "sink_rate" and old and _differential(d)):
+            return "-"
+        return fmt_pm(a["mean"], a["half"], METRICS[k][1])
+
+    body = [[d, *[cell(d, k) for k in keys], doc["scale"][d]["parameters"], doc["scale"][d]["train_tokens"]]
+            for d in designs]
     seeds, tokens = doc["seeds"], doc["per_seed"][designs[0]][0]["tokens"]
     return (f"Setting `{doc['setting']}` ({json.dumps(doc['overrides'])}); {len(seeds)} seeds "
             f"({', '.join(map(str, seeds))}), mean ± 95% t-interval over seeds; every model measured on the same "
             f"{doc['eval_sequences']} held-out sequences ({tokens:,} predicted tokens). Scale-free metrics first "
-            "(ratios, kurtosis, sink rate), then the quantization costs, the loss and the absolute magnitudes.\n\n"
+            "(ratios, kurtosis, sink rate), then the quantization costs, the loss and the absolute magnitudes."
+            + (" DIFF's sink rate is not shown: these runs measured it before it was taken per differential head, "
+               "pooling the A1 and A2 maps." if old and any(_differential(d) for d in designs) else "") + "\n\n"
             + markdown(["model", *[metric_label(doc, k) for k in keys], "parameters", "train tokens"], body))
 
 
@@ -213,6 +229,15 @@ def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_ev
     return doc
 
 
+def render(out: Path) -> None:
+    """search.md and results.md rewritten from the committed search.json and results.json (no model runs)."""
+    if (out / "search.json").is_file():
+        search = json.loads((out / "search.json").read_text())
+        _write_search(search["settings"], search["results"], out, search["eval_sequences"])
+    if (out / "results.json").is_file():
+        atomic_write_text(out / "results.md", render_regime(json.loads((out / "results.json").read_text())))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a tiny synthetic setting: the pipeline in a minute")
@@ -222,7 +247,10 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0 1)")
     p.add_argument("--out", default="docs/emergence")
     p.add_argument("--runs", default="runs/emergence")
+    p.add_argument("--render", action="store_true", help="only rewrite search.md and results.md from OUT's json")
     a = p.parse_args(argv)
+    if a.render:
+        return render(Path(a.out))
     a.seeds = a.seeds or ([0, 1] if a.quick else [0, 1, 2])
     settings = QUICK if a.quick else SEARCH
     n_eval = 8 if a.quick else EVAL_SEQUENCES

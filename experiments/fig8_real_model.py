@@ -105,7 +105,8 @@ def run(s: Settings, out: Path, report_only: bool = False) -> dict:
     from diffquant.task_selection import RULE, select
 
     torch.set_num_threads(s.threads)
-    out = start_run(out, s, "cpu")
+    if not report_only:  # a report-only pass keeps the settings and environment of the runs that measured
+        out = start_run(out, s, "cpu")
     t0, cpu0 = time.perf_counter(), time.process_time()
     selection_path = out / "selection.json"
     if selection_path.exists():  # fixed once made: a rerun never re-selects
@@ -144,8 +145,9 @@ def run(s: Settings, out: Path, report_only: bool = False) -> dict:
                                                   {r["setting"] for r in result["tables"][task]}]
         result["figure"] = str(folder / "accuracy_vs_bits.png")
     before = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
-    result["cpu_seconds"] = before.get("cpu_seconds", 0.0) + time.process_time() - cpu0  # over every invocation
-    result["wall_seconds"] = before.get("wall_seconds", 0.0) + time.perf_counter() - t0
+    spent = 0.0 if report_only else 1.0  # a report-only pass measures nothing: its seconds are not the results'
+    result["cpu_seconds"] = before.get("cpu_seconds", 0.0) + spent * (time.process_time() - cpu0)  # every invocation
+    result["wall_seconds"] = before.get("wall_seconds", 0.0) + spent * (time.perf_counter() - t0)
     atomic_write_json(out / "results.json", result)
     atomic_write_text(out / "results.md", markdown_report(result))
     print(markdown_report(result))
@@ -216,7 +218,8 @@ def markdown_report(result: dict) -> str:
                              "-" if r["delta"] is None else f"{100 * r['delta']:+.1f}",
                              "-" if r["gained"] is None else f"{r['gained']} / {r['lost']}",
                              "-" if r["mcnemar_p"] is None else f"{r['mcnemar_p']:.3g}", pct(r["acc_norm"])]
-                            for r in rows]), "", f"Figure: `{result['figure']}`.", ""]
+                            for r in rows]), "", f"Figure: `{result['figure']}`.", "",
+                  what_it_shows(result["model"], next((r for r in sel["tried"] if r["task"] == task), None), rows), ""]
         if result.get("missing", {}).get(task):
             lines += [f"**Unfinished**: no result yet for {', '.join(result['missing'][task])}; the command below "
                       "resumes the sweep.", ""]
@@ -227,6 +230,30 @@ def markdown_report(result: dict) -> str:
                   "the invocations that made these results (one thread, nice 10, on a 2-core machine shared with "
                   "other work).", ""]
     return "\n".join(lines)
+
+
+def what_it_shows(model: str, picked: dict | None, rows: list[dict]) -> str:
+    """What the figure can and cannot say, beside it: the model is not a DIFF model, whether the float model beats
+    the majority answer (exact two-sided binomial test of its correct count against the majority rate), and
+    whether acc_norm ever leaves the majority rate."""
+    from scipy.stats import binomtest
+
+    kind = ("SmolLM2-135M-Instruct is a softmax Transformer: no DIFF model is involved, so this figure shows how one "
+            "Transformer's accuracy moves with the bits, not the paper's DIFF-against-Transformer comparison."
+            if model == "smollm2-135m" else f"{model}: the figure is one model's accuracy against the bits.")
+    if not picked or picked.get("majority") is None:
+        return kind
+    n, k, major = picked["examples"], picked["correct"], picked["majority"]
+    test = binomtest(k, n, major)
+    norm = {r["acc_norm"] for r in rows}
+    same = (f" acc_norm (length-normalised) is {100 * major:.1f}% in all {len(rows)} settings, exactly the "
+            "majority-answer rate: what a scorer that picks the same option on every example gives (the per-example "
+            "acc_norm choices are not stored, so which option it picks is not checked here)."
+            if norm == {major} else "")
+    return (f"{kind} The float model's {k}/{n} ({100 * k / n:.1f}%) beats chance ({100 * picked['chance']:.1f}%) but "
+            f"is not shown to beat always giving the most common answer ({100 * major:.1f}%: exact binomial test "
+            f"against {major:.3f}, two-sided p {test.pvalue:.2f})" + (", so the differences between settings are "
+            "changes in a model not shown to do better than a constant answer." if test.pvalue >= 0.05 else ".") + same)
 
 
 if __name__ == "__main__":

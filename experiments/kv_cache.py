@@ -349,7 +349,7 @@ def design_table(setting: str, groups: dict[str, dict[int, dict]]) -> str:
     the baseline (Welch's t over seeds, Holm over the table's conditions)."""
     from diffquant.report.style import display
     from diffquant.report.tables import markdown
-    from diffquant.stats.intervals import fmt_pm, holm_adjust, t_interval, welch
+    from diffquant.stats.intervals import detectable, fmt_pm, holm_adjust, t_interval, welch
 
     designs = sorted(groups, key=lambda d: (d != "baseline", d != "diff", d))
     first = next(iter(groups[designs[0]].values()))
@@ -362,6 +362,7 @@ def design_table(setting: str, groups: dict[str, dict[int, dict]]) -> str:
     tests = [welch(seed_costs(groups["diff"], i), seed_costs(groups["baseline"], i)) if test else None
              for i in range(len(conditions))]
     holm = holm_adjust([t["p"] if t else None for t in tests])
+    family = sum(t is not None for t in tests)
     body = []
     for i, (bits, keys, sink) in enumerate(conditions):
         cells = [f"int{bits}", KEY_GRANULARITY[keys], "first token kept" if sink else "-"]
@@ -370,20 +371,30 @@ def design_table(setting: str, groups: dict[str, dict[int, dict]]) -> str:
             cells.append(fmt_pm(ci["mean"], ci["half"]))
         if test:
             t, n = tests[i], min(len(groups["diff"]), len(groups["baseline"]))
-            verdict = ("-" if t is None else f"no difference detected (n = {n})" if holm[i] >= 0.05
+            size = t and detectable(seed_costs(groups["diff"], i), seed_costs(groups["baseline"], i), family)
+            verdict = ("-" if t is None else f"no difference detected (n = {n}; detectable {size['sd']:.1f} SD = "
+                       f"{size['units']:.3g} nats)" if holm[i] >= 0.05
                        else "DIFF costs less" if t["diff"] < 0 else "DIFF costs more")
             cells += ["-" if t is None else f"{t['diff']:+.4f}", "-" if t is None else f"{t['p']:.3g}",
                       "-" if holm[i] is None else f"{holm[i]:.3g}", verdict]
         body.append(cells)
     fp = {d: t_interval([m["fp"]["loss"] for m in groups[d].values()]) for d in designs}
     m0 = first
+    shapes = {d: {(m["kv_heads"], m["head_dim"]) for m in groups[d].values()} for d in designs}
+    matched = len({hw for v in shapes.values() for hw in v}) == 1
     head = (f"**Trained pair `{setting}`** ({', '.join(f'{display(d)}: seeds {sorted(groups[d])}' for d in designs)}; "
-            f"{m0['kv_heads']} KV heads of {m0['head_dim']}; full-precision held-out loss "
+            + (f"every design caches {m0['kv_heads']} KV heads of {m0['head_dim']} channels, so the per-token scales "
+               "are at matched granularity" if matched else
+               "; ".join(f"{display(d)} caches {h} KV heads of {w} channels" for d in designs for h, w in shapes[d])
+               + ": per-token-and-KV-head scales are not at matched granularity")
+            + "; full-precision held-out loss "
             + ", ".join(f"{display(d)} {fmt_pm(fp[d]['mean'], fp[d]['half'])} nats" for d in designs)
             + "). Cost: the held-out loss change from the same model in full precision, log(1 + Δppl), in nats, mean "
             "± 95% t over seeds (each seed's value is its mean over the held-out sequences)"
-            + ("; DIFF − Transformer: Welch's t over seeds, Holm over the table's "
-               f"{sum(t is not None for t in tests)} tests." if test else "."))
+            + (f"; DIFF − Transformer: Welch's t over seeds, Holm over the table's {family} tests; 'detectable': the "
+               "smallest true difference a test detects with 80% power at Holm's first step, in standard deviations "
+               "and, after '=', in nats from the pooled SD (no equivalence margin was stated, so none is claimed)."
+               if test else "."))
     columns = ["K/V bits", "keys", "sink-aware", *[f"{display(d)} cost (nats)" for d in designs]]
     if test:
         columns += ["DIFF − Transformer", "p", "p (Holm)", "verdict"]

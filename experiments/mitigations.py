@@ -1,7 +1,7 @@
 """How much post-training fixing does each model need? SmoothQuant, rotation and clipping against no fix, at
 each bit-width, on SmolLM2-135M-Instruct (Q4_1 → fp32) and on the matched pairs (the demo pair, and the pair of the setting
-the emergence search chose, labelled by that setting's name: it is an outlier regime only where the search
-says one was reached), seed 0 of each.
+the emergence search chose, labelled by that setting's name: it is in the outlier regime
+(diffquant.stats.outlier_regime) only where the search says it was reached), seed 0 of each.
 
     python experiments/mitigations.py [--quick] [--models smollm2 demo regime] [--out docs/mitigations]
 

@@ -2,10 +2,12 @@
 
 Reads the tracked curves of the fair comparison's learning-rate sweep (experiments/fair_rivals.py, seed 0):
 the baseline at Guo et al.'s own rate (3e-4) is their recipe as run here; the other rates and DIFF are shown
-beside it. The regime (issue 27's criterion, fixed before any run): some layer's mean first-token attention
-share ≥ 0.5 (an attention sink), or max‖h‖/median‖h‖ ≥ 20× its value at initialisation (a residual peak).
-Where neither is reached, each criterion is extrapolated: a log-log line through the second half of the
-snapshots, to the token count where it would be met (none where the curve does not grow).
+beside it. The verdict is the outlier regime as every report defines it (diffquant.stats.outlier_regime: hidden
+top-1/median ≥ 100 or sink rate ≥ 0.5), read on each tracked snapshot (the worst layer's hidden ratio). Issue 27's
+own criteria, fixed before this run, are reported beside it under that name: some layer's mean first-token attention
+share ≥ 0.5 (an attention sink), or max‖h‖/median‖h‖ ≥ 20× its value at initialisation (a residual peak); where
+neither is met, each is extrapolated: a log-log line through the second half of the snapshots, to the token count
+where it would be met (none where the curve does not grow).
 
     python experiments/regime.py [--cells docs/rivals/fair-guo/cells] [--out docs/regime]
 """
@@ -34,9 +36,12 @@ def layer_share_max(point: dict) -> float | None:
 def series(curve: list[dict]) -> dict[str, list]:
     """Per snapshot: tokens, loss, the sink statistic, max‖h‖/median‖h‖ and its growth over initialisation."""
     peak0 = next((p["model"].get("massive_ratio_max") for p in curve if p["tokens"] == 0), None)
-    rows = {"tokens": [], "loss": [], "share_max": [], "peak": [], "peak_growth": [], "value_ratio_min": []}
+    rows = {"tokens": [], "loss": [], "share_max": [], "peak": [], "peak_growth": [], "value_ratio_min": [],
+            "hidden_ratio_max": [], "sink_rate": []}
     for p in curve:
         peak = p["model"].get("massive_ratio_max")
+        rows["hidden_ratio_max"].append(p["model"].get("hidden_ratio_max"))
+        rows["sink_rate"].append(p["model"].get("sink_rate"))
         rows["tokens"].append(p["tokens"])
         rows["loss"].append(p["loss"])
         rows["share_max"].append(layer_share_max(p))
@@ -47,16 +52,23 @@ def series(curve: list[dict]) -> dict[str, list]:
 
 
 def verdict(s: dict) -> dict:
-    """Whether and when (first snapshot) each criterion was met, else its extrapolated token count."""
+    """"regime": whether a snapshot is in the outlier regime (diffquant.stats.outlier_regime), "regime_at" the
+    first such snapshot's tokens; then issue 27's criteria: whether and when (first snapshot) each was met, else its
+    extrapolated token count, and "issue27": whether either was met."""
+    from diffquant.stats.outlier_regime import reached
     from diffquant.track import loglog_fit, tokens_to_reach
 
-    out = {}
+    at = next((t for t, h, r in zip(s["tokens"], s["hidden_ratio_max"], s["sink_rate"])
+               if reached({"hidden_ratio": h, "sink_rate": r})), None)
+    out = {"regime": at is not None, "regime_at": at,
+           "hidden_ratio_max": max((v for v in s["hidden_ratio_max"] if v is not None), default=None),
+           "sink_rate_max": max((v for v in s["sink_rate"] if v is not None), default=None)}
     for key, target in (("share_max", SHARE), ("peak_growth", PEAK_GROWTH)):
         hit = next((t for t, v in zip(s["tokens"], s[key]) if v is not None and v >= target), None)
         fit = loglog_fit(s["tokens"], s[key])
         out[key] = {"target": target, "reached_at": hit, "final": s[key][-1], "fit_r2": fit and fit["r2"],
                     "extrapolated_tokens": None if hit is not None else tokens_to_reach(s["tokens"], s[key], target)}
-    out["regime"] = any(v["reached_at"] is not None for v in out.values())
+    out["issue27"] = any(out[k]["reached_at"] is not None for k in ("share_max", "peak_growth"))
     return out
 
 
@@ -64,15 +76,22 @@ def sentence(v: dict, tokens: int, losses: list[float]) -> str:
     """The verdict, with what was reduced from Guo et al.'s setting next to it."""
     from fair_rivals import GUO_TRAIN
 
+    from diffquant.stats.outlier_regime import NAME
+
     step = GUO_TRAIN["batch_size"] * GUO_TRAIN["seq_len"]
     where = (f"In a reduced version of Guo et al.'s recipe (Llama layout, a synthetic bigram chain, batch "
              f"{GUO_TRAIN['batch_size']}, {tokens // step} AdamW steps against their 10,000, {tokens / THEIR_TOKENS:.3%} "
              f"of their tokens; seed 0), the baseline")
     share, peak = v["share_max"], v["peak_growth"]
-    if v["regime"]:
+    ratio = "-" if v["hidden_ratio_max"] is None else f"{v['hidden_ratio_max']:.1f}"
+    sinks = "-" if v["sink_rate_max"] is None else f"{v['sink_rate_max']:.2f}"
+    head = (f"{where} reached {NAME} at {v['regime_at']:,} tokens" if v["regime"] else
+            f"{where} did not reach {NAME} within {tokens:,} tokens: its worst layer's hidden top-1/median peaked at "
+            f"{ratio} and its sink rate at {sinks} over the tracked snapshots")
+    if v["issue27"]:
         parts = [f"{name} at {c['reached_at']:,} tokens" for name, c in
                  (("a sink (layer share ≥ 0.5)", share), ("a residual peak (≥ 20× initial)", peak)) if c["reached_at"]]
-        return f"{where} reached the outlier regime within {tokens:,} tokens: " + "; ".join(parts) + "."
+        return f"{head}. Issue 27's criteria, fixed before the run, were met: " + "; ".join(parts) + "."
 
     def ext(c):
         if c["extrapolated_tokens"] is None:
@@ -82,10 +101,11 @@ def sentence(v: dict, tokens: int, losses: list[float]) -> str:
                     f"R² = {c['fit_r2']:.2f}")
         return f"~{c['extrapolated_tokens']:.1e} tokens by extrapolation (R² = {c['fit_r2']:.2f})"
 
-    return (f"{where} reached no outlier regime within {tokens:,} tokens: the largest layer's first-token share ended at "
-            f"{share['final']:.3f} (criterion 0.5; {ext(share)}) and max‖h‖/median‖h‖ at {peak['final']:.2f}× its "
-            f"initial value (criterion 20×; {ext(peak)}). The loss on the tracked held-out sequences was still falling ({losses[-2]:.3f} → "
-            f"{losses[-1]:.3f} over the last interval): the task was not learned to its end.")
+    return (f"{head}. Issue 27's criteria, fixed before the run, were not met either: the largest layer's first-token "
+            f"share ended at {share['final']:.3f} (criterion 0.5; {ext(share)}) and max‖h‖/median‖h‖ at "
+            f"{peak['final']:.2f}× its initial value (criterion 20×; {ext(peak)}). The loss on the tracked held-out "
+            f"sequences was still falling ({losses[-2]:.3f} → {losses[-1]:.3f} over the last interval): the task was "
+            "not learned to its end.")
 
 
 def load_cells(cells: Path) -> dict[tuple[str, float], dict]:
@@ -103,6 +123,7 @@ def report(cells: dict, out: Path) -> dict | None:
     from diffquant.report.emergence_plots import plot_emergence
     from diffquant.report.style import display
     from diffquant.report.tables import markdown
+    from diffquant.stats.outlier_regime import HIDDEN_RATIO, NAME, SINK_RATE
     from diffquant.training import TrainConfig
 
     recipe = next((c for (d, lr), c in cells.items() if d == RECIPE[0] and math.isclose(lr, RECIPE[1])), None)
@@ -118,8 +139,12 @@ def report(cells: dict, out: Path) -> dict | None:
         rows.append([display(d), f"{lr:g}", f"{c['train_tokens']:,}", f"{cs['loss'][-1]:.4f}",
                      f"{cs['share_max'][-1]:.3f}", f"{cs['peak'][-1]:.2f}", f"{cs['peak_growth'][-1]:.2f}×",
                      "-" if cs["value_ratio_min"][-1] is None else f"{cs['value_ratio_min'][-1]:.3f}",
-                     ("yes" if cv["regime"] else "no") if d == RECIPE[0] else "-"])
-    doc = {"criterion": {"share_max": SHARE, "peak_growth": PEAK_GROWTH}, "recipe": {"design": RECIPE[0], "lr": RECIPE[1]},
+                     "-" if cv["hidden_ratio_max"] is None else f"{cv['hidden_ratio_max']:.1f}",
+                     "yes" if cv["regime"] else "no",
+                     ("yes" if cv["issue27"] else "no") if d == RECIPE[0] else "-"])
+    doc = {"criterion": {"share_max": SHARE, "peak_growth": PEAK_GROWTH},
+           "outlier_regime": {"hidden_ratio": HIDDEN_RATIO, "sink_rate": SINK_RATE},
+           "recipe": {"design": RECIPE[0], "lr": RECIPE[1]},
            "tokens": recipe["train_tokens"], "parameters": recipe["parameters"], "verdict": v, "sentence":
            sentence(v, recipe["train_tokens"], s["loss"]), "series": s}
     out.mkdir(parents=True, exist_ok=True)
@@ -127,14 +152,17 @@ def report(cells: dict, out: Path) -> dict | None:
     md = ["# Guo et al.'s recipe on this machine: is there an outlier regime?\n", f"**Verdict.** {doc['sentence']}\n",
           f"Setting: experiments/fair_rivals.py's `guo` experiment (its GUO_NOTES list what is reproduced and what "
           f"differs), {recipe['parameters'] / 1e6:.2f}M parameters, {recipe['train_tokens']:,} tokens per model, "
-          f"seed 0, tracked at {len(s['tokens'])} snapshots on {tracked} held-out sequences. Criterion, fixed before the run: "
-          f"some layer's mean first-token share ≥ {SHARE} or max‖h‖/median‖h‖ ≥ {PEAK_GROWTH:g}× its value at "
-          "initialisation; extrapolation: a log-log line through the second half of the snapshots.\n",
-          "Final snapshot of each sweep run. The criterion is the baseline's (softmax heads); DIFF's share is its "
-          "differential map's mass on token 0 divided by the map's row sum 1 − λ, which exceeds 1 where λ·A2 puts "
-          "more mass on the other tokens than A1 does (0 < λ < 1), so it is shown, not judged:\n",
-          markdown(["design", "lr", "tokens", f"loss ({tracked} tracked sequences)", "largest layer first-token share", "max‖h‖/median‖h‖",
-                    "growth over init", "value-norm ratio (min)", "regime"], rows),
+          f"seed 0, tracked at {len(s['tokens'])} snapshots on {tracked} held-out sequences. Verdict: {NAME}, on "
+          "each snapshot (the worst layer's hidden ratio). Issue 27's criteria, fixed before the run: some layer's "
+          f"mean first-token share ≥ {SHARE} or max‖h‖/median‖h‖ ≥ {PEAK_GROWTH:g}× its value at initialisation; "
+          "extrapolation: a log-log line through the second half of the snapshots.\n",
+          "Final snapshot of each sweep run (the hidden ratio: its largest over the snapshots). Issue 27's criteria "
+          "are the baseline's (softmax heads); DIFF's share is its differential map's mass on token 0 divided by the "
+          "map's row sum 1 − λ, which exceeds 1 where λ·A2 puts more mass on the other tokens than A1 does "
+          "(0 < λ < 1), so it is shown, not judged:\n",
+          markdown(["design", "lr", "tokens", f"loss ({tracked} tracked sequences)", "largest layer first-token share",
+                    "max‖h‖/median‖h‖", "growth over init", "value-norm ratio (min)",
+                    "hidden top-1/median (worst layer, largest)", "outlier regime", "issue 27's criteria"], rows),
           f"\nCurves of the baseline and DIFF at Guo et al.'s rate ({RECIPE[1]:g}):\n\n![curves](curves.png)\n"]
     atomic_write_text(out / "results.md", "\n".join(md))
     at_recipe = {f"{display(d)}, lr {lr:g}": c for (d, lr), c in sorted(shown.items()) if math.isclose(lr, RECIPE[1])}

@@ -91,3 +91,32 @@ def offline_prefix() -> list[str] | None:
     if unshare is None or subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode != 0:
         return None
     return [unshare, "-rn"]
+
+
+def assert_detectable(sd_text: str, units_text: str | None, a, b, tests: int, power: float = 0.8) -> None:
+    """A "detectable X SD = Y" statement checked by an independent computation: the two-sided power of the pooled
+    two-sample t-test at Holm's first step over `tests` (both tails of scipy's noncentral t, df = 2n − 2) crosses
+    `power` within the rounding of the stated SD, and Y is that SD times the pooled standard deviation of a and b
+    (numpy), within the rounding of both."""
+    import math
+
+    import numpy as np
+    from scipy.stats import nct, t
+
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    n = min(len(a), len(b))
+    df = 2 * n - 2
+    crit = t.ppf(1 - 0.05 / tests / 2, df)
+
+    def power_at(d):
+        nc = d * math.sqrt(n / 2)
+        return nct.sf(crit, df, nc) + nct.cdf(-crit, df, nc)
+
+    sd = float(sd_text)
+    half = 0.5 * 10 ** -(len(sd_text.split(".")[1]) if "." in sd_text else 0)
+    assert power_at(sd - half) < power < power_at(sd + half), f"{sd_text} SD is not the {power:.0%}-power effect"
+    if units_text is not None:
+        pooled = math.sqrt(((len(a) - 1) * a.var(ddof=1) + (len(b) - 1) * b.var(ddof=1)) / (len(a) + len(b) - 2))
+        units = float(units_text)
+        assert (sd - half) * pooled * (1 - 5e-3) <= units <= (sd + half) * pooled * (1 + 5e-3), \
+            f"{units_text} is not {sd_text} SD × the pooled SD {pooled:.4g}"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from conftest import assert_detectable  # noqa: E402
 from conftest import load_script_module as _module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,8 +138,13 @@ def test_designs_against_diff_say_which_way_after_holm(tmp_path):
         adjusted[key] = running
     assert rows["Transformer"][0] == f"higher (p {adjusted[('Transformer', 'hidden_ratio')]:.2g})"
     assert rows["Gated"][0] == f"lower (p {adjusted[('Gated', 'hidden_ratio')]:.2g})"
-    assert rows["Transformer"][1] == f"no difference detected (n = 3, p {adjusted[('Transformer', 'sink_rate')]:.2g})"
-    assert rows["Gated"][1] == "no difference detected (n = 3, p 1)" and "DIFF" not in rows
+    # no difference detected: n, the effect the test could detect at 80% power (checked independently), the p
+    m = re.fullmatch(r"no difference detected \(n = 3, detectable ([\d.]+) SD = ([\d.e-]+), p (.+)\)", rows["Transformer"][1])
+    assert m and m.group(3) == f"{adjusted[('Transformer', 'sink_rate')]:.2g}"
+    assert_detectable(m.group(1), m.group(2), results["aggregate"]["Transformer"]["sink_rate"]["values"],
+                      results["aggregate"]["DIFF"]["sink_rate"]["values"], tests=4)
+    assert rows["Gated"][1].startswith("no difference detected (n = 3, detectable") and rows["Gated"][1].endswith(
+        ", p 1)") and "DIFF" not in rows
     assert "adjusted over the table's 4 tests" in text and "≈" not in text
     # results measured before DIFF's sink rate was per differential head: the pooled number is no verdict
     del results["sink_definition"]
@@ -160,4 +167,4 @@ def test_fixes_table_says_its_family_against_the_fair_comparisons(tmp_path, monk
     (tmp_path / "docs/rivals/fair-guo/results.json").write_text(json.dumps({"tests": tests}))
     monkeypatch.setattr(rr, "ROOT", tmp_path)
     text = "\n".join(rr.regime_part())
-    assert "| fixes |" in text and "one of 2 tests in the planned family" in text
+    assert "| fixes |" in text and "planned family holds 2 tests" in text

@@ -4,6 +4,7 @@ on micro settings, resumed without retraining, and offline (networking disabled)
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 import fair_rivals as fr  # noqa: E402
 
+from conftest import assert_detectable  # noqa: E402
 from diffquant.errors import DiffquantError  # noqa: E402
 from diffquant.stats.intervals import holm_adjust  # noqa: E402
 
@@ -104,31 +106,147 @@ def test_tests_against_diff_are_holm_adjusted_within_each_family():
             assert r["p_holm"] == pytest.approx(min(1.0, want[r["design"]]))
     verdicts = {(r["metric"], r["design"]): r["verdict"] for r in rows}
     assert verdicts[("m", "x")] == "design higher than DIFF"
-    assert verdicts[("m", "y")] == "no difference detected (n = 3)"
+    m = re.fullmatch(r"no difference detected \(n = 3; detectable ([\d.]+) SD = ([\d.e-]+)\)", verdicts[("m", "y")])
+    assert m, verdicts[("m", "y")]
+    assert_detectable(m.group(1), m.group(2), [c["m"] for c in per["y"]], [c["m"] for c in per["diff"]], tests=2)
     assert verdicts[("k", "x")] == "constant (no test)"
     assert fr.families(["loss", "w4a4_static_cost", "hidden_top1", "hidden_ratio"]) == {
         "planned": ["loss", "w4a4_static_cost", "hidden_top1", "hidden_ratio"],
         "primary": ["w4a4_static_cost"], "secondary": ["loss", "hidden_ratio", "logit_ratio"]}
 
 
+def _holm(ps: dict) -> dict:
+    """Holm by hand: sort ascending, multiply the i-th smallest by m − i, running maximum, cap at 1."""
+    out, running = {}, 0.0
+    for i, key in enumerate(sorted(ps, key=ps.get)):
+        running = max(running, min(1.0, (len(ps) - i) * ps[key]))
+        out[key] = running
+    return out
+
+
+def test_ablations_against_parents_and_the_transformer_in_the_grown_family():
+    """Every ablation is also tested against its parent and against the Transformer (family "added"); those tests and
+    the fixes table's join the planned ones in one grown family, Holm over all of it (by hand here, p-values by
+    scipy); the added rows are judged by it, the planned rows keep their own family's Holm and carry the grown one."""
+    import numpy as np
+    from scipy.stats import ttest_ind
+
+    from diffquant.report.style import display
+
+    rng = np.random.default_rng(1)
+    shift = {"diff": 0.0, "baseline": 3.0, "baseline-headnorm": 0.5, "diff-gain": 0.2, "gated": 2.0, "gated-nobias": 2.1}
+    per = {d: [{"m": float(v + rng.normal(0, 0.3)), "q": float(rng.normal(0, 1))} for _ in range(4)]
+           for d, v in shift.items()}
+    fixes = [{"scheme": "w4a4-static", "fix": "none", "p": 0.003}, {"scheme": "w4a4-static", "fix": "rotate", "p": 0.4},
+             {"scheme": "w8a8-static", "fix": "none", "p": None}]
+    rows = fr.tests_against(per, {"planned": ["m", "q"]}, fixes=fixes)
+    added = {(r["design"], r["reference"], r["metric"]): r for r in rows if r["family"] == "added"}
+    assert {(d, ref) for d, ref, _ in added} == set(fr.ADDED)
+    raw = {(r["family"], r["design"], r["reference"], r["metric"]):
+           ttest_ind([c[r["metric"]] for c in per[r["design"]]], [c[r["metric"]] for c in per[r["reference"]]],
+                     equal_var=False).pvalue for r in rows}
+    raw.update({("fixes", f["scheme"], f["fix"], ""): f["p"] for f in fixes if f["p"] is not None})
+    grown = _holm(raw)
+    planned = _holm({k: v for k, v in raw.items() if k[0] == "planned"})
+    for r in rows:
+        key = (r["family"], r["design"], r["reference"], r["metric"])
+        assert r["p"] == pytest.approx(raw[key]) and r["p_holm_grown"] == pytest.approx(grown[key])
+        assert r["p_holm"] == pytest.approx(planned[key] if r["family"] == "planned" else grown[key])
+        word = "higher" if r["diff"] > 0 else "lower"
+        want = f"design {word} than {display(r['reference'])}" if r["p_holm"] < 0.05 else "no difference detected"
+        assert r["verdict"].startswith(want), (key, r["verdict"])
+    assert fixes[0]["p_holm_grown"] == pytest.approx(grown[("fixes", "w4a4-static", "none", "")])
+    assert "p_holm_grown" not in fixes[2]
+    assert added[("baseline-headnorm", "baseline", "m")]["verdict"] == "design lower than Transformer"
+    assert len(raw) == 2 * 5 + 2 * 4 + 2  # planned: 5 designs × 2 metrics; added: 4 contrasts × 2; fixes: 2
+
+
+def test_every_verdict_on_a_tied_rate_says_so():
+    """A design whose chosen rate won by less than one standard error: every verdict involving it (planned first)
+    carries its seed-0 values at the chosen rate and at the runner-up; a design that won clearly carries none."""
+    doc = {"rates": {"diff": {"losses": {"0.001": 2.8119, "0.003": 2.8127, "0.0003": 2.99}, "chosen": 0.001,
+                              "loss_se": 0.0107},
+                     "baseline": {"losses": {"0.001": 2.79, "0.003": 2.96}, "chosen": 0.001, "loss_se": 0.01}},
+           "sweep_metrics": {"diff": {"0.001": {"hidden_top1": 9.12}, "0.003": {"hidden_top1": 60.7}},
+                             "baseline": {"0.001": {"hidden_top1": 4.0}, "0.003": {"hidden_top1": 16.0}}}}
+    assert fr.tie_values(doc, "diff", "hidden_top1") == "DIFF 9.12 at its chosen 0.001, 60.7 at 0.003"
+    assert fr.tie_values(doc, "baseline", "hidden_top1") is None
+    assert "not in the files" in fr.tie_values(doc, "diff", "loss")
+    row = {"family": "planned", "metric": "hidden_top1", "design": "baseline", "reference": "diff", "diff": -5.0,
+           "p": 1e-4, "p_holm": 0.01, "n": 5, "n_ref": 5, "mde_sd": 4.4, "mde": 2.0}
+    parts, _ = fr._findings(doc, [row], "planned", say_quiet=True)
+    assert parts == ["hidden-state top-1: DIFF higher than Transformer [on learning-rate ties; seed 0 at the chosen "
+                     "rate and the runner-up: DIFF 9.12 at its chosen 0.001, 60.7 at 0.003]"]
+
+
+def test_kv_cache_granularity_is_said_per_design_and_the_matched_preset_gives_equal_scales():
+    """The guo preset: DIFF caches 2 KV heads of 128 channels, a softmax design 1 of 256. Per token and KV head
+    (kv4) DIFF gets 2 key and 2 value scales where the Transformer gets 1; kv4-g128 gives both 2. The counts the
+    report states are checked against the scales diffquant's quantizer actually computes on cache-shaped tensors."""
+    import torch
+
+    from diffquant.quant.math import dynamic_qparams
+    from diffquant.quant.scheme import get_scheme
+    from diffquant.taps.sites import CACHE
+
+    doc = {"experiment": {"train": {"preset": "guo"}, "schemes": ["kv4", "kivi2"]},
+           "per_seed": {"baseline": [], "diff": []}}
+    shapes = fr.kv_heads(doc)
+    assert shapes == {"baseline": (1, 256), "diff": (2, 128)}
+    pos = 16
+    for name, want in (("kv4", {"baseline": (1, 1), "diff": (2, 2)}), ("kv4-g128", {"baseline": (2, 2), "diff": (2, 2)})):
+        configs = dict((p.rsplit(".", 1)[-1], c) for p, c in get_scheme(name).activations)
+        for design, (heads, width) in shapes.items():
+            counted = []
+            for point in ("k_cache", "v_cache"):
+                c = configs[point]
+                scale, _ = dynamic_qparams(torch.randn(1, heads, pos, width), c.format, c.granularity, CACHE)
+                counted.append(scale.numel() // pos)
+            assert tuple(counted) == want[design] == fr.cache_scales(name, heads, width), (name, design)
+    from diffquant.models.presets import build, get_preset
+    from diffquant.quant.scheme import attach_scheme
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 66, (1, 40))
+    for design in shapes:  # the matched preset runs on both caches and changes the output
+        model = build(get_preset("guo"), design, vocab=66, seq_len=257).eval()
+        with torch.no_grad():
+            fp = model(ids).logits
+            handle = attach_scheme(model, get_scheme("kv4-g128"))
+            try:
+                q = model(ids).logits
+            finally:
+                handle.remove()
+        assert torch.isfinite(q).all() and not torch.equal(fp, q)
+    text = fr.kv_granularity(doc)
+    assert "kv4 quantize per token and KV head" in text and "not at matched granularity" in text
+    assert "DIFF: 2 KV heads of 128 channels, so 2 key and 2 value" in text
+    assert "kv4-g128 (2 key and 2 value scales per token and layer for every design)" in text
+
+
 def test_standing_reads_only_the_holm_adjusted_tests():
     """Hand-made tests: design − DIFF > 0 at adjusted p < 0.05 puts DIFF below that design, < 0 above it; an
-    unadjusted p below 0.05 with an adjusted one above it is "no difference detected". The planned family leads;
-    the exploratory reading follows, a secondary metric said only where a difference exists, else named; rate
-    ties are said next to the primary findings they touch (seed-0 values at both rates); the scale is said."""
-    row = lambda metric, design, diff, p, p_holm, family="primary": {  # noqa: E731
-        "family": family, "metric": metric, "design": design, "diff": diff, "p": p, "p_holm": p_holm,
-        "verdict": "x"}
-    seeds = [{"sink_rate": 0.0, "massive_ratio": 1.5}] * 5
+    unadjusted p below 0.05 with an adjusted one above it is "no difference detected", with its detectable effect.
+    The planned family leads; the added contrasts follow (judged in the grown family), then the exploratory reading,
+    a secondary metric said only where a difference exists, else named; rate ties are said next to every verdict
+    they touch (seed-0 values at both rates); the copy-position loss is said to be missing; the scale is said."""
+    def row(metric, design, diff, p, p_holm, family="primary", reference="diff"):
+        return {"family": family, "metric": metric, "design": design, "reference": reference, "diff": diff, "p": p,
+                "p_holm": p_holm, "n": 5, "n_ref": 5, "mde_sd": 4.4, "mde": 0.25, "verdict": "x"}
+
+    seeds = [{"sink_rate": 0.0, "massive_ratio": 1.5, "hidden_ratio": 9.0}] * 5
     doc = {"per_seed": {"diff": seeds, "baseline": seeds, "gated": seeds, "sink": [{"sink_rate": 0.1,
-                                                                                  "massive_ratio": 2.25}] * 5},
-           "plan": {"tokens_per_model": 1000},
+                                                                                  "massive_ratio": 2.25,
+                                                                                  "hidden_ratio": 12.5}] * 5},
+           "plan": {"tokens_per_model": 1000}, "grown": {"planned": 2, "added": 1, "fixes": 0, "tests": 3},
+           "experiment": {"train": {"preset": "guo"}, "schemes": ["w4a4-static"]},
            "rates": {"diff": {"losses": {"0.001": 2.8119, "0.003": 2.8127}, "chosen": 0.001, "loss_se": 0.0107},
                      "baseline": {"losses": {"0.001": 2.79, "0.003": 2.96}, "chosen": 0.001, "loss_se": 0.01}},
            "sweep_metrics": {"diff": {"0.001": {"w4a4_static_cost": 5.07}, "0.003": {"w4a4_static_cost": 9.39}},
                              "baseline": {"0.001": {"massive_ratio": 3.5}}},
            "tests": [row("hidden_top1", "baseline", -5.0, 0.0001, 0.004, "planned"),
                      row("w4a4_static_cost", "baseline", +0.05, 0.001, 0.2, "planned"),
+                     row("w4a4_static_cost", "gated", -3.0, 0.0001, 0.0003, "added", "baseline"),
                      row("w4a4_static_cost", "baseline", +0.05, 0.001, 0.01),
                      row("w4a4_static_cost", "gated", -0.02, 0.002, 0.03),
                      row("w4a4_static_cost", "sink", +0.03, 0.01, 0.2),
@@ -137,20 +255,30 @@ def test_standing_reads_only_the_holm_adjusted_tests():
                      row("hidden_ratio", "baseline", -2.0, 0.0001, 0.002, "secondary"),
                      row("hidden_ratio", "sink", 0.1, 0.5, 1.0, "secondary"),
                      {**row("sink_rate", "baseline", 0.0, None, None, "secondary"), "verdict": "constant (no test)"}]}
+    doc["tests"][0]["p_holm_grown"] = 0.01
     text = fr.standing(doc)
-    assert "As planned (every metric planned before the run, in one family, 2 tests): hidden-state top-1: DIFF higher than Transformer; " \
-           "W4A4 static per-tensor: Δppl %: DIFF no difference detected against any of the 1 (n = 5)" not in text
-    assert "As planned (every metric planned before the run, in one family, 2 tests): hidden-state top-1: DIFF higher than Transformer; " \
-           "no difference detected (n = 5) on every other metric" in text
-    assert "primary family of 3 tests" in text and "secondary family of 4" in text
+    paragraphs = text.split("\n\n")
+    assert paragraphs[0].startswith("Where DIFF stands") and "no equivalence margin was stated" in paragraphs[0]
+    m = re.search(r"one family of 2 tests, Holm over all of them\): hidden-state top-1: DIFF higher than "
+                  r"Transformer \[on learning-rate ties; seed 0 at the chosen rate and the runner-up: DIFF \(its "
+                  r"seed-0 values at both rates are not in the files\)\]; no difference detected \(n = 5; detectable "
+                  r"([\d.]+) SD\) on every other metric",
+                  paragraphs[0])
+    assert m, paragraphs[0]
+    assert_detectable(m.group(1), None, [0.0] * 5, [1.0] * 5, tests=2)  # n = 5 per design, 2 tests
+    assert paragraphs[1].startswith("Added after the audit") and "grew from the 2 planned tests by these 1 to 3" in \
+        paragraphs[1] and "1 of the 1 planned verdicts above survive it" in paragraphs[1]
+    assert "Gated against Transformer: lower on W4A4 static per-tensor: Δppl % (Holm p 0.0003)" in paragraphs[1]
+    assert "primary family of 3 tests" in paragraphs[2] and "secondary family of 4" in paragraphs[2]
     assert "W4A4 static per-tensor: Δppl %: DIFF lower than Transformer; higher than Gated; no difference detected " \
-           "against the other 1 (n = 5)" in text
+           "against the other 1 (n = 5; detectable 4.4 SD = 0.25) [on learning-rate ties; seed 0 at the chosen rate " \
+           "and the runner-up: DIFF 5.07 at its chosen 0.001, 9.39 at 0.003]" in text
     assert "hidden top-1 / median: DIFF higher than Transformer; no difference detected against the other 1" in text
     assert "on the other secondary metrics: held-out loss (nats)." in text
     assert "best two rates of DIFF (by 0.0008 nats, standard error 0.0107)" in text and "Transformer (by" not in text
-    assert "rest on such ties: DIFF's W4A4 static per-tensor: Δppl % (seed 0) is 5.07 at its chosen rate and 9.39 " \
-           "at the runner-up 0.003." in text
-    assert "sink rate is at most 0.10 and max‖h‖/median‖h‖ at most 2.25 over all 20 runs (3.50 in the sweep's" in text
+    assert "copy positions" in paragraphs[3] and "not reported" in paragraphs[3]
+    assert "hidden top-1/median (pooled over layers) is at most 12.5 and the sink rate at most 0.10 over all 20 runs" \
+           in text and "max‖h‖/median‖h‖ at most 2.25" in text and "diffquant.stats.outlier_regime" in text
     assert text.endswith("not tested (one value in every run): sink rate.")
 
 
@@ -260,3 +388,18 @@ def test_workers_share_the_cells_without_meeting(tmp_path):
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # nothing retrained
     with pytest.raises(fr.DiffquantError, match="K/N"):
         fr.main(args + ["--worker", "2/2"])
+
+
+def test_kivi_recent_window_shares_by_closed_form():
+    """KIVI-2 on the 257-token windows, 128 recent positions: the one-forward simulation keeps the sequence's last
+    128 positions for every query (positions 129..256; the real quantizer's span, tested in test_kv_cache), so the
+    causal pairs reading a quantized key are Σ_{q<129}(q + 1) + 128·129; a decoding cache (each query's 128 most
+    recent kept) quantizes Σ_{j=1}^{129} j of them. All pairs: 257·258/2."""
+    got = fr.recent_window_shares(257, 128)
+    pairs = 257 * 258 // 2
+    assert got["pairs"] == pairs == 33153
+    assert got["entries"] == pytest.approx(128 / 257)
+    assert got["prefill_pairs"] == pytest.approx((129 * 130 // 2 + 128 * 129) / pairs)  # 75.1%
+    assert got["decode_pairs"] == pytest.approx((129 * 130 // 2) / pairs)  # 25.3%
+    short = fr.recent_window_shares(100, 128)  # the window covers the whole sequence: nothing is quantized
+    assert short["entries"] == 1.0 and short["prefill_pairs"] == short["decode_pairs"] == 0.0

@@ -2,6 +2,7 @@
 the accuracy figure."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +188,29 @@ def test_summary_table_names_the_interval_it_shows():
     assert "Wilson" in text and "55.0% [45.0, 65.0] (-5.0 pts, McNemar p = 0.031)" in text
     ppl = [{**base, "bits": 16, "scheme": "fp", "ppl": 10.0, "ppl_ci95": [9.0, 11.0], "loss_se": 0.05, "tokens": 512}]
     assert "interval over sequences" in summary_table(ppl) and "Wilson" not in summary_table(ppl)
+
+
+def test_the_figure_says_no_diff_model_and_whether_the_task_beats_the_majority_answer():
+    """Beside the figure: SmolLM2 is no DIFF model; the float model's correct count against the majority rate by an
+    exact two-sided binomial test (here by hand: the sum of the Binomial(n, majority) probabilities no larger than
+    that of the observed count), and acc_norm pinned at the majority rate in every setting is said."""
+    import math
+
+    from conftest import load_script_module
+
+    mod = load_script_module("experiments/fig8_real_model.py", "fig8_real_model_note_under_test")
+    root = Path(__file__).resolve().parent.parent
+    committed = json.loads((root / "docs/fig8_real/results.json").read_text())
+    task = committed["selection"]["chosen"][0]
+    picked = next(r for r in committed["selection"]["tried"] if r["task"] == task)
+    rows = committed["tables"][task]
+    n, k, q = picked["examples"], picked["correct"], picked["majority"]
+    pmf = [math.comb(n, i) * q ** i * (1 - q) ** (n - i) for i in range(n + 1)]
+    p = min(1.0, sum(v for v in pmf if v <= pmf[k] * (1 + 1e-7)))
+    text = mod.what_it_shows("smollm2-135m", picked, rows)
+    assert "no DIFF model is involved" in text
+    assert f"{k}/{n}" in text and f"two-sided p {p:.2f})" in text and f"{p:.2f}" == "0.45"
+    assert "not shown to beat always giving the most common answer" in text
+    assert {r["acc_norm"] for r in rows} == {q} and f"acc_norm (length-normalised) is {100 * q:.1f}% in all 9" in text
+    md = (root / "docs/fig8_real/results.md").read_text()
+    assert text in md and md.index("Figure: `") < md.index(text)

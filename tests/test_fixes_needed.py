@@ -2,6 +2,7 @@
 and DIFF − baseline Welch tests with Holm's adjustment, each recomputed here with scipy."""
 
 import numpy as np
+import pytest
 from scipy import stats
 
 
@@ -73,3 +74,71 @@ def test_pair_mode_on_a_trained_pair(tmp_path, load_script):
         assert abs(cost["mean"] - sum(want) / 2) < 1e-12
     text = (tmp_path / "fixes" / "results.md").read_text()
     assert "`quick` pair" in text and "not chosen by a sweep" in text
+
+
+def test_fixes_are_read_inside_the_fair_comparisons_grown_family(load_script):
+    """With the fair comparison's results beside it, the fixes table's tests join the fair comparison's planned tests
+    and added contrasts in one family (Holm over all, by hand here, p-values by scipy); that family governs the
+    verdicts, the table's own Holm is labelled exploratory, a "no difference detected" states its detectable effect
+    (checked independently), a tied rate is flagged on the rows, and the head-norm observation gives the Welch p
+    recomputed here."""
+    import re
+
+    from conftest import assert_detectable
+
+    fx = load_script("experiments/fixes_needed.py", "fixes_needed_family_under_test")
+    fr = load_script("experiments/fair_rivals.py", "fair_rivals_family_under_test")
+    rng = np.random.default_rng(3)
+    models = {}
+    for design, shift in (("baseline", 0.12), ("diff", 0.05)):
+        for seed in range(5):
+            cells = {s: {f: {"delta": float(shift / (j + 1) + rng.normal(0, 0.01))} for j, f in enumerate(fx.FIXES)}
+                     for s in fx.SCHEMES}
+            models[f"{design}/lr0.001/s{seed}"] = {"design": design, "seed": seed, "cells": cells}
+    doc = {"models": models, "designs": ["baseline", "diff"], "experiment": "guo", "rates": {"baseline": 1e-3,
+           "diff": 1e-3}, "tokens_per_model": 1000, "eval_sequences": 4, "seq_len": 8, "calibration_sequences": 2,
+           "rate_margins": {"diff": {"runner_up": 3e-3, "margin": 0.0008, "loss_se": 0.0107}}}
+    doc["summary"] = fx.summarise(fx.chosen_models(doc), doc["designs"])
+    w4 = {d: [float(v) for v in rng.normal(m, 1.0, 5)] for d, m in (("baseline", 11.0), ("diff", 5.0),
+                                                                      ("baseline-headnorm", 6.0))}
+    fair = {"experiment": {"schemes": ["w4a4-static"]},
+            "per_seed": {d: [{"w4a4_static_cost": v, "loss": 2.8 + 0.01 * i} for i, v in enumerate(vs)]
+                         for d, vs in w4.items()},
+            "rates": {"diff": {"losses": {"0.001": 2.8119, "0.003": 2.8127}, "chosen": 0.001, "loss_se": 0.0107}},
+            "sweep_metrics": {"diff": {"0.001": {"w4a4_static_cost": 5.07}, "0.003": {"w4a4_static_cost": 9.39}},
+                              "baseline": {"0.001": {"w4a4_static_cost": 11.6}, "0.003": {"w4a4_static_cost": 7.89}}}}
+    fair = fr.analyse(fair, doc)
+    raw = {("fair", r["family"], r["design"], r["reference"], r["metric"]): r["p"] for r in fair["tests"]
+           if r["family"] in ("planned", "added") and r["p"] is not None}
+    for r in fair["tests"]:
+        if r["p"] is not None:
+            a = [c[r["metric"]] for c in fair["per_seed"][r["design"]]]
+            b = [c[r["metric"]] for c in fair["per_seed"][r["reference"]]]
+            assert r["p"] == pytest.approx(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    fixes = {("fixes", t["scheme"], t["fix"]): t for t in doc["summary"]["tests"]}
+    raw.update({k: t["p"] for k, t in fixes.items()})
+    order, running, grown = sorted(raw, key=raw.get), 0.0, {}
+    for i, key in enumerate(order):
+        running = max(running, min(1.0, (len(raw) - i) * raw[key]))
+        grown[key] = running
+    assert fair["grown"]["tests"] == len(raw) and fair["grown"]["fixes"] == len(fixes)
+    for key, t in fixes.items():
+        assert t["p_holm_grown"] == pytest.approx(grown[key])
+    text = fx.render(doc, fair)
+    assert "Holm over that grown family governs the verdicts" in text and "this table's rows: exploratory" in text
+    lines = {tuple(c.strip() for c in ln.split("|")[1:3]): [c.strip() for c in ln.split("|")[1:-1]]
+             for ln in text.splitlines() if ln.startswith("| w")}
+    row = lines[("w4a4-static", "smoothquant:search")]
+    t = fixes[("fixes", "w4a4-static", "smoothquant:search")]
+    if t["p_holm_grown"] >= 0.05:
+        m = re.fullmatch(r"no difference detected \(n = 5; detectable ([\d.]+) SD = ([\d.e-]+) nats\)", row[-1])
+        assert m, row[-1]
+        costs = {d: [mm["cells"]["w4a4-static"]["smoothquant:search"]["delta"] for mm in models.values()
+                     if mm["design"] == d] for d in ("diff", "baseline")}
+        assert_detectable(m.group(1), m.group(2), costs["diff"], costs["baseline"], tests=len(raw))
+    else:
+        assert row[-1] in ("DIFF costs less", "DIFF costs more")
+    assert lines[("w4a4-static", "none")][6] == "DIFF 5.07 at its chosen 0.001, 9.39 at 0.003 (Δppl %)"
+    p = stats.ttest_ind(w4["baseline-headnorm"], w4["baseline"], equal_var=False).pvalue
+    assert f"(Welch p {p:.2g} against the Transformer; Holm p" in text and "Read as an observation" in text
+    assert "0.001: DIFF 5.07 vs Transformer 11.6; 0.003: DIFF 9.39 vs Transformer 7.89" in text

@@ -262,7 +262,7 @@ def test_keep_windows_need_a_position_dim(llama_gqa):
 
 
 def test_scheme_round_trip_and_label():
-    for name in ("kv8", "kv4", "k4v2", "kv4-sink1", "kivi2", "kvquant4-sink1", "kv4-had", "k4v2-had"):
+    for name in ("kv8", "kv4", "k4v2", "kv4-sink1", "kivi2", "kvquant4-sink1", "kv4-had", "k4v2-had", "kv4-g128"):
         scheme = get_scheme(name)
         assert QuantScheme.from_dict(scheme.to_dict()) == scheme
     assert G.parse_granularity("kv-channel:32") == G.KVChannel(32)

@@ -45,9 +45,12 @@ def test_trained_pairs_are_compared_over_seeds(load_script):
     the mean ± t of log(1 + Δppl) over seeds, DIFF − Transformer is scipy's Welch test, Holm over the conditions;
     a model outside the layout keeps its own table and the pair's models get none."""
     import math
+    import re
 
     from scipy.stats import t as student
     from scipy.stats import ttest_ind
+
+    from conftest import assert_detectable
 
     kv = load_script("experiments/kv_cache.py", "kv_cache_pairs_under_test")
     pcts = {"baseline": [[10.0, 1.0], [12.0, 2.0], [14.0, 0.5]], "diff": [[4.0, 1.5], [5.0, 0.5], [4.5, 1.0]]}
@@ -90,7 +93,17 @@ def test_trained_pairs_are_compared_over_seeds(load_script):
     want[large] = max(want[small], large)
     for p, cells in ps:
         assert abs(float(cells[7]) - want[p]) < 5e-3 * want[p] + 1e-12
-    assert c1[8] == "DIFF costs less" if want[p1] < 0.05 else c1[8].startswith("no difference detected (n = 3)")
+    for i, (p, cells) in enumerate(ps):
+        if want[p] < 0.05:
+            assert cells[8] == "DIFF costs less"
+            continue
+        m = re.fullmatch(r"no difference detected \(n = 3; detectable ([\d.]+) SD = ([\d.e-]+) nats\)", cells[8])
+        assert m, cells[8]
+        assert_detectable(m.group(1), m.group(2), [math.log1p(v[i] / 100) for v in pcts["diff"]],
+                          [math.log1p(v[i] / 100) for v in pcts["baseline"]], tests=2)
+    assert "every design caches 2 KV heads of 16 channels, so the per-token scales are at matched granularity" in text
+    doc["models"][-1]["kv_heads"], doc["models"][-1]["head_dim"] = 1, 32  # one DIFF seed cached differently
+    assert "are not at matched granularity" in kv.table(doc)
 
 
 def test_parity_reads_a_trained_checkpoint_on_kjv(tmp_path, load_script):

@@ -79,6 +79,16 @@ def test_rendering_from_a_small_fixture():
     }
     text = "\n".join(peers.markdown_part(results))
     assert "torch 2.13.0" in text and "nnsight 0.8.1" in text
+    # each side's versions as recorded, parity and cost apart; a transformers mismatch in the cost cases is said
+    results["cost"][0]["workflows"]["diffquant"]["versions"] = {"transformers": "5.25.0"}
+    results["cost"][0]["workflows"]["nnsight"]["versions"] = {"transformers": "5.24.0"}
+    said = peers.versions_text(results)
+    assert said.startswith("Versions in the parity run: diffquant profile (streaming): torch 2.13.0; nnsight 0.8 "
+                           "LanguageModel: nnsight 0.8.1. In the cost cases: diffquant profile (streaming): "
+                           "transformers 5.25.0; nnsight 0.8 LanguageModel: transformers 5.24.0.")
+    assert "diffquant on transformers 5.25.0 and the peers on 5.24.0" in said
+    results["cost"][0]["workflows"]["nnsight"]["versions"] = {"transformers": "5.25.0"}
+    assert "not one version" not in peers.versions_text(results)
     assert "| nnsight 0.8 LanguageModel | attn_logits | 0 | 0 | 0 | 0 | 2.0e-02 (2 sites outside) | 0 |" in text
     assert "| TransformerLens 4.3 TransformerBridge | all | exit 1: boom |" in text
     assert "| hidden + Linear inputs, all layers: 8,192 tokens | 1,000 tok/s (600 per CPU-s), 900 MiB | not started (its cache" in text

@@ -129,8 +129,13 @@ def test_regime_results_name_their_sink_definition(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "results.json").read_text())["sink_definition"] == "share"
     text = (tmp_path / "results.md").read_text()
     assert "| sink rate |" in text and "old definition" not in text
-    del doc["sink_definition"]  # results written before: DIFF's rate pooled A1 and A2
-    assert "| sink rate (pooled A1/A2, old definition) |" in emergence.render_regime(doc)
+    del doc["sink_definition"]  # results written before: DIFF's rate pooled A1 and A2, dropped from the table
+    old = emergence.render_regime(doc)
+    assert f"| {emergence.OLD_SINK_LABEL} |" in old and "DIFF's sink rate is not shown" in old
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in old.splitlines()
+            if r.startswith("| ") and not r.startswith("| model")}
+    column = [h.strip() for h in old.splitlines()[2].split("|")[2:-1]].index(emergence.OLD_SINK_LABEL)
+    assert rows["DIFF"][column] == "-" and rows["Transformer"][column] == "0.05 ± 0.64"  # the softmax design's stays
 
 
 def test_emergence_figures_say_when_diff_curves_pool_a1_and_a2():

@@ -139,6 +139,10 @@ def kv_presets() -> dict[str, QuantScheme]:
                      f"int4 keys, int2 values (min-max, {tok}), each head's channels in a Hadamard basis"),
            kv_scheme("kv4-sink1", kv_config(4, sink=1), kv_config(4, sink=1),
                      f"int4 min-max keys and values, {tok}; the first token (the attention sink) in full precision"),
+           kv_scheme("kv4-g128", kv_config(4, G.PerGroup(128)), kv_config(4, G.PerGroup(128)),
+                     "int4 min-max keys and values, per token in groups of 128 channels (one scale per 128 channels "
+                     "whatever the head width: DIFF's 128-wide K1/K2 heads and a softmax design's 256-wide head get "
+                     "the same number of scales)"),
            kv_scheme("kivi2", kv_config(2, G.KVChannel(32), recent=128), kv_config(2, G.PerGroup(32), recent=128),
                      "KIVI-2: int2 min-max keys per channel over runs of 32 positions, values per token in groups "
                      "of 32 channels; the 128 most recent positions in full precision"),

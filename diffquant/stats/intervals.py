@@ -138,12 +138,15 @@ def holm(pvalues: list[float]) -> list[float]:
     return adjusted
 
 
-def verdict(diff: float, p_adjusted: float, n: int, words=("higher", "lower")) -> str:
-    """"higher (p 0.004)" / "lower (p 0.004)" where the adjusted p < α; otherwise "no difference detected (n = 3)",
-    which says what the test saw, not that the two are equal."""
+def verdict(diff: float, p_adjusted: float, n: int, words=("higher", "lower"), detectable: dict | None = None) -> str:
+    """"higher (p 0.004)" / "lower (p 0.004)" where the adjusted p < α; otherwise "no difference detected (n = 3,
+    p 0.2)", which says what the test saw, not that the two are equal; with `detectable` (see `detectable`) it also
+    says the smallest difference the test could have detected: "no difference detected (n = 3, detectable 7.2 SD
+    = 0.31, p 0.2)"."""
     if p_adjusted < ALPHA and diff:
         return f"{words[0] if diff > 0 else words[1]} (p {p_adjusted:.2g})"
-    return f"no difference detected (n = {n}, p {p_adjusted:.2g})"
+    size = f", detectable {detectable['sd']:.1f} SD = {detectable['units']:.3g}" if detectable else ""
+    return f"no difference detected (n = {n}{size}, p {p_adjusted:.2g})"
 
 
 def wilson(k: int, n: int, confidence: float = 0.95) -> list[float]:
@@ -235,3 +238,25 @@ def minimum_detectable_effect(n: int, tests: int, alpha: float = ALPHA, power: f
     df = 2 * n - 2
     crit = float(student.ppf(1 - alpha / tests / 2, df))
     return float(brentq(lambda d: nct.sf(crit, df, d * math.sqrt(n / 2)) - power, 1e-3, 100.0))
+
+
+def pooled_sd(a: list[float], b: list[float]) -> float:
+    """√(((n_a − 1)·s_a² + (n_b − 1)·s_b²) / (n_a + n_b − 2)): the spread that turns an effect in standard
+    deviations into the metric's units."""
+    a = [v for v in a if v is not None and not math.isnan(v)]
+    b = [v for v in b if v is not None and not math.isnan(v)]
+    return math.sqrt(((len(a) - 1) * stdev(a) ** 2 + (len(b) - 1) * stdev(b) ** 2) / (len(a) + len(b) - 2))
+
+
+def detectable(a: list[float], b: list[float], tests: int, power: float = 0.8) -> dict | None:
+    """The smallest true difference between mean(a) and mean(b) that one of `tests` Holm-corrected tests detects
+    with probability `power`: {"sd": `minimum_detectable_effect` at the smaller group's n, "units": that times
+    `pooled_sd`, "n", "tests"}. What a "no difference detected" could have seen; None with fewer than two values
+    on either side."""
+    a = [v for v in a if v is not None and not math.isnan(v)]
+    b = [v for v in b if v is not None and not math.isnan(v)]
+    if len(a) < 2 or len(b) < 2:
+        return None
+    n = min(len(a), len(b))
+    sd = minimum_detectable_effect(n, tests, power=power)
+    return {"sd": sd, "units": sd * pooled_sd(a, b), "n": n, "tests": tests}
