@@ -471,8 +471,8 @@ def main(argv=None) -> None:
     disk = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     if not parity:
         results["parity"] = disk.get("parity")
-    if "breakdown" in disk:  # benchmarks/peers_breakdown.py's record
-        results["breakdown"] = disk["breakdown"]
+    for key in [k for k in disk if k.startswith("breakdown")]:  # benchmarks/peers_breakdown.py's records
+        results[key] = disk[key]
     for key in ("cost", "attention_cost"):
         results[key] = merge_cases(disk.get(key, []), results[key])
     atomic_write_json(RESULTS, results)

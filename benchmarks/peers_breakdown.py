@@ -1,8 +1,10 @@
-"""Where diffquant's profile spends its CPU time beyond the model's forward, per statistic, on the cost case of
-benchmarks/peers.py (SmolLM2-135M-Instruct, the 150 token sites `hidden`, `attn_in`, `attn_out`, `mlp_in`,
-`down_in` of all 30 layers, one batch of 8 windows of 256 tokens).
+"""Where diffquant's profile spends its CPU time beyond the model's forward, per statistic, on the cost cases of
+benchmarks/peers.py (SmolLM2-135M-Instruct): the 150 token sites `hidden`, `attn_in`, `attn_out`, `mlp_in`,
+`down_in` of all 30 layers on one batch of 8 windows of 256 tokens, and (`--logits`) the attention logits of all 30
+layers on one window of 2,048 tokens.
 
-    python benchmarks/peers_breakdown.py   # run benchmarks/peers.py once first: it exports the model folder
+    python benchmarks/peers_breakdown.py            # token sites; run benchmarks/peers.py once first (model folder)
+    python benchmarks/peers_breakdown.py --logits   # attention logits: the "breakdown_logits" entry
 
 One thread. Each figure is the least CPU time over ROUNDS rounds (the machine is shared), in CPU-seconds per
 2,048 tokens: the bare forward, the forward with no-op taps on the sites (hooks alone), the whole profile, and
@@ -75,8 +77,87 @@ def least_cpu(fn, rounds: int = ROUNDS) -> float:
     return best
 
 
+LOGIT_TOKENS = 2048
+
+
+def logits_breakdown() -> dict:
+    """The attention-logit profile of one 2,048-token window against the model's plain forwards, end to end (least
+    CPU time over ROUNDS), and per operator: torch.profiler's self CPU time of the profile (with the sink metrics,
+    as `dq.profile` runs it) less that of the plain eager forward, the operators that grew most with their share of
+    what the profile adds and their calls per forward. Uses only the public profiler, so the same script measures
+    any revision of the code (PYTHONPATH)."""
+    from torch.profiler import ProfilerActivity, profile as trace
+
+    folder, tokenizer = peers.export_model()
+    model, _ = load_model(str(folder))
+    ids = torch.from_numpy(np.load(peers.windows(tokenizer, LOGIT_TOKENS, LOGIT_TOKENS, part="all")))
+
+    def forward(impl):
+        def run():
+            model.set_attn_implementation(impl)
+            try:
+                with torch.inference_mode():
+                    model(ids, use_cache=False, logits_to_keep=1)
+            finally:
+                model.set_attn_implementation("sdpa")
+        return run
+
+    def noop_taps():
+        with tapped(model, {"*.attn_logits": lambda x, ctx: None}), torch.inference_mode():
+            model(ids, use_cache=False, logits_to_keep=1)
+
+    def logit_profile(sinks):
+        return lambda: profile_model(model, ids, ["*.attn_logits"], batch_size=1, k=100, progress=False, sinks=sinks)
+
+    cases = {"plain forward (SDPA)": forward("sdpa"), "plain forward (eager attention)": forward("eager"),
+             "explicit attention, no-op taps on the logits": noop_taps,
+             "logit statistics": logit_profile(False), "logit statistics and sink metrics": logit_profile(True)}
+    for fn in cases.values():
+        fn()  # warm-up
+    whole = {name: least_cpu(fn) for name, fn in cases.items()}
+
+    def self_times(fn):
+        with trace(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}
+
+    plain, stats = self_times(cases["plain forward (eager attention)"]), self_times(cases["logit statistics and sink metrics"])
+    extra = {k: stats.get(k, (0.0, 0))[0] - plain.get(k, (0.0, 0))[0] for k in stats.keys() | plain.keys()}
+    added = sum(v for v in extra.values() if v > 0)
+    top = sorted(extra.items(), key=lambda kv: -kv[1])[:14]
+    eager = whole["plain forward (eager attention)"]
+    return {"model": peers.MODEL_LABEL, "tokens": int(ids.numel()), "layers": model.config.num_hidden_layers,
+            "heads": model.config.num_attention_heads, "threads": 1, "rounds": ROUNDS, "revision": _revision(),
+            "started": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg()[0],
+            "end_to_end_cpu_s": whole,
+            "ratio_to_eager": {name: v / eager for name, v in whole.items()},
+            "traced_s": {"plain forward (eager attention)": sum(v for v, _ in plain.values()),
+                         "logit statistics and sink metrics": sum(v for v, _ in stats.values())},
+            "added_by_op": {k: {"s": round(v, 3), "share": round(v / added, 3),
+                                "calls": stats.get(k, (0, 0))[1] - plain.get(k, (0, 0))[1]} for k, v in top if v > 0}}
+
+
+def _revision() -> str:
+    """The git revision of the diffquant code imported (which may be another checkout than this script's)."""
+    import subprocess
+
+    import diffquant
+
+    out = subprocess.run(["git", "-C", str(Path(diffquant.__file__).parent), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or f"not a git checkout ({Path(diffquant.__file__).parent})"
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    if "--logits" in sys.argv[1:]:
+        key = sys.argv[sys.argv.index("--key") + 1] if "--key" in sys.argv else "breakdown_logits"
+        record = logits_breakdown()
+        results = json.loads(peers.RESULTS.read_text()) if peers.RESULTS.is_file() else {}
+        results[key] = record
+        atomic_write_json(peers.RESULTS, results)
+        print(json.dumps(record, indent=1))
+        return
     if not (peers.MODEL_DIR / "config.json").is_file():
         raise SystemExit(f"no model folder at {peers.MODEL_DIR}: run `python benchmarks/peers.py --sizes 8192 --attn` first")
     model, _ = load_model(str(peers.MODEL_DIR))

@@ -79,7 +79,7 @@ def estimate(model, batch: int, seq_len: int) -> Estimate:
     element = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     activations = ACTIVATION_COPIES * batch * seq_len * width * element
     heads = c.num_attention_heads
-    rows = min(seq_len, query_block(batch, heads, seq_len))
+    rows = min(seq_len, query_block(batch, heads, seq_len, cache=False))  # the most a block may take
     return Estimate(weights, activations, rows * batch * heads * seq_len * BYTES_PER_LOGIT, seq_len * seq_len)
 
 

@@ -29,6 +29,7 @@ class StatsObserver:
     """A tap that feeds one site's activations into its SiteStats (created on the activation's device)."""
 
     transforms = False
+    cut_keys = True  # takes causal query blocks that end at their last visible key (taps/attention.py)
 
     def __init__(self, k: int = 100, compile: bool = False):
         self.k, self.compile = k, compile
@@ -45,6 +46,7 @@ class SinkObserver:
     norms (v), residual norms (hidden)."""
 
     transforms = False
+    cut_keys = True
 
     def __init__(self, sinks: LayerSinks, point: str):
         self.sinks, self.point = sinks, point
@@ -217,7 +219,7 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     # every rank observed the same weights when the taps were attached: one rank's statistics, not a sum of all
     stats.update({name: o.stats for name, o in weight_observers.items() if o.stats is not None})
     stats = {s.name: stats[s.name] for s in selected if s.name in stats}
-    layer_sinks = gather_merge(layer_sinks)
+    layer_sinks = gather_merge({i: s.to("cpu") for i, s in layer_sinks.items()})  # small: read back once
     metric_state = {name: gather_merge(accs) for name, accs in metric_state.items()}
     bos = getattr(model.config, "bos_token_id", None)
     bos = bos if isinstance(bos, int) else None  # absent, or several ids

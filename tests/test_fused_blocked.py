@@ -103,7 +103,7 @@ def test_blocks_equal_the_whole(arch, monkeypatch):
         return prof, outs
 
     whole, whole_out = run()
-    monkeypatch.setattr(A, "BLOCK", 5)  # 23 queries: blocks of 5, the last one of 3
+    monkeypatch.setenv("DIFFQUANT_ATTN_BLOCK", "5")  # 23 queries: blocks of 5, the last one of 3
     blocks, blocks_out = run()
     for name, s in whole.sites.items():
         a, b = s.summary(), blocks.sites[name].summary()

@@ -59,13 +59,17 @@ def test_allow_long_context_skips_the_refusal():
 def test_query_block_from_the_memory_budget(monkeypatch):
     from diffquant.taps import attention as A
 
-    monkeypatch.setattr(A, "BLOCK", None)
-    monkeypatch.setattr(A, "MEMORY_MIB", 2048)
+    monkeypatch.delenv("DIFFQUANT_ATTN_BLOCK", raising=False)
+    monkeypatch.setenv("DIFFQUANT_ATTN_MEMORY", "2048")
     # 2 GiB / (1 × 9 heads × 8192 keys × 160 B) = 182.04 rows -> 128 (a multiple of 64)
-    assert A.query_block(1, 9, 8192) == 128
-    assert A.query_block(8, 8, 256) == 768  # 2 GiB / (8 × 8 × 256 × 160 B) = 819.2 rows
-    assert A.query_block(1, 64, 10**6) == 64  # never fewer than 64 rows
-    monkeypatch.setattr(A, "BLOCK", 7)
+    assert A.query_block(1, 9, 8192, cache=False) == 128
+    assert A.query_block(8, 8, 256, cache=False) == 768  # 2 GiB / (8 × 8 × 256 × 160 B) = 819.2 rows
+    assert A.query_block(1, 64, 10**6, cache=False) == 64  # never fewer than 64 rows
+    monkeypatch.setattr(A, "CPU_BLOCK_BYTES", 4 << 20)  # on CPU a block's fp32 logits stay within the cache size
+    assert A.query_block(1, 9, 2048) == 48  # 4 MiB / (9 × 2048 × 4 B) = 56.9 rows -> 48 (a multiple of 16)
+    assert A.query_block(1, 9, 8192) == 16  # never fewer than 16 rows
+    assert A.query_block(8, 4, 64) == 512  # 4 MiB / (8 × 4 × 64 × 4 B)
+    monkeypatch.setenv("DIFFQUANT_ATTN_BLOCK", "7")
     assert A.query_block(1, 9, 8192) == 7  # $DIFFQUANT_ATTN_BLOCK overrides
 
 
@@ -74,15 +78,15 @@ def test_query_block_from_the_device_memory(monkeypatch):
     read once per device (reading syncs it); on CPU the measured 2 GiB."""
     from diffquant.taps import attention as A
 
-    monkeypatch.setattr(A, "BLOCK", None)
-    monkeypatch.setattr(A, "MEMORY_MIB", None)
+    monkeypatch.delenv("DIFFQUANT_ATTN_BLOCK", raising=False)
+    monkeypatch.delenv("DIFFQUANT_ATTN_MEMORY", raising=False)
     monkeypatch.setattr(A, "_budgets", {})
     reads = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: reads.append(d) or (60 << 30, 80 << 30))
     h100 = torch.device("cuda", 0)
     assert A.memory_budget(h100) == 10 << 30  # 80 GiB / 8 < 60 GiB free / 2
     # 10 GiB / (1 × 9 heads × 8192 keys × 160 B) = 910.2 rows -> 896
-    assert A.query_block(1, 9, 8192, h100) == 896 and A.query_block(1, 9, 8192) == 128  # CPU: 2 GiB
+    assert A.query_block(1, 9, 8192, h100) == 896 and A.query_block(1, 9, 8192, cache=False) == 128  # CPU: 2 GiB
     assert len(reads) == 1
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (4 << 30, 80 << 30))
     assert A.memory_budget(torch.device("cuda", 1)) == 2 << 30  # a busy device: half its free 4 GiB
@@ -92,8 +96,8 @@ def test_memory_estimate_and_refusal(micro_pair, monkeypatch):
     from diffquant import memory
     from diffquant.taps import attention as A
 
-    monkeypatch.setattr(A, "BLOCK", None)
-    monkeypatch.setattr(A, "MEMORY_MIB", 2048)
+    monkeypatch.delenv("DIFFQUANT_ATTN_BLOCK", raising=False)
+    monkeypatch.setenv("DIFFQUANT_ATTN_MEMORY", "2048")
     model = micro_pair[0]  # width 64, SwiGLU 176, 4 heads, fp32
     est = memory.estimate(model, 2, 512)
     params = sum(p.numel() for p in model.parameters())

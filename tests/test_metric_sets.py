@@ -113,7 +113,7 @@ def test_gu2024_sink1_matches_hand_computation(micro_pair, arch, steered, block,
     model = micro_pair[arch == "diff"]
     diff = arch == "diff"
     if block:
-        monkeypatch.setattr(attention, "BLOCK", block)  # query blocks of 4: α summed across blocks first
+        monkeypatch.setenv("DIFFQUANT_ATTN_BLOCK", str(block))  # query blocks of 4: α summed across blocks first
     model = _sharpen(_steer(model) if steered else model)
     ids = torch.randint(0, 512, (4, 10), generator=torch.Generator().manual_seed(8))
     probs, _ = softmax_maps(model, ids)

@@ -320,13 +320,13 @@ def test_sinks_alone_keep_every_layer_on_its_kernel(micro_pair, monkeypatch):
 def test_masks_are_built_per_query_block(micro_pair, monkeypatch):
     """With blocks of 8 query rows on 40 tokens, every mask the tapped attention builds covers one block (never
     40 × 40), transformers passes it no mask (plainly causal input), and nothing stays behind in a global."""
-    monkeypatch.setattr(tapped_attention_module, "BLOCK", 8)
+    monkeypatch.setenv("DIFFQUANT_ATTN_BLOCK", "8")
     shapes, given = [], []
     rows = tapped_attention_module.Visible.rows
 
-    def spy(self, device, r=None):
+    def spy(self, device, r=None, end=None):
         given.append(self.mask)
-        out = rows(self, device, r)
+        out = rows(self, device, r, end)
         shapes.append(tuple(out.shape))
         return out
 

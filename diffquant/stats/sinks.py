@@ -49,17 +49,17 @@ def differential_share(map_mass: list[float], lam: float | None) -> tuple[list[f
 def first_key_mass(probs: torch.Tensor, valid: torch.Tensor | None, block: tuple[int, int, int] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum over queries of the mass on each row's first valid key, per head; number of queries counted).
-    probs: [batch, head, q, k]; valid broadcastable to it; `block` = (first query, end, all queries) when
-    probs holds a block of rows. Query rows whose first valid key is themselves (the first token) or that
-    have no valid key are not counted."""
+    probs: [batch, head, q, k]; valid broadcastable to it; `block` (taps/context.py's `Block`) when probs holds a
+    block of rows (and maybe fewer keys than the call). Query rows whose first valid key is themselves (the first
+    token) or that have no valid key are not counted."""
     b, h, q, k = probs.shape
-    start, total = (0, q) if block is None else (block[0], block[2])
+    start, total, keys = (0, q, k) if block is None else (block[0], block[2], block[3])
     if valid is None:
         mass = probs[:, :, (1 if start == 0 else 0):, 0].float()
         return mass.sum(dim=(0, 2)).double(), torch.tensor(b * mass.shape[2], dtype=torch.float64, device=probs.device)
     v = valid.expand(b, -1, q, k)[:, :1]  # the mask is the same for every head
     first = v.to(torch.int8).argmax(dim=-1)  # [b, 1, q] first valid key of each query row
-    own = torch.arange(start, start + q, device=probs.device) + (k - total)  # each query's own key position
+    own = torch.arange(start, start + q, device=probs.device) + (keys - total)  # each query's own key position
     rows = v.any(dim=-1) & (first != own)  # not the query itself
     return first_key_sums(probs.float().gather(-1, first[..., None].expand(b, h, q, 1))[..., 0], rows)
 
@@ -92,60 +92,96 @@ def norm_ratio(x: torch.Tensor, valid_tokens: torch.Tensor | None, first_only: b
 
 
 class LayerSinks:
-    """The sink and massive-activation sums of one layer; `merge` adds them (exact)."""
+    """The sink and massive-activation sums of one layer; `merge` adds them (exact). Every sum stays on the device
+    of the activations it comes from until `summary` (nothing is read back to the host per forward); `to` moves
+    them (as the profiler does before merging ranks)."""
 
     def __init__(self):
-        self.mass: dict[str, torch.Tensor] = {}  # "probs" / "map": per-head sums of first-key mass
+        self.mass: dict[str, torch.Tensor] = {}  # "probs" / "map": per-head float64 sums of first-key mass
         self.queries: dict[str, torch.Tensor] = {}
-        self.lam: float | None = None  # DIFF: the layer's λ (a parameter: constant while profiling)
-        self.value = [0.0, 0]  # sum of ratios, sequences
-        self.massive = [0.0, 0]
-        self.massive_max: dict | None = None
+        self._lam: torch.Tensor | None = None  # DIFF: the layer's λ (a parameter: constant while profiling)
+        self.value: torch.Tensor | None = None  # float64 [sum of ratios, sequences]
+        self.massive: torch.Tensor | None = None
+        # the largest massive-activation ratio seen: float64 [ratio, row, position, channel, norm]; ratio -1: none
+        self._massive_max: torch.Tensor | None = None
+
+    def __setstate__(self, state: dict) -> None:  # profiles saved before the sums stayed on the device: numbers
+        if "lam" in state:
+            lam, best = state.pop("lam"), state.pop("massive_max")
+            state["_lam"] = None if lam is None else torch.tensor(lam, dtype=torch.float64)
+            for key in ("value", "massive"):
+                state[key] = torch.tensor(state[key], dtype=torch.float64)
+            state["_massive_max"] = None if best is None else torch.tensor(
+                [best[k] for k in ("ratio", "row", "position", "channel", "norm")], dtype=torch.float64)
+        self.__dict__.update(state)
+
+    @property
+    def lam(self) -> float | None:
+        return None if self._lam is None else float(self._lam)
+
+    @lam.setter
+    def lam(self, value: float | None) -> None:  # docs/rerender.py sets λ recovered from stored masses
+        self._lam = None if value is None else torch.tensor(float(value), dtype=torch.float64)
+
+    @property
+    def massive_max(self) -> dict | None:
+        if self._massive_max is None or float(self._massive_max[0]) < 0:
+            return None
+        ratio, row, position, channel, norm = self._massive_max.tolist()
+        return {"ratio": ratio, "row": int(row), "position": int(position), "channel": int(channel), "norm": norm}
 
     def add_mass(self, which: str, probs: torch.Tensor, valid: torch.Tensor | None, block=None) -> None:
-        s, n = first_key_mass(probs.detach(), valid, block)
-        self.mass[which] = s.cpu() + self.mass.get(which, 0)
-        self.queries[which] = n.cpu() + self.queries.get(which, 0)
+        self._add(which, *first_key_mass(probs.detach(), valid, block))
 
     def add_first_key(self, which: str, mass: torch.Tensor, rows: torch.Tensor) -> None:
         """`add_mass` from each query's mass on its first key alone (see `first_key_sums`)."""
-        s, n = first_key_sums(mass.detach(), rows)
-        self.mass[which] = s.cpu() + self.mass.get(which, 0)
-        self.queries[which] = n.cpu() + self.queries.get(which, 0)
+        self._add(which, *first_key_sums(mass.detach(), rows))
+
+    def _add(self, which: str, s: torch.Tensor, n: torch.Tensor) -> None:
+        self.mass[which] = s + self.mass[which] if which in self.mass else s
+        self.queries[which] = n + self.queries[which] if which in self.queries else n
 
     def add_lambda(self, lam: torch.Tensor) -> None:
         if lam.numel() != 1:
             raise DiffquantError(f"a DIFF layer's λ has {lam.numel()} values; diffquant's sink metrics take one per layer")
-        self.lam = float(lam)
+        self._lam = lam.detach().reshape(())
 
     def add_values(self, v: torch.Tensor, valid_tokens: torch.Tensor | None) -> None:
         r, _ = norm_ratio(v.detach(), valid_tokens, first_only=True)
-        r = r[~r.isnan()]
-        self.value = [self.value[0] + float(r.sum()), self.value[1] + r.numel()]
+        self.value = _add_sums(self.value, r)
 
     def add_hidden(self, h: torch.Tensor, valid_tokens: torch.Tensor | None, row_offset: int = 0) -> None:
         r, pos = norm_ratio(h.detach(), valid_tokens, first_only=False)
+        self.massive = _add_sums(self.massive, r)
         ok = ~r.isnan()
-        self.massive = [self.massive[0] + float(r[ok].sum()), self.massive[1] + int(ok.sum())]
-        if bool(ok.any()):
-            best = int(torch.where(ok, r, -1.0).argmax())
-            ratio = float(r[best])
-            if self.massive_max is None or ratio > self.massive_max["ratio"]:
-                p = int(pos[best])
-                self.massive_max = {"ratio": ratio, "row": row_offset + best, "position": p,
-                                    "channel": int(h[best, p].abs().argmax()),
-                                    "norm": float(h[best, p].float().norm())}
+        best = torch.where(ok, r, -1.0).argmax()  # the first of the largest ratios; -1 where none is defined
+        p = pos[best]
+        token = h[best, p]
+        found = torch.stack([torch.where(ok[best], r[best], -1.0).double(), (best + row_offset).double(), p.double(),
+                             token.abs().argmax().double(), token.float().norm().double()])
+        if self._massive_max is None:
+            self._massive_max = torch.full_like(found, -1.0)
+        self._massive_max = torch.where(found[0] > self._massive_max[0], found, self._massive_max)
+
+    def to(self, device) -> "LayerSinks":
+        out = LayerSinks()
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        out.mass = {k: v.to(device) for k, v in self.mass.items()}
+        out.queries = {k: v.to(device) for k, v in self.queries.items()}
+        out._lam, out.value, out.massive, out._massive_max = (move(self._lam), move(self.value), move(self.massive),
+                                                             move(self._massive_max))
+        return out
 
     def merge(self, other: "LayerSinks") -> "LayerSinks":
         out = LayerSinks()
         for which in set(self.mass) | set(other.mass):
-            out.mass[which] = self.mass.get(which, 0) + other.mass.get(which, 0)
-            out.queries[which] = self.queries.get(which, 0) + other.queries.get(which, 0)
-        out.lam = self.lam if self.lam is not None else other.lam
-        out.value = [self.value[0] + other.value[0], self.value[1] + other.value[1]]
-        out.massive = [self.massive[0] + other.massive[0], self.massive[1] + other.massive[1]]
-        candidates = [m for m in (self.massive_max, other.massive_max) if m is not None]
-        out.massive_max = max(candidates, key=lambda m: m["ratio"]) if candidates else None
+            out.mass[which] = _sum(self.mass.get(which), other.mass.get(which))
+            out.queries[which] = _sum(self.queries.get(which), other.queries.get(which))
+        out._lam = self._lam if self._lam is not None else other._lam
+        out.value, out.massive = _sum(self.value, other.value), _sum(self.massive, other.massive)
+        best = [m for m in (self._massive_max, other._massive_max) if m is not None]
+        out._massive_max = best[0] if len(best) == 1 else None if not best else (
+            best[1].to(best[0].device) if float(best[1][0]) > float(best[0][0]) else best[0])
         return out
 
     def summary(self, diff: bool, epsilon: float = EPSILON) -> dict:
@@ -154,7 +190,7 @@ class LayerSinks:
         sinks among them); DIFF adds λ, the A1 and A2 masses per differential head, their own sink counts,
         `first_mass_map` (the differential map's mean first-key entry, before dividing by 1 − λ) and
         `share_undefined` where the share is."""
-        mean = {w: (total / max(1.0, float(self.queries[w]))).tolist() for w, total in self.mass.items()}
+        mean = {w: (total.cpu() / max(1.0, float(self.queries[w]))).tolist() for w, total in self.mass.items()}
         out: dict = {}
         if "probs" in mean:
             mass = mean["probs"]
@@ -177,10 +213,31 @@ class LayerSinks:
                            "undefined": heads if share is None else 0}
             if why:
                 out["share_undefined"] = why
-        out["value_ratio"] = self.value[0] / self.value[1] if self.value[1] else None
-        out["massive_ratio"] = self.massive[0] / self.massive[1] if self.massive[1] else None
+        out["value_ratio"] = _mean(self.value)
+        out["massive_ratio"] = _mean(self.massive)
         out["massive_max"] = self.massive_max
         return out
+
+
+def _add_sums(sums: torch.Tensor | None, ratios: torch.Tensor) -> torch.Tensor:
+    """[sum, count] (float64) plus the defined ratios (not NaN) of one batch: their sum taken in float32, as one
+    sum of the defined ratios alone would be, then added in float64."""
+    ok = ~ratios.isnan()
+    part = torch.stack([torch.where(ok, ratios, 0.0).sum().double(), ok.sum().double()])
+    return part if sums is None else sums + part
+
+
+def _sum(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return a + b.to(a.device)
+
+
+def _mean(sums: torch.Tensor | None) -> float | None:
+    if sums is None:
+        return None
+    total, count = sums.tolist()
+    return total / count if count else None
 
 
 def model_sink_rates(layers: dict[int, dict]) -> dict:

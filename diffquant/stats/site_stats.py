@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from diffquant.compiled import CompiledOrEager
 from diffquant.stats.histogram import AbsHistogram, abs_magnitude_bins
 from diffquant.stats.moments import Moments, sum64
 from diffquant.stats.topk import TopK
+from diffquant.taps.context import Block
 
 QUANTILES = {"median": 0.5, "p99": 0.99, "p99.9": 0.999, "p99.99": 0.9999}
 _CHANNEL_DIMS = ("channel", "head", "out_channel")
@@ -15,33 +18,63 @@ _POSITION_DIMS = ("pos", "q_pos")
 TOKEN_DIMS = ("batch", "pos", "channel")
 
 
+class Passes(NamedTuple):
+    """What one update's full-tensor passes give (`_passes`)."""
+
+    ok: torch.Tensor | None  # the values counted (bool, broadcastable to x); None: all of them
+    bins: torch.Tensor  # every value's histogram bin (left-out values in bin 0)
+    left_out: torch.Tensor  # how many values were left out (masked or non-finite)
+    n: torch.Tensor  # float64 count of the values counted
+    s1: torch.Tensor  # their float64 sum
+    m2: torch.Tensor  # float64 central power sums about their own mean
+    m3: torch.Tensor
+    m4: torch.Tensor
+    rowmax: torch.Tensor  # max |x| along the last dim (0 for rows without a counted value)
+    chan: torch.Tensor | None  # max |x| per channel (head) and per position (query), where the site has them
+    pos: torch.Tensor | None
+    hits: torch.Tensor | None  # LLM.int8 hit counts per channel ([batch, pos, channel] sites)
+    nonfinite: torch.Tensor  # non-finite values among the valid ones (counted only with `check`)
+
+
+def _zero_where_not(t: torch.Tensor, ok: torch.Tensor, dense: int) -> torch.Tensor:
+    """t with 0 where `ok` is False, in t's own buffer when `dense` > 0: `ok` is then True in every column before
+    `dense` (a causal block: only its last columns hold masked keys), so only the columns from there are masked."""
+    if not dense:
+        return torch.where(ok, t, 0.0)
+    t[..., dense:].masked_fill_(~ok[..., dense:], 0.0)
+    return t
+
+
 def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: int | None, pos_dim: int | None,
-            threshold: float | None):
+            threshold: float | None, dense: int = 0) -> Passes:
     """Every full-tensor pass of one update in one function, so torch.compile can fuse them: count, sum and
     central power sums (float32 terms, float64 sums), row maxima of |x|, maxima along the channel and
     position dims, LLM.int8 hit counts per channel. Values outside `valid` (broadcastable) are left out;
-    with `check`, non-finite values too (and counted)."""
+    with `check`, non-finite values too (and counted). `dense`: `valid` is True in every column before it (see
+    `_zero_where_not`; 0 when not known). x is not written to."""
     nonfinite = torch.zeros((), dtype=torch.int64, device=x.device)
     ok = valid
     if check:
         finite = torch.isfinite(x)
         ok = finite if valid is None else finite & valid
         nonfinite = (~ok).sum() if valid is None else (valid & ~finite).sum()
+        dense = 0  # a non-finite value may sit in any column
     if ok is None:
         left_out = torch.zeros((), dtype=torch.int64, device=x.device)
         xz = x
     else:  # left-out values become 0 (harmless in maxima; uncounted from histogram bin 0 by the caller)
         left_out = x.numel() - ok.sum() * (x.numel() // ok.numel())  # a broadcast mask repeats
-        xz = torch.where(ok, x, 0.0)
+        xz = _zero_where_not(x.clone() if dense else x, ok, dense)
     n = (x.numel() - left_out).double()
     s1 = sum64(xz)
     mean = (s1 / n.clamp_min(1)).to(x.dtype)
-    d = x - mean if ok is None else torch.where(ok, x - mean, 0.0)  # left out: no deviation at all
+    # left out: no deviation at all (xz - mean is x - mean wherever ok)
+    d = xz - mean if ok is None else _zero_where_not(xz - mean, ok, dense)
     d2 = d * d
     m2 = sum64(d2)
     m3 = sum64(d.mul_(d2))  # d³ and d⁴ in place (d and d2 are not read again): the same products as d2 * d and
     m4 = sum64(d2.mul_(d2))  # d2 * d2, without two more full-size tensors to allocate
-    a = xz.abs()
+    a = xz.abs_() if xz is not x else x.abs()  # xz is not read again once it is our own copy
     rowmax = a.amax(dim=-1)
     chan = pos = hits = None
     if chan_dim is not None:
@@ -58,10 +91,16 @@ def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: 
         below = torch.sub(a, threshold, out=d).view(torch.int32).bitwise_right_shift_(31)
         hits = (x.shape[0] * x.shape[1] + below.sum(dim=(0, 1), dtype=torch.int32)).long()
     bins = abs_magnitude_bins(a, in_place=True)  # a is not read again
-    return (ok, bins, left_out, n, s1, m2, m3, m4, rowmax, chan, pos, hits, nonfinite)
+    return Passes(ok, bins, left_out, n, s1, m2, m3, m4, rowmax, chan, pos, hits, nonfinite)
 
 
 _FOLD_EVERY = 64  # updates whose sums wait in SiteStats._batches before they are folded in
+# Devices where an update first passes over the values unchecked and reads their sum back to decide whether to pass
+# again leaving non-finite values out: on CPU the read costs nothing (the sum is in host memory) and the check's own
+# passes (isfinite, a full-size mask) would add about a third to an update's time. Elsewhere reading a value back
+# makes the host wait for the device, so every update leaves non-finite values out in one pass (`check`), which gives
+# the same statistics (tests/test_hot_path.py).
+CHECK_SUM_FIRST = frozenset({"cpu"})
 
 
 _COMPILED_PASSES = CompiledOrEager(_passes)  # shared by all sites: one compile per argument pattern
@@ -90,40 +129,45 @@ class SiteStats:
         self._batches: list[torch.Tensor] = []  # per update: count, sum, central power sums, ∞-norm
 
     def update(self, x: torch.Tensor, valid: torch.Tensor | None = None, input_ids=None, row_offset: int = 0,
-               block: tuple[int, int, int] | None = None) -> None:
+               block: tuple | None = None) -> None:
         """Add one activation (values where `valid`, broadcastable to x, is True; non-finite ones counted
-        apart). Every value is trusted once their sum is finite; only then are they checked one by one.
-        `block` = (first query, end, all queries) when x is one query block of an attention call: its
-        positions are offset, and the blocks of one call make one pass of the per-pass statistics."""
+        apart). `block` (taps/context.py's `Block`) when x is one query block of an attention call: its positions
+        are offset, and the blocks of one call make one pass of the per-pass statistics. Reads nothing back to the
+        host except on the devices in CHECK_SUM_FIRST."""
         x = x.detach()
         if x.dtype != torch.float32:
             x = x.float()
-        out = self._passes(x, valid, check=False)
-        if not bool(torch.isfinite(out[4])):
-            out = self._passes(x, valid, check=True)  # inf or NaN among the values: leave them out
-        ok, bins, left_out, n, s1, m2, m3, m4, rowmax, chan, pos, hits, nonfinite = out
-        entry = torch.stack([n, s1, m2, m3, m4, rowmax.max().double()])
+        dense = block.dense if isinstance(block, Block) else 0
+        if x.device.type in CHECK_SUM_FIRST:
+            out = self._passes(x, valid, False, dense)
+            if not bool(torch.isfinite(out.s1)):  # on CPU a read of host memory, not a wait for a device
+                out = self._passes(x, valid, True, dense)  # inf or NaN among the values: leave them out
+        else:
+            out = self._passes(x, valid, True, dense)
+        entry = torch.stack([out.n, out.s1, out.m2, out.m3, out.m4, out.rowmax.max().double()])
         if block is not None and block[0] > 0 and self._batches:
             entry = _same_pass(self._batches.pop(), entry)  # one attention call: one pass
         self._batches.append(entry)
         if len(self._batches) >= _FOLD_EVERY and (block is None or block[1] == block[2]):
             self._fold()
         offset = 0 if block is None else block[0]
-        self.topk.add(x, ok, self.dims, input_ids, row_offset, rowmax, offset, None if block is None else block[2])
-        self.hist.add_bins(bins, zeros_left_out=left_out)
-        self.channel_absmax = _elementwise_max(self.channel_absmax, chan)
+        self.topk.add(x, out.ok, self.dims, input_ids, row_offset, out.rowmax, offset,
+                      None if block is None else block[2])
+        self.hist.add_bins(out.bins, zeros_left_out=out.left_out)
+        self.channel_absmax = _elementwise_max(self.channel_absmax, out.chan)
+        pos = out.pos
         if pos is not None and offset:
             pos = torch.nn.functional.pad(pos, (offset, 0))
         self.position_absmax = _elementwise_max(self.position_absmax, pos)
-        if hits is not None:
-            self.channel_hits = hits if self.channel_hits is None else self.channel_hits + hits
-            self.positions += x.shape[0] * x.shape[1] if ok is None else ok.any(dim=-1).sum()
-        self.nonfinite += nonfinite
+        if out.hits is not None:
+            self.channel_hits = out.hits if self.channel_hits is None else self.channel_hits + out.hits
+            self.positions += x.shape[0] * x.shape[1] if out.ok is None else out.ok.any(dim=-1).sum()
+        self.nonfinite += out.nonfinite
 
-    def _passes(self, x: torch.Tensor, valid: torch.Tensor | None, check: bool):
+    def _passes(self, x: torch.Tensor, valid: torch.Tensor | None, check: bool, dense: int) -> Passes:
         chan_dim = next((i for i, d in enumerate(self.dims) if d in _CHANNEL_DIMS), None)
         pos_dim = next((i for i, d in enumerate(self.dims) if d in _POSITION_DIMS), None)
-        args = (x, valid, check, chan_dim, pos_dim, self.threshold if self.dims == TOKEN_DIMS else None)
+        args = (x, valid, check, chan_dim, pos_dim, self.threshold if self.dims == TOKEN_DIMS else None, dense)
         return (_COMPILED_PASSES if self.compile else _passes)(*args)
 
     def _fold(self) -> None:

@@ -10,13 +10,32 @@ class TopK:
 
     `coords` holds one column per site dim plus the token id at the query/token position (-1 when
     unknown); the batch coordinate is global (row offset added).
+
+    Nothing is read back to the host while values are offered: where fewer than k valid values were offered, the
+    kept entries include left-out ones, whose |x| is -1, so they sort below every value; `abs`, `values` and
+    `coords` hold only the valid entries.
     """
 
     def __init__(self, k: int, ndim: int, device=None):
         self.k = k
-        self.abs = torch.empty(0, dtype=torch.float32, device=device)
-        self.values = torch.empty(0, dtype=torch.float32, device=device)
-        self.coords = torch.empty(0, ndim + 1, dtype=torch.int64, device=device)
+        self._abs = torch.empty(0, dtype=torch.float32, device=device)
+        self._values = torch.empty(0, dtype=torch.float32, device=device)
+        self._coords = torch.empty(0, ndim + 1, dtype=torch.int64, device=device)
+
+    def __setstate__(self, state: dict) -> None:  # profiles saved before held only valid entries, named without _
+        self.__dict__.update({("_" + k if k in ("abs", "values", "coords") else k): v for k, v in state.items()})
+
+    @property
+    def abs(self) -> torch.Tensor:
+        return self._abs[self._abs >= 0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values[self._abs >= 0]
+
+    @property
+    def coords(self) -> torch.Tensor:
+        return self._coords[self._abs >= 0]
 
     def add(self, x: torch.Tensor, ok: torch.Tensor | None, dims: tuple[str, ...], input_ids=None,
             row_offset: int = 0, rowmax: torch.Tensor | None = None, pos_offset: int = 0,
@@ -42,8 +61,6 @@ class TopK:
         else:
             a = x.abs() if ok is None else torch.where(ok, x.abs(), -1.0)
             top, idx = torch.topk(a.reshape(-1), k)
-        keep = top >= 0
-        top, idx = top[keep], idx[keep]
         coords = torch.stack(torch.unravel_index(idx, x.shape), dim=1) if x.dim() else idx.new_zeros(len(idx), 0)
         token = torch.full((len(idx), 1), -1, dtype=torch.int64, device=x.device)
         pos_dim = dims.index("pos") if "pos" in dims else dims.index("q_pos") if "q_pos" in dims else None
@@ -59,19 +76,21 @@ class TopK:
         self._merge_raw(top, x.reshape(-1)[idx].float(), torch.cat([coords, token], dim=1))
 
     def _merge_raw(self, a, v, c) -> None:
-        a = torch.cat([self.abs, a.to(self.abs.device)])
-        v = torch.cat([self.values, v.to(self.abs.device)])
-        c = torch.cat([self.coords, c.to(self.abs.device)])
+        device = self._abs.device
+        a = torch.cat([self._abs, a.to(device)])
+        v = torch.cat([self._values, v.to(device)])
+        c = torch.cat([self._coords, c.to(device)])
         k = min(self.k, a.numel())
         top, idx = torch.topk(a, k)
-        self.abs, self.values, self.coords = top, v[idx], c[idx]
+        self._abs, self._values, self._coords = top, v[idx], c[idx]
 
     def merge(self, other: "TopK") -> "TopK":
-        out = TopK(self.k, self.coords.shape[1] - 1, self.abs.device)
-        out.abs, out.values, out.coords = self.abs, self.values, self.coords
-        out._merge_raw(other.abs, other.values, other.coords)
+        out = TopK(self.k, self._coords.shape[1] - 1, self._abs.device)
+        out._abs, out._values, out._coords = self._abs, self._values, self._coords
+        out._merge_raw(other._abs, other._values, other._coords)
         return out
 
     def rank(self, r: int) -> float | None:
         """The r-th largest |x| (1-based), or None if fewer were seen."""
-        return float(self.abs[r - 1]) if r <= self.abs.numel() else None
+        value = float(self._abs[r - 1]) if r <= self._abs.numel() else -1.0
+        return value if value >= 0 else None

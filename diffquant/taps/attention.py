@@ -24,13 +24,22 @@ here): every logit, probability and differential map passes the taps once. A Dif
 own two-call form is handled too: the second call (same Q and K) reuses the first call's probabilities;
 the check compares Q and K as the layer passed them, before grouped-query heads are repeated.
 
-Long contexts: queries are processed in blocks (`query_block`: as many query rows as fit a memory budget, from
-the device: $DIFFQUANT_ATTN_MEMORY MiB if set, else on CUDA an eighth of the device's memory or half of what is
-free, whichever is less, and 2048 MiB on CPU; $DIFFQUANT_ATTN_BLOCK fixes the rows instead), so the logits
-never exist as one [batch, head, T, T] tensor: the extra memory is O(batch · head · block · T). Taps see each
-block with its query offset (`ctx.block`), statistics are exactly those of the whole tensor, and a quantizer
+Query blocks: queries are processed in blocks of `query_block` rows, so the logits never exist as one
+[batch, head, T, T] tensor. On CPU a block's logits take about CPU_BLOCK_BYTES (a few MiB: each of the statistics'
+passes then reads a block that is still in the core's cache; measured in benchmarks/peers_breakdown.py); on CUDA as
+many rows as fit a memory budget: $DIFFQUANT_ATTN_MEMORY MiB if set, else an eighth of the device's memory or half of
+what is free, whichever is less ($DIFFQUANT_ATTN_BLOCK fixes the rows instead; both are read at each call). Taps see
+each block with its place in the call (`ctx.block`), statistics are exactly those of the whole tensor, and a quantizer
 whose scale spans queries (per tensor or per head) first reads every block's range (`needs_range` /
 `observe_range`), then quantizes each block with the full range.
+
+Causal blocks end at their last visible key: where the mask is causal (plainly, or with flash-attention's padding
+mask) and every tap on the layer's logits, probabilities and map says it takes such blocks (`cut_keys = True`, as
+diffquant's statistics observers do), a block of query rows r0..r1 computes its logits, softmax and taps over keys
+0..r1 only (rounded up to KEY_ALIGN; the keys after it are masked for every row of the block): about half the
+T × T work of a long window, with statistics, softmax and output bit for bit those of the uncut block.
+The product with V still runs over every key (the cut-off probabilities as zeros), because a shorter product rounds
+differently: the layer's output is bit for bit what the uncut computation gives.
 
 Sinks (`s_aux`, gpt-oss and diffquant's `sink` design) are a per-head logit in the softmax denominator:
 they are parameters, not activations, so `attn_logits` never contains them.
@@ -49,24 +58,40 @@ from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from diffquant.errors import DiffquantError
+from diffquant.taps.context import Block
 from diffquant.taps.sites import CACHE_POINTS
 
 NAME = "diffquant"
-BLOCK: int | None = int(os.environ["DIFFQUANT_ATTN_BLOCK"]) if os.environ.get("DIFFQUANT_ATTN_BLOCK") else None
-MEMORY_MIB: int | None = int(os.environ["DIFFQUANT_ATTN_MEMORY"]) if os.environ.get("DIFFQUANT_ATTN_MEMORY") else None
-CPU_MEMORY_MIB = 2048  # on CPU: larger blocks were no faster on SmolLM2 (2-core machine), and 2 GiB fits any laptop
+CPU_MEMORY_MIB = 2048  # on CPU, the most one block may take (CPU_BLOCK_BYTES decides first)
+CPU_BLOCK_BYTES = 4 << 20  # on CPU, one block's fp32 logits: measured on SmolLM2 (benchmarks/peers_breakdown.py)
 # Peak bytes per element of one query block's [batch, head, rows, T] logits while tapped: the logits, mask,
 # probabilities and the statistics' temporaries. Measured on SmolLM2-135M-Instruct (default profile sites with
 # sinks, one sequence of 2,048-8,192 tokens): peak RSS grows by about 158 bytes per block element.
 BYTES_PER_LOGIT = 160
+# Causal blocks end at a multiple of this many keys: CPU kernels sum a row in vector lanes, so a row cut at an odd
+# place rounds its softmax and row sums differently from the whole row (masked keys are exact zeros in both);
+# cut at multiples of 32 they agreed bit for bit on AVX-512 (tests/test_hot_path.py checks it where the suite runs)
+KEY_ALIGN = 64
 _budgets: dict[str, int] = {}  # per CUDA device, its block budget in bytes, read once (reading syncs the device)
 _originals: dict[int, str] = {}  # id(config) -> the implementation a tapped model was loaded with (see `remember`)
 
 
+def _env_int(name: str) -> int | None:
+    """An integer setting from the environment, read when it is used (so a caller may set it at any time)."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise DiffquantError(f"${name} must be a whole number, not {value!r}") from None
+
+
 def memory_budget(device=None) -> int:
     """Bytes one query block's logits and temporaries may take (see the module docstring)."""
-    if MEMORY_MIB is not None:
-        return MEMORY_MIB << 20
+    mib = _env_int("DIFFQUANT_ATTN_MEMORY")
+    if mib is not None:
+        return mib << 20
     device = torch.device(device if device is not None else "cpu")
     if device.type != "cuda":
         return CPU_MEMORY_MIB << 20
@@ -77,13 +102,17 @@ def memory_budget(device=None) -> int:
     return _budgets[key]
 
 
-def query_block(batch: int, heads: int, k_len: int, device=None) -> int:
+def query_block(batch: int, heads: int, k_len: int, device=None, cache: bool = True) -> int:
     """Query rows per block: $DIFFQUANT_ATTN_BLOCK if set, else the rows whose logits and temporaries fit the
-    device's `memory_budget` (a multiple of 64, at least 64)."""
-    if BLOCK is not None:
-        return BLOCK
-    rows = memory_budget(device) // max(1, batch * heads * k_len * BYTES_PER_LOGIT)
-    return max(64, rows // 64 * 64)
+    device's `memory_budget` (a multiple of 64, at least 64), and on CPU with `cache` no more than the rows whose
+    fp32 logits take CPU_BLOCK_BYTES (a multiple of 16, at least 16)."""
+    fixed = _env_int("DIFFQUANT_ATTN_BLOCK")
+    if fixed is not None:
+        return fixed
+    rows = max(64, memory_budget(device) // max(1, batch * heads * k_len * BYTES_PER_LOGIT) // 64 * 64)
+    if cache and torch.device(device if device is not None else "cpu").type == "cpu":
+        rows = min(rows, max(16, CPU_BLOCK_BYTES // max(1, batch * heads * k_len * 4) // 16 * 16))
+    return rows
 
 
 def remember(configs, original: str | None) -> None:
@@ -145,22 +174,42 @@ class Visible:
         return cls(attention_mask, q_len, k_len, getattr(module, "is_causal", True) if causal is None else causal,
                    kwargs.get("sliding_window"))
 
-    def rows(self, device, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Boolean [batch|1, 1, rows, k] of query rows rows[0]:rows[1] (all of them by default)."""
+    def rows(self, device, rows: tuple[int, int] | None = None, end: int | None = None) -> torch.Tensor:
+        """Boolean [batch|1, 1, rows, end] of query rows rows[0]:rows[1] (all of them by default) and keys
+        0..end (all of them by default)."""
         r0, r1 = rows or (0, self.q_len)
+        end = self.k_len if end is None else end
         mask = self.mask
         if mask is not None and mask.dim() == 4:
-            mask = mask[:, :, r0:r1, :self.k_len]
+            mask = mask[:, :, r0:r1, :end]
             return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # additive (eager)
         own = torch.arange(r0, r1, device=device)[:, None] + (self.k_len - self.q_len)  # each query's own key
-        keys = torch.arange(self.k_len, device=device)[None, :]
-        valid = keys <= own if self.causal else torch.ones(r1 - r0, self.k_len, dtype=torch.bool, device=device)
+        keys = torch.arange(end, device=device)[None, :]
+        valid = keys <= own if self.causal else torch.ones(r1 - r0, end, dtype=torch.bool, device=device)
         if self.window is not None:
             valid = valid & (own - keys < self.window)
         valid = valid[None, None]
         if mask is not None:  # flash-attention's padding mask, keys aligned to its right end
-            valid = valid & mask[:, None, None, -self.k_len:].to(device=device, dtype=torch.bool)
+            valid = valid & mask[:, None, None, -self.k_len:][..., :end].to(device=device, dtype=torch.bool)
         return valid
+
+    def dense(self, rows: tuple[int, int] | None = None) -> int:
+        """How many keys from the first every query of rows rows[0]:rows[1] may attend (its mask is True there):
+        those up to the first row's own key where the mask is plainly causal, every key where it is plainly not, and
+        0 (not known) with any mask or window."""
+        if self.mask is not None or self.window is not None:
+            return 0
+        if not self.causal:
+            return self.k_len
+        return min(self.k_len, (rows or (0, self.q_len))[0] + self.k_len - self.q_len + 1)
+
+    def key_end(self, rows: tuple[int, int]) -> int:
+        """Where the keys that query rows rows[0]:rows[1] may attend end: after the last row's own key (rounded up
+        to KEY_ALIGN) where the mask is causal and diffquant builds it (no mask, or flash-attention's padding
+        mask), else all keys."""
+        if self.causal and (self.mask is None or self.mask.dim() == 2):
+            return min(self.k_len, -(-(rows[1] + self.k_len - self.q_len) // KEY_ALIGN) * KEY_ALIGN)
+        return self.k_len
 
     def keys(self, device) -> torch.Tensor | None:
         """[batch|1, 1, k, 1]: the key positions some query may attend (None when every one is), the
@@ -257,20 +306,22 @@ def _attend(module, taps, query, key, value, attention_mask, scaling, dropout, k
     n_rep = query.shape[1] // key.shape[1]
     value = repeat_kv(value, query.shape[1] // value.shape[1])
     visible = Visible.of(module, attention_mask, query.shape[2], key.shape[2], kwargs)
-    block = query_block(query.shape[0], query.shape[1], key.shape[2], query.device)
+    two_call = getattr(module, "_diffquant_paired", False) and not getattr(module, "_diffquant_fused", False)
+    # DiffLlama's two-call form reuses the first call's whole probabilities in the second: blocks only where needed
+    block = query_block(query.shape[0], query.shape[1], key.shape[2], query.device, cache=not two_call)
     if query.shape[2] > block:
-        if getattr(module, "_diffquant_paired", False) and not getattr(module, "_diffquant_fused", False):
+        if two_call:
             raise DiffquantError("a long context in DiffLlama's two-call form: give the model the fused forward "
                                  "(diffquant.models.fused.fuse), which diffquant's loaders and taps do")
         out = _blocked(module, taps, query, repeat_kv(key, n_rep), visible, scaling, kwargs,
-                       lambda p, rows: torch.matmul(p.to(value.dtype), value), block)
+                       lambda p, rows: torch.matmul(_widen(p.to(value.dtype), visible.k_len), value), block)
         return out.transpose(1, 2).contiguous(), None
     pending = module.__dict__.pop("_diffquant_pending", None)
     if pending is not None and pending[0] is query and pending[1] is key:
         probs = pending[2]  # DiffLlama's second call: same Q and K, reuse (observed, maybe quantized) probs
     else:
         probs = _probabilities(module, taps, query, repeat_kv(key, n_rep), visible, scaling, kwargs)
-        if getattr(module, "_diffquant_paired", False):
+        if two_call:
             module._diffquant_pending = (query, key, probs)  # before repeat_kv, which makes a new tensor
             if "attn_map" in taps or "lambda" in taps:
                 lam = diff_lambda(module)
@@ -291,7 +342,7 @@ def diff_attention(module, query, key, vpair, attention_mask, scaling, lam, taps
 
     def combine(probs, rows):
         a = _differential_map(taps, probs, lam, visible, rows)
-        return torch.matmul(a.to(vpair.dtype), vpair)
+        return torch.matmul(_widen(a.to(vpair.dtype), visible.k_len), vpair)
 
     block = query_block(query.shape[0], query.shape[1], visible.k_len, query.device)
     if visible.q_len > block:
@@ -304,29 +355,41 @@ def _differential_map(taps, probs, lam, visible: Visible, rows):
     half = probs.shape[1] // 2
     a = probs[:, :half] - lam.to(probs.dtype) * probs[:, half:]
     if "attn_map" in taps:
-        run_taps(taps["attn_map"], a, visible.rows(probs.device, rows), _block_of(rows, visible.q_len))
+        run_taps(taps["attn_map"], a, visible.rows(probs.device, rows, probs.shape[-1]), _block_of(rows, visible))
     return a
 
 
-def _block_of(rows, q_len):
-    return None if rows is None else (rows[0], rows[1], q_len)
+def _block_of(rows, visible: Visible) -> Block | None:
+    """The block a tap is told of; None for a whole call."""
+    return None if rows is None else Block(rows[0], rows[1], visible.q_len, visible.k_len, visible.dense(rows))
+
+
+def _widen(probs: torch.Tensor, k_len: int) -> torch.Tensor:
+    """A block's probabilities over every key: those past where the block's keys end (`Visible.key_end`) as zeros."""
+    return probs if probs.shape[-1] == k_len else torch.nn.functional.pad(probs, (0, k_len - probs.shape[-1]))
+
+
+MAP_POINTS = ("attn_logits", "attn_probs", "attn_map")  # the sites that see a block's [.., rows, keys] maps
 
 
 def _blocked(module, taps, query, key, visible: Visible, scaling, kwargs, consume, block):
     """Attention in query blocks of `block` rows: `consume(probs_block, rows)` turns each block's probabilities
-    into its output rows; nothing of size T × T is kept."""
+    into its output rows; nothing of size T × T is kept. Each block's keys end where `Visible.key_end` says when
+    every tap on the maps takes such blocks (`cut_keys`)."""
     q_len = query.shape[2]
     blocks = [(i, min(i + block, q_len)) for i in range(0, q_len, block)]
+    cut = all(getattr(tap, "cut_keys", False) for point in MAP_POINTS for tap, _ in taps.get(point, ()))
+    ends = [visible.key_end(rows) if cut else visible.k_len for rows in blocks]
     ranged = [(tap, ctx) for tap, ctx in taps.get("attn_logits", ()) if getattr(tap, "needs_range", None)
               and tap.needs_range(ctx)]
     for tap, ctx in ranged:  # pass 1: the full range of quantizers whose scale spans query blocks
         tap.start_range()
-        for rows in blocks:
-            logits = _logits(query[:, :, rows[0]:rows[1]], key, scaling, kwargs.get("softcap"))
-            tap.observe_range(logits, ctx.with_valid(visible.rows(query.device, rows)))
+        for rows, end in zip(blocks, ends):
+            logits = _logits(query[:, :, rows[0]:rows[1]], key[:, :, :end], scaling, kwargs.get("softcap"))
+            tap.observe_range(logits, ctx.with_valid(visible.rows(query.device, rows, end)))
     try:
-        outs = [consume(_probabilities(module, taps, query, key, visible, scaling, kwargs, rows), rows)
-                for rows in blocks]
+        outs = [consume(_probabilities(module, taps, query, key[:, :, :end], visible, scaling, kwargs, rows), rows)
+                for rows, end in zip(blocks, ends)]
     finally:
         for tap, _ in ranged:
             tap.end_range()
@@ -341,16 +404,16 @@ def _logits(query, key, scaling, softcap):
 
 
 def _probabilities(module, taps, query, key, visible: Visible, scaling, kwargs, rows=None):
-    """Softmax probabilities of all queries (or of query rows `rows` of a blocked call), through the taps."""
+    """Softmax probabilities of all queries (or of query rows `rows` of a blocked call, over the keys `key` holds),
+    through the taps."""
     sinks, clip = kwargs.get("s_aux"), kwargs.get("clip_softmax")
-    q_len = query.shape[2]
     if rows is not None:
         query = query[:, :, rows[0]:rows[1]]
-    block = _block_of(rows, q_len)
+    block = _block_of(rows, visible)
     logits = _logits(query, key, scaling, kwargs.get("softcap"))
-    valid = visible.rows(query.device, rows)
+    valid = visible.rows(query.device, rows, key.shape[2])
     tapped = run_taps(taps.get("attn_logits"), logits, valid, block)
-    scores = masked_scores(tapped, logits, valid)
+    scores = masked_scores(tapped, logits, valid, visible.dense(rows))
     if sinks is not None:  # a learned per-head logit in the denominator only (gpt-oss): softmax, then drop it
         sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
@@ -359,24 +422,25 @@ def _probabilities(module, taps, query, key, visible: Visible, scaling, kwargs, 
     if clip is not None:  # Bondarenko et al.'s clipped softmax: exact zeros (and ones) become reachable
         zeta, gamma = clip
         probs = ((zeta - gamma) * probs + gamma).clamp_(0.0, 1.0).masked_fill_(~valid, 0.0)
-    empty = ~valid.any(-1, keepdim=True)
-    if bool(empty.any()):  # fully masked rows (padding): zeros, not NaN
-        probs = probs.masked_fill(empty, 0.0)
+    if visible.mask is not None:  # fully masked rows (padding): zeros, not NaN (only a mask can empty a row)
+        probs = probs.masked_fill(~valid.any(-1, keepdim=True), 0.0)
     probs = probs.to(query.dtype)
     return run_taps(taps.get("attn_probs"), probs, valid, block)
 
 
-def masked_scores(tapped: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """fp32 logits with -inf where a query may not attend. Finite logits take an additive 0/-inf bias,
-    as transformers' eager attention does (a broadcast boolean masked_fill is several times slower on
-    CPU); non-finite ones take masked_fill, since inf + -inf would be NaN. Works in place when the
-    tensor is ours (taps see it during their call only) and autograd allows it."""
+def masked_scores(tapped: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor, dense: int = 0) -> torch.Tensor:
+    """fp32 logits with -inf where a query may not attend (what masked_fill gives, also where a masked logit is
+    inf or NaN), in place when the tensor is ours (taps see it during their call only) and autograd allows it: then
+    only the columns from `dense` on (`Visible.dense`: every earlier one is visible) are written. Reads nothing back
+    to the host."""
     scores = tapped.float()
     ours = (tapped is logits or scores is not tapped) and not scores.requires_grad
-    if bool(torch.isfinite(scores.sum())):
-        bias = torch.zeros(valid.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~valid, float("-inf"))
-        return scores.add_(bias) if ours else scores + bias
-    return scores.masked_fill_(~valid, float("-inf")) if ours else scores.masked_fill(~valid, float("-inf"))
+    if not ours:
+        return torch.where(valid, scores, float("-inf"))
+    if dense:
+        scores[..., dense:].masked_fill_(~valid[..., dense:], float("-inf"))
+        return scores
+    return torch.where(valid, scores, scores.new_full((), float("-inf")), out=scores)
 
 
 def run_taps(entries, x: torch.Tensor, valid: torch.Tensor | None, block=None) -> torch.Tensor:

@@ -6,6 +6,7 @@ so those functions can read the context without importing the machinery that ins
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -22,14 +23,27 @@ class Batch:
     tokens: tuple[int, int] | None = None  # (batch, pos) of the current forward, for sites that see tokens flat
 
 
+class Block(NamedTuple):
+    """Where one query block of a blocked attention call sits. Its taps see rows start..end of the call's `queries`
+    query rows, over the call's keys (`keys`) or, where the block ends at its last visible key
+    (taps/attention.py, `cut_keys`), fewer; every query of the block may attend the first `dense` keys (0: not
+    known), so a mask of the block is False only from there on."""
+
+    start: int
+    end: int
+    queries: int
+    keys: int
+    dense: int = 0
+
+
 @dataclass(frozen=True)
 class TapContext:
     site: Site
     batch: Batch = field(default_factory=Batch)
     valid: torch.Tensor | None = None  # bool, broadcastable to the activation; None = all valid
-    block: tuple[int, int, int] | None = None  # (first query, end, all queries) of a blocked attention call
+    block: Block | None = None  # where a blocked attention call's block sits
 
-    def with_valid(self, valid: torch.Tensor | None, block: tuple[int, int, int] | None = None) -> "TapContext":
+    def with_valid(self, valid: torch.Tensor | None, block: Block | None = None) -> "TapContext":
         if valid is None and self.valid is None and block is None and self.block is None:
             return self
         return replace(self, valid=valid, block=block)
