@@ -1,6 +1,6 @@
 """Exported compressed-tensors checkpoints beside diffquant's simulation of the same recipe (issue 40's done-when).
 
-    python benchmarks/export_parity.py [--model smollm2-135m] [--tokens 8192] [--recipes ...] [--out docs/export]
+    python -m benchmarks.export_parity [--model smollm2-135m] [--tokens 8192] [--recipes ...] [--out docs/export]
 
 Each recipe runs `diffquant quantize ... --export compressed-tensors`, which prints the simulated held-out loss
 and perplexity; the folder is then loaded by transformers' `AutoModelForCausalLM.from_pretrained` in a fresh

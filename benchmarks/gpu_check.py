@@ -85,7 +85,7 @@ def prerequisites(smoke: bool, backend: str) -> tuple[list[str], bool]:
 
 
 def step_benchmarks(device: str, smoke: bool, out: Path) -> dict:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--out", str(out / f"results-{device}.json")]
+    cmd = [sys.executable, "-m", "benchmarks.run", "--out", str(out / f"results-{device}.json")]
     sections = ["diff_vs_baseline"] if smoke else ["profiler", "diff_vs_baseline", "sweep", "memory"]
     cmd += (["--quick"] if smoke else []) + ["--only", *sections]
     subprocess.run(cmd, check=True, cwd=ROOT)
@@ -194,7 +194,7 @@ def step_backend(device: str, smoke: bool, out: Path, backend: str) -> dict:
 def step_recipe(device: str, smoke: bool, out: Path, limit: float) -> dict:
     """The GPU recipe for `limit` seconds: its estimate is printed before training; stopped there if still running."""
     folder = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check")) / "recipe"
-    cmd = [sys.executable, str(ROOT / "experiments" / "gpu_recipe.py"), "--out", str(folder)]
+    cmd = [sys.executable, "-m", "experiments.gpu_recipe", "--out", str(folder)]  # from ROOT (cwd)
     cmd += ["--quick"] if smoke else []
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
@@ -217,7 +217,7 @@ def run_step(name: str, smoke: bool, out: Path, backend: str) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     result_file = work / f"{name}.json"
     result_file.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--step", name, "--out", str(out), "--backend", backend]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--step", name, "--out", str(out), "--backend", backend]
     cmd += ["--cpu-smoke"] if smoke else []
     t = time.perf_counter()
     try:  # the recipe stops itself at its limit; the others are stopped here

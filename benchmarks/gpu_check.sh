@@ -38,4 +38,4 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export OUT=${OUT:-/tmp/gpu_check-out} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-exec "$PY" benchmarks/gpu_check.py "${SMOKE[@]}" --out "$OUT"
+exec "$PY" -m benchmarks.gpu_check "${SMOKE[@]}" --out "$OUT"

@@ -1,6 +1,6 @@
 """diffquant's GPTQ beside llm-compressor's, on the same model, calibration and evaluation tokens.
 
-    python benchmarks/llmcompressor_check.py [--calibration 128] [--group 64]
+    python -m benchmarks.llmcompressor_check [--calibration 128] [--group 64]
 
 llm-compressor 0.14 pins transformers 5.17, so it runs in its own virtual environment,
 benchmarks/.peers/llmcompressor-venv (created on first use; the project's dependencies do not change), as
@@ -40,8 +40,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "experiments"))
 
 PINS = ("torch==2.13.0", "llmcompressor==0.14.0.1")  # llm-compressor brings its transformers (5.17)
 OUT = ROOT / "docs" / "weights"
@@ -112,7 +110,7 @@ print("RESULT " + json.dumps({"seconds": seconds, "per_sequence_loss": losses, "
 
 def venv_python() -> Path:
     """The scratch venv's interpreter, created with PINS on first use."""
-    from peers import SCRATCH
+    from benchmarks.peers import SCRATCH
 
     venv = SCRATCH / "llmcompressor-venv"
     python, stamp = venv / "bin" / "python", venv / "diffquant-pins.txt"
@@ -192,8 +190,8 @@ def main(argv=None) -> None:
     from diffquant.quant.recipe import Recipe, quantize_
     from diffquant.quant.scheme import LAYER_WEIGHTS, QuantScheme
     from diffquant.sweeps import versus_float
-    from peers import SCRATCH, export_model
-    from weight_solvers import CALIBRATION_WINDOWS, _data
+    from benchmarks.peers import SCRATCH, export_model
+    from experiments.weight_solvers import CALIBRATION_WINDOWS, _data
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calibration", type=int, default=CALIBRATION_WINDOWS,
@@ -424,7 +422,7 @@ def export_section(model, model_dir: Path, calib, calib_path: Path, eval_path: P
 
     from diffquant.quant.gptq_config import GPTQ
     from diffquant.quant.recipe import Recipe, quantize_
-    from peers import SCRATCH
+    from benchmarks.peers import SCRATCH
 
     float_weights = {f"{n}.weight": m.weight.detach().clone() for n, m in model.named_modules()
                      if isinstance(m, torch.nn.Linear) and "lm_head" not in n}

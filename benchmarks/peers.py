@@ -1,9 +1,9 @@
 """diffquant's streaming profile beside the tools researchers already use: TransformerLens and nnsight.
 
-    python benchmarks/peers.py                           # everything: parity, then every cost case
-    python benchmarks/peers.py --sizes 8192 --attn 2048  # only these cost cases (others recorded as not run)
-    python benchmarks/peers.py --model tiny --sizes 8192 65536 262144 --attn  # the cost cases on the tiny preset
-    python benchmarks/peers.py --render                  # print the README tables from benchmarks/peers.json
+    python -m benchmarks.peers                           # everything: parity, then every cost case
+    python -m benchmarks.peers --sizes 8192 --attn 2048  # only these cost cases (others recorded as not run)
+    python -m benchmarks.peers --model tiny --sizes 8192 65536 262144 --attn  # the cost cases on the tiny preset
+    python -m benchmarks.peers --render                  # print the README tables from benchmarks/peers.json
 
 Each peer runs in its own virtual environment, benchmarks/.peers/<peer>-venv (created on first use, pinned
 below; the project's own dependencies do not change), and every workflow — diffquant's included — runs as
@@ -75,8 +75,7 @@ THREADS = 1  # torch / OpenMP threads in every child (see the docstring)
 CHILD_MAIN = r'''
 import json, sys, time
 import numpy as np
-sys.path.insert(0, ARGS["bench_dir"])
-from peer_stats import exact_stats
+from benchmarks.peer_stats import exact_stats
 
 def _peak_kib():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
@@ -297,10 +296,10 @@ def run_child(workflow: str, args: dict, model: str = "smollm2-135m") -> dict:
     else:
         python, code = str(venv_python(workflow)), (TRANSFORMER_LENS if workflow == "transformer_lens" else NNSIGHT)
         code += CHILD_MAIN
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(ROOT)}  # for peer_stats
     env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(THREADS)
-    args = {**args, "bench_dir": str(HERE), "model_dir": str(model_dir(model))}
+    args = {**args, "model_dir": str(model_dir(model))}
     out = subprocess.run([python, "-c", f"ARGS = {json.dumps(args)!r}\nimport json\nARGS = json.loads(ARGS)\n" + code],
                          capture_output=True, text=True, env=env)
     line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("RESULT ")), None)
@@ -448,7 +447,6 @@ def main(argv=None) -> None:
     if a.render:
         print("\n".join(markdown_part(json.loads(RESULTS.read_text()))))
         return
-    sys.path.insert(0, str(ROOT))
     from transformers import AutoConfig
 
     from diffquant.paths import atomic_write_json

@@ -3,8 +3,8 @@ benchmarks/peers.py (SmolLM2-135M-Instruct): the 150 token sites `hidden`, `attn
 `down_in` of all 30 layers on one batch of 8 windows of 256 tokens, and (`--logits`) the attention logits of all 30
 layers on one window of 2,048 tokens.
 
-    python benchmarks/peers_breakdown.py            # token sites; run benchmarks/peers.py once first (model folder)
-    python benchmarks/peers_breakdown.py --logits   # attention logits: the "breakdown_logits" entry
+    python -m benchmarks.peers_breakdown            # token sites; run benchmarks/peers.py once first (model folder)
+    python -m benchmarks.peers_breakdown --logits   # attention logits: the "breakdown_logits" entry
 
 One thread. Each figure is the least CPU time over ROUNDS rounds (the machine is shared), in CPU-seconds per
 2,048 tokens: the bare forward, the forward with no-op taps on the sites (hooks alone), the whole profile, and
@@ -24,14 +24,11 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import peers  # noqa: E402
+from benchmarks import peers  # noqa: E402
 from diffquant.models.load import load_model  # noqa: E402
 from diffquant.paths import atomic_write_json  # noqa: E402
 from diffquant.profiler import profile_model  # noqa: E402
@@ -159,12 +156,12 @@ def main() -> None:
         print(json.dumps(record, indent=1))
         return
     if not (peers.MODEL_DIR / "config.json").is_file():
-        raise SystemExit(f"no model folder at {peers.MODEL_DIR}: run `python benchmarks/peers.py --sizes 8192 --attn` first")
+        raise SystemExit(f"no model folder at {peers.MODEL_DIR}: run `python -m benchmarks.peers --sizes 8192 --attn` first")
     model, _ = load_model(str(peers.MODEL_DIR))
     cfg = model.config
     windows = peers.SCRATCH / "kjv-all-256x8192.npy"
     if not windows.is_file():
-        raise SystemExit(f"no token windows at {windows}: run `python benchmarks/peers.py --sizes 8192 --attn` first")
+        raise SystemExit(f"no token windows at {windows}: run `python -m benchmarks.peers --sizes 8192 --attn` first")
     ids = torch.from_numpy(np.load(windows)[:8])
     sites = peers.site_names(peers.TOKEN_POINTS, cfg.num_hidden_layers)
 

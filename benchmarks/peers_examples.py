@@ -1,7 +1,7 @@
 """What diffquant measures that a TransformerLens or nnsight workflow does not give out of the box, each in a few
 lines, on a random-weight tiny DIFF model (runs in seconds on a CPU; swap in your own checkpoint):
 
-    python benchmarks/peers_examples.py
+    python -m benchmarks.peers_examples
 
 1. DIFF's two softmax maps and the differential map A1 − λ·A2, each as its own site.
 2. Attention sinks per differential head: first-token mass per map and per differential map.

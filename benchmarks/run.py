@@ -1,6 +1,6 @@
 """diffquant benchmarks: ratios measured within one run (never timed unit tests), printed and saved as JSON.
 
-    python benchmarks/run.py [--quick] [--only SECTION ...] [--out FILE]
+    python -m benchmarks.run [--quick] [--only SECTION ...] [--out FILE]
 
 Each run also appends its sections to history-<device>.jsonl beside the JSON, so the README can show the
 range of each ratio over the last runs.

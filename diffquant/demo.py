@@ -39,7 +39,7 @@ QUICK = DemoConfig(train_tokens=30_000, eval_tokens=1024, profile_tokens=2048, g
 PAPER_SCALE = "3B parameters, 350B training tokens"
 SEQ = 256
 # Seconds each step took in the committed runs (docs/demo/summary.json, docs/demo-quick/summary.json: 2 CPU cores,
-# an empty cache, other work on the machine; `python docs/readme_results.py --run-demo / --run-quick` measures them
+# an empty cache, other work on the machine; `python -m docs.readme_results --run-demo / --run-quick` measures them
 # again, and a test keeps these equal to those files), for the plan the demo prints before it starts.
 STEP_SECONDS = {"full": {"train": 2405, "profile": 141, "sweep": 643, "smollm2": 182, "load": 3.7},
                 "quick": {"train": 281, "profile": 15, "sweep": 60, "smollm2": 70, "load": 8.5}}

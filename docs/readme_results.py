@@ -1,10 +1,10 @@
 """Write the README's results from the committed result files, so no figure in it is typed by hand.
 
-    python docs/readme_results.py                 # rewrite the README between its results markers
-    python docs/readme_results.py --check         # exit 1 if the README is not what this writes
-    python docs/readme_results.py --run-demo      # first run `diffquant demo` on a fresh, empty cache (timed),
+    python -m docs.readme_results                 # rewrite the README between its results markers
+    python -m docs.readme_results --check         # exit 1 if the README is not what this writes
+    python -m docs.readme_results --run-demo      # first run `diffquant demo` on a fresh, empty cache (timed),
                                                   # into docs/demo, then rewrite
-    python docs/readme_results.py --run-quick     # the same for `diffquant demo --quick` (docs/demo-quick)
+    python -m docs.readme_results --run-quick     # the same for `diffquant demo --quick` (docs/demo-quick)
 
 Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/regime/results.json, docs/rivals/*/results.json,
 docs/mitigations/results.json, docs/rivals/fair-guo/fixes/results.md, docs/weights/results.md, docs/fig8_real/results.md,
@@ -329,8 +329,7 @@ def search_pair_note() -> list[str]:
     search = _load("docs/emergence/search.json")
     if not search:
         return []
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from emergence import SEARCH, choose
+    from experiments.emergence import SEARCH, choose
 
     from diffquant.stats.outlier_regime import HIDDEN_RATIO, NAME, reached
 
@@ -400,8 +399,7 @@ def fair_kv_part() -> list[str]:
     from diffquant.report.tables import markdown
     from diffquant.stats.intervals import fmt_pm
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
-    from measure import METRICS
+    from experiments.measure import METRICS
 
     tests = {(t["metric"], t["design"]): t for t in doc["tests"] if t.get("family", "secondary") == "secondary"}
     planned = {(t["metric"], t["design"]): t for t in doc["tests"] if t.get("family") == "planned"}
@@ -422,7 +420,7 @@ def fair_kv_part() -> list[str]:
     planned_family = "the comparison's planned correction (every metric planned before the run, in one family)"
     survival = ((f" Under {planned_family} these marks do not survive: {'; '.join(lost)}." if lost
                  else f" Every mark survives {planned_family}.") if marked and planned else "")
-    from fair_rivals import kv_granularity, lr_ties, recent_window_shares
+    from experiments.fair_rivals import kv_granularity, lr_ties, recent_window_shares
 
     tied = [d for d in doc.get("rates", {}) if "losses" in doc["rates"][d]] and lr_ties(doc)
     ties = (f" The learning-rate sweep could not separate the best two rates of {', '.join(tied)}: every mark that "
@@ -571,14 +569,11 @@ def benchmark_part() -> list[str]:
 
 def peers_part() -> list[str]:
     """The parity and cost tables against TransformerLens and nnsight (benchmarks/peers.py), and the examples."""
-    import importlib.util
+    from benchmarks import peers
 
     results = _load("benchmarks/peers.json")
     if results is None:
         return []
-    spec = importlib.util.spec_from_file_location("benchmarks_peers", ROOT / "benchmarks/peers.py")
-    peers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peers)
     return ["### diffquant and the tools you know (`python benchmarks/peers.py`)", "", *peers.markdown_part(results),
             "What diffquant measures that these workflows do not give out of the box (DIFF's two maps and the "
             "differential map, sinks per differential head, statistics under fake quantization, the merge of shards "

@@ -1,6 +1,6 @@
 """Rewrite the committed reports from the committed result files, without training or evaluating anything.
 
-    python docs/rerender.py          # then: python docs/readme_results.py
+    python -m docs.rerender          # then: python -m docs.readme_results
 
 What it recomputes, and why each step is exact:
 - sweep folders (docs/demo/sweep, docs/mitigations/cells/*): every interval from the per-sequence losses that
@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAMBDA_SPREAD = 1e-6  # the most a DIFF layer's λ may differ between its heads' recoveries
-sys.path.insert(0, str(ROOT / "experiments"))
-sys.path.insert(0, str(ROOT / "docs"))
 
 
 def refresh_sweep(folder: Path) -> dict[str, dict]:
@@ -132,7 +129,7 @@ def refresh_seeds(doc: dict) -> dict:
     from scipy.stats import norm
 
     from diffquant.stats.intervals import t95
-    from measure import aggregate
+    from experiments.measure import aggregate
 
     z = float(norm.ppf(0.975))
     for runs in doc["per_seed"].values():
@@ -168,32 +165,41 @@ def main() -> None:
     refresh_demo_sinks(s)
     plot_emergence(json.loads((ROOT / "docs/demo/emergence/emergence.json").read_text()), ROOT / "docs/demo/emergence")
     atomic_write_json(summary_path, s)
-    import readme_results
+    from docs import readme_results
 
     rivals = readme_results._load("docs/rivals/demo/results.json")
     atomic_write_text(ROOT / "docs/demo/report.md", render_report(s, readme_results.one_seed_note(s, rivals, "../rivals/demo/results.md")))
 
     # the post-training fixes
-    import mitigations
+    from experiments import mitigations
 
     mit = ROOT / "docs/mitigations"
     doc = json.loads((mit / "results.json").read_text())
     fresh = {}
     for folder in sorted((mit / "cells").iterdir()):
         fresh.update(refresh_sweep(folder))
+    # The cells label the search's pair "(regime)", as they were measured; since commit 8c48e4b the report names it
+    # by the setting the search chose (mitigations.models_to_run), since the search reached no outlier regime.
+    from experiments.emergence import regime_setting
+
+    setting = f"({regime_setting(ROOT / 'docs/emergence/search.json')[0]})"
+    for row in fresh.values():
+        row.update(key=row["key"].replace("(regime)", setting), model=row["model"].replace("(regime)", setting))
+    fresh = {row["key"]: row for row in fresh.values()}
     doc["rows"] = [fresh[r["key"]] for r in doc["rows"]]
     atomic_write_json(mit / "results.json", doc)
     atomic_write_text(mit / "results.md", mitigations.render(doc))
     mitigations._plot(doc["rows"], mit)
 
     # three seeds: emergence regime and rivals
-    from emergence import render_regime
+    from experiments.emergence import render_regime
 
-    for path in [ROOT / "docs/emergence/results.json", *sorted((ROOT / "docs/rivals").glob("*/results.json"))]:
+    # (the fair comparison, docs/rivals/fair-guo, is another format: `python -m experiments.fair_rivals --render`)
+    for path in (ROOT / "docs/emergence/results.json", ROOT / "docs/rivals/demo/results.json"):
         doc = refresh_seeds(json.loads(path.read_text()))
         atomic_write_json(path, doc)
         atomic_write_text(path.parent / "results.md", render_regime(doc))
-    print("rewrote the demo, mitigation, emergence and rivals reports; now run python docs/readme_results.py")
+    print("rewrote the demo, mitigation, emergence and rivals reports; now run python -m docs.readme_results")
 
 
 if __name__ == "__main__":

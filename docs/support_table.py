@@ -1,7 +1,7 @@
 """Write docs/support.md, the architecture support table, from the architecture matrix.
 
-    python docs/support_table.py            # rewrite docs/support.md
-    python docs/support_table.py --check    # exit 1 if docs/support.md is not what this writes
+    python -m docs.support_table            # rewrite docs/support.md
+    python -m docs.support_table --check    # exit 1 if docs/support.md is not what this writes
 
 Each family of `diffquant.models.matrix` is built tiny; the table says which site points it has, whether
 attention logits can be tapped, which scheme presets apply (`attach_scheme`'s own check) and which real

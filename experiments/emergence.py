@@ -7,9 +7,16 @@
    extrapolate to it at the smallest token budget), train every design identically for three seeds and
    report mean ± 95% t-interval over seeds.
 
-    python experiments/emergence.py [--quick] [--out docs/emergence] [--runs runs/emergence]
-    python experiments/emergence.py --only search|regime [--setting NAME] [--archs baseline diff] [--seeds 0 1 2]
-    python experiments/emergence.py --render      # rewrite search.md and results.md from the committed json
+    python -m experiments.emergence [--quick] [--out docs/emergence] [--runs runs/emergence]
+    python -m experiments.emergence --only search|regime [--setting NAME] [--archs baseline diff] [--seeds 0 1 2]
+    python -m experiments.emergence --render      # rewrite search.md and results.md from the committed json
+
+`--setting demo` runs the regime step in the demo's setting (DEMO) instead: the rival fixes side by side, as
+docs/rivals/demo holds them (DIFF, gated attention, clipped softmax and learned sinks against the baseline,
+trained identically; the checkpoints under RUNS/demo are those of `fixes_needed --pair demo`):
+
+    python -m experiments.emergence --only regime --setting demo --archs baseline diff gated clipsoftmax sink \
+        --schemes logits-int4 w8a8 --runs runs/rivals --out docs/rivals/demo
 
 Everything is resumable: finished runs are reused, an interrupted one continues from its checkpoint.
 The hyper-parameters were written down before any run (the literature's, see each comment); the same
@@ -20,23 +27,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+import torch
 
-import torch  # noqa: E402
-
-from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
-from diffquant.report.style import display  # noqa: E402
-from diffquant.report.tables import markdown  # noqa: E402
-from diffquant.runs import start_run  # noqa: E402
-from diffquant.stats.intervals import fmt_pm  # noqa: E402
-from diffquant.stats.outlier_regime import HIDDEN_RATIO, NAME, SINK_RATE, reached  # noqa: E402
-from diffquant.stats.sinks import SINK_DEFINITION  # noqa: E402
-from diffquant.training import TrainConfig, prepare_data, train_pair  # noqa: E402
+from diffquant.errors import DiffquantError
+from diffquant.paths import atomic_write_json, atomic_write_text
+from diffquant.report.style import display
+from diffquant.report.tables import markdown
+from diffquant.runs import start_run
+from diffquant.stats.intervals import fmt_pm
+from diffquant.stats.outlier_regime import HIDDEN_RATIO, NAME, SINK_RATE, reached
+from diffquant.stats.sinks import SINK_DEFINITION
+from diffquant.training import TrainConfig, prepare_data, train_pair
 
 EVAL_SEQUENCES = 64  # held-out sequences for the final measurements
 
@@ -58,6 +63,9 @@ SEARCH = {
     "kjv-tiny-bos": dict(preset="tiny", corpus="kjv", seq_len=128, batch_size=16, lr=3e-3, weight_decay=0.1, bos=True,
                          tokens=2_000_000),
 }
+# The demo's setting (TrainConfig's defaults, not the result of a sweep): outside the search, for `--setting demo`
+# (docs/rivals/demo), `fixes_needed --pair demo` and the mitigations experiment's demo pair.
+DEMO = dict(preset="tiny", corpus="kjv", seq_len=256, batch_size=16, lr=3e-3, weight_decay=0.1, tokens=600_000)
 QUICK = {"bb-micro-quick": dict(preset="micro", corpus="synth:bb:vocab=32", seq_len=32, batch_size=8, lr=3e-3,
                                 tokens=8 * 32 * 24)}
 
@@ -77,7 +85,7 @@ def train_and_measure(name: str, overrides: dict, seed: int, archs, runs: Path, 
     """Train (or reuse) the designs of one setting and seed; measure each on held-out sequences."""
     from transformers import AutoModelForCausalLM
 
-    from measure import measure
+    from experiments.measure import measure
 
     folder = runs / name / f"s{seed}"
     cfg = config(overrides, seed, archs)
@@ -108,6 +116,12 @@ def choose(settings: dict, found: dict) -> str:
     if any(budget.values()):
         return min((n for n in done if budget[n]), key=budget.get)
     return max(done, key=lambda n: found[n]["hidden_ratio"])
+
+
+def regime_setting(search_json: Path) -> tuple[str, dict]:
+    """The setting the search chose (see `choose`), read from its committed search.json: (name, overrides)."""
+    name = choose(SEARCH, json.loads(search_json.read_text())["results"])
+    return name, SEARCH[name]
 
 
 def extrapolate(emergence: list[dict]) -> float | None:
@@ -165,7 +179,7 @@ def metric_label(doc: dict, key: str) -> str:
     """A metric's column label. Results without a `sink_definition` were measured before DIFF's sink rate was
     taken per differential head: their DIFF rate pools the A1 and A2 maps (A2 is subtracted, so that number counts
     the cancelling map as sinks); the column then holds the softmax designs' rates only, and the label says so."""
-    from measure import METRICS
+    from experiments.measure import METRICS
 
     if key == "sink_rate" and doc.get("sink_definition") != SINK_DEFINITION:
         return OLD_SINK_LABEL
@@ -176,7 +190,7 @@ def render_regime(doc: dict) -> str:
     """results.md from results.json: one row per design, mean ± 95% t-interval over seeds per metric, the
     scale-free metrics first and the absolute magnitudes after them. A differential design's sink rate measured
     by the old pooled definition is left out ("-"), never shown beside the softmax designs' rates."""
-    from measure import METRICS
+    from experiments.measure import METRICS
 
     designs = list(doc["aggregate"])
     keys = [k for k in METRICS if k in doc["aggregate"][designs[0]]]
@@ -203,7 +217,7 @@ def render_regime(doc: dict) -> str:
 def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_eval: int,
            schemes=("logits-int4",)) -> dict:
     """Every design of `archs` trained identically for each seed; mean ± 95% t-interval over seeds."""
-    from measure import aggregate
+    from experiments.measure import aggregate
 
     out.mkdir(parents=True, exist_ok=True)
     per = {arch: [] for arch in archs}
@@ -242,8 +256,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a tiny synthetic setting: the pipeline in a minute")
     p.add_argument("--only", choices=["search", "regime"])
-    p.add_argument("--setting", help="regime: the SEARCH setting to use (default: chosen by the search)")
+    p.add_argument("--setting", help="regime: a SEARCH setting, or demo (default: the one the search chose)")
     p.add_argument("--archs", nargs="+", default=["baseline", "diff"])
+    p.add_argument("--schemes", nargs="+", default=["logits-int4"],
+                   help="regime: the schemes whose perplexity cost is measured (docs/rivals/demo: logits-int4 w8a8)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0 1)")
     p.add_argument("--out", default="docs/emergence")
     p.add_argument("--runs", default="runs/emergence")
@@ -253,9 +269,13 @@ def main(argv=None) -> None:
         return render(Path(a.out))
     a.seeds = a.seeds or ([0, 1] if a.quick else [0, 1, 2])
     settings = QUICK if a.quick else SEARCH
+    named = {**settings, "demo": DEMO}
+    if a.setting and a.setting not in named:
+        raise DiffquantError(f"--setting {a.setting} is not one of {', '.join(named)}")
     n_eval = 8 if a.quick else EVAL_SEQUENCES
     out, runs = Path(a.out), (Path(a.out) / "runs" if a.quick else Path(a.runs))
-    start_run(out, {**vars(a), "settings": settings}, "cuda" if torch.cuda.is_available() else "cpu")
+    used = {**settings, "demo": DEMO} if a.setting == "demo" else settings
+    start_run(out, {**vars(a), "settings": used}, "cuda" if torch.cuda.is_available() else "cpu")
     found = None
     if a.only != "regime":
         found = search(settings, runs, out, n_eval)
@@ -263,9 +283,12 @@ def main(argv=None) -> None:
     if a.only == "search":
         return
     name = a.setting or choose(settings, found or json.loads((out / "search.json").read_text())["results"])
-    regime(name, settings[name], tuple(a.archs), a.seeds, runs, out, n_eval)
+    regime(name, named[name], tuple(a.archs), a.seeds, runs, out, n_eval, tuple(a.schemes))
     print((out / "results.md").read_text())
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DiffquantError as err:  # one line, not a traceback
+        raise SystemExit(f"emergence: {err}") from None

@@ -23,12 +23,16 @@ OUT/cells/<design>/lr<rate>/s<seed>.json: an interrupted run continues where it 
 lacks a scheme the experiment now measures: then it is trained and measured again in full).
 The token budget per model is fixed once in OUT/plan.json from `--budget-hours` and what was measured at start: each
 design's training tokens/s, and the seconds of a tracking snapshot, a run's measurement and a checkpoint write.
-With `--worker K/N`, worker K runs on GPU K mod the visible GPUs.
+With `--worker K/N`, worker K runs on GPU K mod the visible GPUs. `--minutes M` sets the budget from a
+wall-clock limit instead (start-up included, RESERVE_S kept for the report): the GPU preset, `--experiment
+small-bb` (the `small` preset, 25.4M parameters with its 66-symbol vocabulary, 8 designs × (3 rates + 4 more
+seeds) = 56 runs), runs within 8 minutes of an H200, fully offline (generated Bigram-Backcopy: no corpus, no hub).
 
-    python experiments/fair_rivals.py --plan-only                 # what it would run, and how long
-    nice -n 19 python experiments/fair_rivals.py --budget-hours 6 # the comparison (resumable)
-    python experiments/fair_rivals.py --quick --out /tmp/fr       # the whole pipeline in seconds
-    python experiments/fair_rivals.py --render                    # tests and report again from results.json
+    python -m experiments.fair_rivals --plan-only                 # what it would run, and how long
+    nice -n 19 python -m experiments.fair_rivals --budget-hours 6 # the comparison (resumable)
+    python -m experiments.fair_rivals --quick --out /tmp/fr       # the whole pipeline in seconds
+    python -m experiments.fair_rivals --render                    # tests and report again from results.json
+    python -m experiments.fair_rivals --experiment small-bb --minutes 8 --out runs/gpu_fair --runs runs/gpu_fair/runs
 """
 
 from __future__ import annotations
@@ -41,12 +45,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+import torch
 
-import torch  # noqa: E402
-
-from diffquant.errors import DiffquantError  # noqa: E402
-from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
+from diffquant.errors import DiffquantError
+from diffquant.paths import atomic_write_json, atomic_write_text
 
 DESIGNS = ("baseline", "diff", "gated", "clipsoftmax", "sink", "baseline-headnorm", "diff-gain", "gated-nobias")
 HEADLINE = ("w8a8-static", "w4a4-static", "logits-int4")  # what outliers affect (Bondarenko et al.'s static W8A8)
@@ -102,7 +104,7 @@ GUO_NOTES = {
                 "ReLU MLP: the designs compared are all Llama variants, so the baseline must be one",
                 "weight decay on matrices only (norms and λ vectors undecayed) instead of on every parameter",
                 "batch 32 sequences instead of 512 on 2 CPU cores (more updates per token at a budget of minutes per "
-                "model); gpu_fair.py uses 64 × 512 tokens at the small preset",
+                "model); the small-bb experiment uses 64 × 512 tokens at the small preset",
                 "tokens: cut to the budget (their 10k steps × 512 × 256 = 1.3B tokens per model)",
                 "learning rate swept per design (their 3e-4 is one of the rates)"],
     "heads": "one head of width 256 per layer for every design; DIFF (and diff-gain) has one differential head: two "
@@ -117,7 +119,14 @@ EXPERIMENTS = {
                                       save_every=10**9), tokens=8 * 32 * 8, lrs=(1e-3, 3e-3, 1e-2), seeds=(0, 1),
                         designs=("baseline", "diff"), eval_sequences=8, calibration_sequences=8, track_points=3,
                         schemes=HEADLINE + ("kv4-sink1",)),
+    # the GPU preset (`--minutes 8` on one H200): the small preset (width 512, 8 layers, 8 heads, 512-token windows)
+    # on Guo et al.'s task and optimiser; vocabulary 65 symbols + BOS like theirs; 64 × 513 tokens per step
+    "small-bb": Experiment("small-bb", dict(GUO_TRAIN, preset="small", seq_len=513, batch_size=64, save_every=100),
+                           tokens=200_000_000, lrs=(3e-4, 1e-3, 3e-3), eval_sequences=32, calibration_sequences=16,
+                           track_points=8, notes={"scale": "small preset, 8 heads per layer (DIFF: 4 differential "
+                                                           "heads), not Guo's one head"}),
 }
+RESERVE_S = 20  # `--minutes`: the results, figures and report after the last cell
 
 
 def train_config(e: Experiment, design: str, lr: float, seed: int, tokens: int):
@@ -145,8 +154,8 @@ def measure_costs(e: Experiment, device: str, steps: int = 2) -> dict:
     from diffquant.models.fused import fuse
     from diffquant.models.presets import build, get_preset
     from diffquant.track import snapshot
-    from measure import measure
-    from pairs import seconds, train_rate
+    from experiments.measure import measure
+    from experiments.pairs import seconds, train_rate
 
     seq_len = e.train.get("seq_len") or get_preset(e.train["preset"]).seq_len
     vocab = parse(e.train["corpus"]).vocab + 1 if is_synthetic(e.train["corpus"]) else None
@@ -227,7 +236,7 @@ def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs
     from transformers import AutoModelForCausalLM
 
     from diffquant.training import train_pair
-    from measure import measure
+    from experiments.measure import measure
 
     folder = cell_folder(runs, design, lr, seed)
     done = cells / design / f"lr{lr:g}" / f"s{seed}.json"
@@ -420,7 +429,7 @@ def analyse(doc: dict, fixes: dict | None = None) -> dict:
 
 
 def _display(metric: str) -> str:
-    from measure import METRICS
+    from experiments.measure import METRICS
 
     return METRICS[metric][0] if metric in METRICS else metric
 
@@ -688,7 +697,7 @@ def render(doc: dict) -> str:
     from diffquant.report.tables import markdown
     from diffquant.stats.intervals import fmt_pm
 
-    from measure import METRICS
+    from experiments.measure import METRICS
 
     e, plan = doc["experiment"], doc["plan"]
     lines = [f"# Fair comparison: {e['name']}\n", describe_plan(plan) + ".\n",
@@ -758,7 +767,7 @@ def run(e: Experiment, out: Path, runs: Path, budget_hours: float, device: str, 
     `worker` (or the last one) writes the results once every cell is in."""
     from diffquant.runs import start_run
 
-    from measure import aggregate
+    from experiments.measure import aggregate
 
     out.mkdir(parents=True, exist_ok=True)
     plan_path = out / "plan.json"
@@ -834,13 +843,16 @@ def render_only(out: Path) -> dict:
 
 
 def main(argv=None, experiments: dict | None = None) -> dict | None:
-    from pairs import device, worker_device
+    t0 = time.perf_counter()
+    from experiments.pairs import device, worker_device
 
     experiments = experiments or EXPERIMENTS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experiment", default="guo", choices=sorted(experiments))
     p.add_argument("--quick", action="store_true", help="the whole pipeline on micro settings (seconds)")
     p.add_argument("--budget-hours", type=float, default=6.0, help="training budget of the whole comparison")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="instead of --budget-hours: the whole run, start-up included (small-bb on one GPU: 8)")
     p.add_argument("--plan-only", action="store_true", help="measure tokens/s, print the plan, run nothing")
     p.add_argument("--replan", action="store_true", help="make a new plan even where OUT/plan.json exists")
     p.add_argument("--out", default=None, help="results (default docs/rivals/fair-<experiment>)")
@@ -864,8 +876,21 @@ def main(argv=None, experiments: dict | None = None) -> dict | None:
     runs = Path(a.runs) if a.runs else (out / "runs" if a.quick else Path("runs/fair") / e.name)
     budget = a.budget_hours if not a.quick or "--budget-hours" in (argv or sys.argv) else 1.0
     where = device() if worker is None else worker_device(worker[0], torch.cuda.device_count())
-    return run(e, out, runs, budget, where, a.plan_only, a.replan, worker)
+    if a.minutes is None:
+        return run(e, out, runs, budget, where, a.plan_only, a.replan, worker)
+    if where == "cpu" and e.train.get("preset") == "small":
+        print("no GPU: the small-preset comparison would take days here; use --quick, or the guo experiment on CPU")
+    doc = run(e, out, runs, max(0.0, a.minutes * 60 - (time.perf_counter() - t0) - RESERVE_S) / 3600, where,
+              a.plan_only, a.replan, worker)
+    if doc is not None:
+        print((out / "results.md").read_text())
+        print(f"total {time.perf_counter() - t0:.0f} s of the {a.minutes:g} min allowed; {doc['plan']['runs']} runs; "
+              f"everything under {out}")
+    return doc
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DiffquantError as err:  # one line, not a traceback
+        raise SystemExit(f"fair_rivals: {err}") from None

@@ -1,17 +1,14 @@
 """Figure 8 analog: quantize only the attention logits (dynamic absmax) at 16/8/6/4 bits and measure
 held-out perplexity of a matched pair, for each granularity and several seeds.
 
-    python experiments/fig8_logit_quant.py [--quick] [--seeds 0 1 2] [--granularity tensor head token]
+    python -m experiments.fig8_logit_quant [--quick] [--seeds 0 1 2] [--granularity tensor head token]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @dataclass
@@ -41,7 +38,7 @@ def main(argv=None) -> None:
 
 
 def run(s: Settings, out: Path, pairs: Path | None = None) -> list[dict]:
-    from pairs import device, sweep_pair, trained_pairs, validation_text
+    from experiments.pairs import device, sweep_pair, trained_pairs, validation_text
 
     from diffquant.paths import atomic_write_text
     from diffquant.report.tables import markdown

@@ -2,7 +2,7 @@
 (dequantized from Q4_1) as the attention logits go from 16 to 8, 6 and 4 bits (dynamic absmax, per tensor and
 per head), beside W8A8 with static activations and W4A16, on tasks the float model can do at all.
 
-    python experiments/fig8_real_model.py [--quick] [--out docs/fig8_real]
+    python -m experiments.fig8_real_model [--quick] [--out docs/fig8_real]
 
 1. Task selection (float only, before any quantized run): the candidates below are scored in order until
    one passes the rule of diffquant/task_selection.py; every candidate tried is recorded.

@@ -2,9 +2,9 @@
 checkpoints (experiments/fair_rivals.py, Guo et al.'s recipe): the baseline and DIFF, each at its own learning
 rate (chosen by its own held-out loss, sweep.json), every trained seed.
 
-    python experiments/fixes_needed.py [--quick] [--designs baseline diff] [--out docs/rivals/fair-guo/fixes]
-    python experiments/fixes_needed.py --pair demo [--runs runs/rivals]   # the demo pair (experiments/rivals.py)
-    python experiments/fixes_needed.py --render [--pair demo]   # rewrite the report from the committed results
+    python -m experiments.fixes_needed [--quick] [--designs baseline diff] [--out docs/rivals/fair-guo/fixes]
+    python -m experiments.fixes_needed --pair demo [--runs runs/rivals]   # the demo pair (emergence.DEMO)
+    python -m experiments.fixes_needed --render [--pair demo]   # rewrite the report from the committed results
 
 Per model: the held-out loss in float and under each scheme (W8A8-static, W4A4-static: static per-tensor
 activations, what outliers hurt) with each fix: none, `smoothquant:search` (α per model), `rotate` (the complete
@@ -15,7 +15,7 @@ SmoothQuant's search, GPTQ) are reused. A cell's cost is its mean loss change fr
 no-fix cost a fix recovers. DIFF against the baseline: Welch's t over seeds per (scheme, fix), Holm-adjusted
 over the table. Results per model are written as they finish (a stopped run resumes).
 `--quick` runs on the fair comparison's --quick checkpoints (trained here in seconds when missing).
-`--pair demo` runs on the demo pair instead: experiments/rivals.py's demo setting (tiny preset, 600K KJV tokens,
+`--pair demo` runs on the demo pair instead: the demo setting (experiments/emergence.py's DEMO: tiny preset, 600K KJV tokens,
 lr 3e-3 for every design: TrainConfig's default, not chosen by a sweep), every seed trained under
 RUNS/demo/s<seed>/<design>; held-out and calibration windows from KJV's validation and training splits.
 """
@@ -24,17 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+from experiments.emergence import DEMO
 
-from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
-from diffquant.stats.intervals import detectable  # noqa: E402
+from diffquant.paths import atomic_write_json, atomic_write_text
+from diffquant.stats.intervals import detectable
 
 SCHEMES = ("w8a8-static", "w4a4-static")
-PAIRS = {"demo": {"preset": "tiny", "corpus": "kjv", "seq_len": 256, "batch_size": 16, "lr": 3e-3,
-                  "weight_decay": 0.1, "tokens": 600_000}}  # experiments/rivals.py's DEMO (a test asserts they agree)
+PAIRS = {"demo": DEMO}  # the trained pairs `--pair` reads: name -> TrainConfig overrides
 FIXES = ("none", "smoothquant:search", "rotate", "quarot", "clip:output")
 
 
@@ -194,7 +192,7 @@ def _ties(doc: dict, fair: dict | None) -> dict:
     """{scheme: tie text} for the no-fix rows (the fair sweep measured each scheme's no-fix cost at every rate, seed
     0, as Δppl %) and {"any": text} for the fixed rows (measured at the chosen rates only), where a design of the
     table won its rate by less than one standard error."""
-    import fair_rivals as F
+    from experiments import fair_rivals as F
 
     if not fair:
         return {}
@@ -308,7 +306,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="default: the fair comparison's folder + /fixes")
     p.add_argument("--runs", default=None, help="the fair comparison's checkpoints (default runs/fair/<experiment>)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--pair", choices=list(PAIRS), help="a trained pair of experiments/rivals.py instead (see above)")
+    p.add_argument("--pair", choices=list(PAIRS), help="a trained pair of `emergence --setting NAME` instead (see above)")
     p.add_argument("--render", action="store_true",
                    help="only rewrite results.json's tests and results.md from the committed files (no model runs)")
     a = p.parse_args(argv)
@@ -320,7 +318,7 @@ def main(argv=None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import fair_rivals as F
+    from experiments import fair_rivals as F
 
     from diffquant.errors import DiffquantError
     from diffquant.models.fused import fuse
@@ -370,7 +368,7 @@ def main(argv=None) -> None:
 def write_report(doc: dict, out: Path) -> None:
     """results.json and results.md; the fair comparison's results (beside OUT, when they exist) are re-read with
     this table's tests in their grown family (fair_rivals.analyse), which gives each test "p_holm_grown"."""
-    import fair_rivals as F
+    from experiments import fair_rivals as F
 
     fair_path = out.parent / "results.json"
     fair = None
@@ -382,11 +380,11 @@ def write_report(doc: dict, out: Path) -> None:
 
 
 def pair_main(a) -> None:
-    """`--pair`: every seed of the two designs trained under RUNS/<pair>/s<seed>/<design> (rivals.py's layout)."""
+    """`--pair`: every seed of the two designs trained under RUNS/<pair>/s<seed>/<design> (the layout of `emergence --runs RUNS`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from emergence import config, held_out
+    from experiments.emergence import config, held_out
 
     from diffquant.errors import DiffquantError
     from diffquant.models.fused import fuse
@@ -398,7 +396,8 @@ def pair_main(a) -> None:
     folders = sorted(f for f in runs.glob("s*") if (f / "metrics.json").is_file())  # metrics: written once trained
     if not folders:
         raise DiffquantError(f"fixes_needed --pair {a.pair}: no trained seed under {runs} (train it with "
-                             f"python experiments/rivals.py --only {a.pair} --archs {' '.join(a.designs)})")
+                             f"python -m experiments.emergence --only regime --setting {a.pair} --runs {runs.parent} "
+                             f"--archs {' '.join(a.designs)} --out docs/rivals/{a.pair})")
     setting = PAIRS[a.pair]
     cfg = config(setting, 0, a.designs)
     seqs = held_out(cfg, folders[0], 64)

@@ -8,20 +8,17 @@ refuses a plan that will not fit the minutes (`--train-tokens` lowers it). `--co
 instead (a Debian one needs the network once). `--quick` runs the same pipeline on CPU with tiny budgets (the test
 suite runs it with networking disabled).
 
-    python experiments/gpu_recipe.py --out runs/gpu        # on a GPU
-    python experiments/gpu_recipe.py --quick --out /tmp/g  # anywhere
+    python -m experiments.gpu_recipe --out runs/gpu        # on a GPU
+    python -m experiments.gpu_recipe --quick --out /tmp/g  # anywhere
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @dataclass
@@ -75,7 +72,7 @@ def estimate(s: Settings, dev: str) -> tuple[dict[str, float], float]:
     from diffquant.profiler import profile_model
     from diffquant.sweeps import build_cells
     from diffquant.track import snapshot
-    from pairs import seconds, train_rate
+    from experiments.pairs import seconds, train_rate
 
     spec = get_preset(s.preset)
     vocab = parse(s.corpus).vocab + 1 if is_synthetic(s.corpus) else None
@@ -101,7 +98,7 @@ def estimate(s: Settings, dev: str) -> tuple[dict[str, float], float]:
 
 
 def run(s: Settings, out: Path, pairs: Path | None = None, t0: float | None = None) -> None:
-    from pairs import device, fit_or_refuse, trained_pairs
+    from experiments.pairs import device, fit_or_refuse, trained_pairs
 
     from diffquant.data.windows import corpus_windows
     from diffquant.models.load import load_pair

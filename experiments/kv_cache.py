@@ -12,11 +12,11 @@ K/V bits 8/4/3/2 × key granularity (per token and KV head, per channel and KV h
 in each head's Hadamard basis, values too; values are per token and KV head in all three) × sink-aware off/on (the first token kept in full precision). Perplexity change against the same model in full precision is paired over sequences (95% t
 interval of the per-sequence loss difference, carried through exp).
 
-    python experiments/kv_cache.py --quick                      # seconds: the micro pair, random init
-    python experiments/kv_cache.py                              # SmolLM2-135M-Instruct
-    python experiments/kv_cache.py --model runs/pair/baseline --model runs/pair/diff   # trained checkpoints
-    python experiments/kv_cache.py --decode [--quick]          # prefill vs decoding through a quantized cache
-    python experiments/kv_cache.py --needle [--quick]          # needle retrieval decoded through a quantized cache
+    python -m experiments.kv_cache --quick                      # seconds: the micro pair, random init
+    python -m experiments.kv_cache                              # SmolLM2-135M-Instruct
+    python -m experiments.kv_cache --model runs/pair/baseline --model runs/pair/diff   # trained checkpoints
+    python -m experiments.kv_cache --decode [--quick]          # prefill vs decoding through a quantized cache
+    python -m experiments.kv_cache --needle [--quick]          # needle retrieval decoded through a quantized cache
 
 Results: docs/kv_cache/results.json, results.md, kv_cache.png/.svg (perplexity vs KV bits, one line per model
 and key granularity, sink-aware dashed).
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,8 +34,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
 
 OUT = ROOT / "docs" / "kv_cache"
 KEY_GRANULARITY = {"token": "per token and KV head", "channel": "per channel and KV head, runs of 32 positions",
@@ -107,7 +104,7 @@ FRESH = False  # --fresh: recompute every condition
 def measure(source: str, s: Settings) -> dict:
     import json
 
-    from measure import quantization_cost
+    from experiments.measure import quantization_cost
 
     from diffquant.evaluate import language_modeling
     from diffquant.models.load import load_model

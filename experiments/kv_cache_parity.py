@@ -8,21 +8,19 @@ min-max format, PerGroup(q_group_size) at the k_cache / v_cache sites). Both dec
 time (teacher forcing: perplexity of the continuation) and generate greedily from the same prompt; the table
 shows both, and the tolerance they must meet.
 
-    python experiments/kv_cache_parity.py [--quick]      # --quick: the micro models only
+    python -m experiments.kv_cache_parity [--quick]      # --quick: the micro models only
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 OUT = ROOT / "docs" / "kv_cache"
 TOLERANCE = {"max_abs_logit": 1e-4, "nll": 1e-5}  # fp32 on both sides: the same arithmetic, in another order

@@ -3,7 +3,7 @@ each bit-width, on SmolLM2-135M-Instruct (Q4_1 → fp32) and on the matched pair
 the emergence search chose, labelled by that setting's name: it is in the outlier regime
 (diffquant.stats.outlier_regime) only where the search says it was reached), seed 0 of each.
 
-    python experiments/mitigations.py [--quick] [--models smollm2 demo regime] [--out docs/mitigations]
+    python -m experiments.mitigations [--quick] [--models smollm2 demo regime] [--out docs/mitigations]
 
 Per model × scheme × fix: held-out perplexity with its 95% interval (exp of the loss's t-interval over
 sequences) and the paired change from the float model (95% paired t-interval), and (optional, --mc, models trained on text) BIG-bench multiple-choice accuracy. Each
@@ -16,13 +16,10 @@ on the evaluation text. Settings fixed before any run: the paper's
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
-from diffquant.report.style import display  # noqa: E402
+from diffquant.paths import atomic_write_json, atomic_write_text
+from diffquant.report.style import display
 
 SCHEMES = ("w8a8-static", "w6a6", "w4a8", "w4a4", "logits-int4")
 FIXES = ("none", "smoothquant:0.5", "rotate", "clip:mse")
@@ -31,9 +28,9 @@ EVAL_TOKENS, SEQ = 8192, 256  # SEQ: the windows of a pretrained model (a traine
 
 def models_to_run(which, runs: Path, quick: bool) -> dict[str, tuple[str, object]]:
     """{label: (model source, its training run's TrainConfig and folder, or None)}: SmolLM2 from the zoo, the
-    pairs from experiments/rivals.py's runs (trained here with the same settings when missing)."""
-    from emergence import config
-    from rivals import DEMO, regime_setting
+    pairs from the emergence experiment's runs (RUNS/rivals/demo for the demo pair, RUNS/emergence/<setting> for the
+    search's), trained here with the same settings when missing."""
+    from experiments.emergence import DEMO, config, regime_setting
 
     from diffquant.training import TrainConfig, train_pair
 

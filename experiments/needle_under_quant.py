@@ -2,17 +2,14 @@
 into KJV (so small models learn the skill), then N=6 needles, R=2 queries (the paper's §3.4 setting),
 accuracy at 16/8/6/4 logit bits. Paper (3B, 4K context): DIFF 0.85 vs Transformer 0.55 at full precision.
 
-    python experiments/needle_under_quant.py [--quick] [--seeds 0 1]
+    python -m experiments.needle_under_quant [--quick] [--seeds 0 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @dataclass
@@ -39,7 +36,7 @@ def main(argv=None) -> None:
 
 
 def run(s: Settings, out: Path, pairs: Path | None = None) -> None:
-    from pairs import device, sweep_pair, trained_pairs, validation_text
+    from experiments.pairs import device, sweep_pair, trained_pairs, validation_text
 
     from diffquant.paths import atomic_write_text
     from diffquant.report.tables import markdown

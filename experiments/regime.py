@@ -9,7 +9,7 @@ share ≥ 0.5 (an attention sink), or max‖h‖/median‖h‖ ≥ 20× its valu
 neither is met, each is extrapolated: a log-log line through the second half of the snapshots, to the token count
 where it would be met (none where the curve does not grow).
 
-    python experiments/regime.py [--cells docs/rivals/fair-guo/cells] [--out docs/regime]
+    python -m experiments.regime [--cells docs/rivals/fair-guo/cells] [--out docs/regime]
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def verdict(s: dict) -> dict:
 
 def sentence(v: dict, tokens: int, losses: list[float]) -> str:
     """The verdict, with what was reduced from Guo et al.'s setting next to it."""
-    from fair_rivals import GUO_TRAIN
+    from experiments.fair_rivals import GUO_TRAIN
 
     from diffquant.stats.outlier_regime import NAME
 

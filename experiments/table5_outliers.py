@@ -1,16 +1,13 @@
 """Table 5 analog: largest |activation| of a matched DIFF/baseline pair, over several seeds.
 
-    python experiments/table5_outliers.py [--quick] [--seeds 0 1 2] [--out runs/table5]
+    python -m experiments.table5_outliers [--quick] [--seeds 0 1 2] [--out runs/table5]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @dataclass
@@ -40,7 +37,7 @@ def main(argv=None) -> None:
 
 
 def run(s: Settings, out: Path, pairs: Path | None = None) -> None:
-    from pairs import device, trained_pairs, validation_text
+    from experiments.pairs import device, trained_pairs, validation_text
 
     from diffquant.data.tokens import encode, sequences
     from diffquant.models.load import load_pair

@@ -1,17 +1,14 @@
 """Weight × activation grid: W 8/6/4 × A 8/6/4 (per-channel weights, per-token dynamic Linear inputs)
 on a matched pair; perplexity per cell, heatmaps per model.
 
-    python experiments/weight_act_grid.py [--quick] [--seeds 0 1]
+    python -m experiments.weight_act_grid [--quick] [--seeds 0 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @dataclass
@@ -38,7 +35,7 @@ def main(argv=None) -> None:
 
 
 def run(s: Settings, out: Path, pairs: Path | None = None) -> None:
-    from pairs import device, sweep_pair, trained_pairs, validation_text
+    from experiments.pairs import device, sweep_pair, trained_pairs, validation_text
 
     from diffquant.paths import atomic_write_text
     from diffquant.report.tables import markdown

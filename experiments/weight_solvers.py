@@ -1,7 +1,8 @@
 """How much of round-to-nearest's 4-bit cost do the weight solvers practitioners use recover? W4A16 with
 int4 groups of 128 (the `w4a16` preset) on SmolLM2-135M-Instruct, weights by RTN, GPTQ and AWQ.
 
-    python experiments/weight_solvers.py [--quick] [--calibration 128] [--out docs/weights]
+    python -m experiments.weight_solvers [--quick] [--calibration 128] [--out docs/weights]
+    python -m experiments.weight_solvers --wa [--quick] [--scheme w4a8] [--out docs/weights/wa]   # the W×A table
 
 The held-out tokens are the mitigations experiment's (experiments/mitigations.py): KJV's validation split,
 32 windows of 256 (8,160 predicted tokens). Calibration: `--calibration` windows of 256 from the start of
@@ -10,18 +11,25 @@ the paired change from float and from RTN (95% paired intervals over the same se
 RTN's loss increase it recovers, and the solver's wall time. SmolLM2's published weights here are a Q4_1
 GGUF dequantized to fp32: every weight-quantization result on it is on weights that were 4-bit once.
 `--quick` runs the same on a random micro Llama and a byte tokenizer in seconds (a test of the script).
+
+`--wa`, the W×A table: weight solvers (RTN, GPTQ, AWQ) × activation fixes (none, SmoothQuant with α searched per
+model, QuaRot's rotation) at W4A8 on the same model and tokens; the rotation with GPTQ weights is `quarot`.
+SmoothQuant's α search scores its candidates on the first 16 calibration windows. Each cell: the fix applied, the
+weights solved, the scheme attached (static scales calibrated on the calibration windows), perplexity with its 95%
+interval over sequences; paired Δloss (95% t-interval over the same sequences) against float, against RTN with the
+same fix (what the solver buys) and against no fix with the same solver (what the fix buys). Intervals are per
+comparison, not adjusted for the table's multiplicity. Cells are written as they finish (a stopped run keeps them
+and resumes).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import json
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from diffquant.paths import atomic_write_json, atomic_write_text  # noqa: E402
+from diffquant.paths import atomic_write_json, atomic_write_text
 
 SCHEME = "w4a16"  # int4 symmetric, groups of 128, activations in float: the setting GPTQ/AWQ papers quote
 SOLVERS = ("rtn", "gptq", "gptq:act-order", "awq", "awq+gptq")
@@ -31,6 +39,10 @@ SOLVERS = ("rtn", "gptq", "gptq:act-order", "awq", "awq+gptq")
 # error, and GPTQ recovered 23% of RTN's cost (31% on 128 windows: see docs/weights).
 CALIBRATION_WINDOWS = 128
 CALIBRATION_CHARS = 1_000_000  # of the training split: 246,746 tokens (963 windows)
+WA_SCHEME = "w4a8"  # `--wa`: activations quantized too, where the fixes matter
+WA_FIXES = ("none", "smoothquant:search", "rotate")
+WA_SOLVERS = ("rtn", "gptq", "awq")
+WA_ORDER = [(f, w) for w in ("rtn", "gptq") for f in WA_FIXES] + [(f, "awq") for f in WA_FIXES]  # AWQ, the slowest, last
 
 
 def _data(quick: bool, windows: int):
@@ -46,7 +58,7 @@ def _data(quick: bool, windows: int):
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, 256, (12, 64), generator=g)
         return model, byte_tokenizer(), ids[:8], ids[8:], "micro Llama (random weights)"
-    from mitigations import EVAL_TOKENS, SEQ, held_out_and_calibration
+    from experiments.mitigations import EVAL_TOKENS, SEQ, held_out_and_calibration
 
     from diffquant.data.corpora import load_text, split
     from diffquant.data.tokens import encode, sequences
@@ -64,16 +76,25 @@ def _data(quick: bool, windows: int):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--solvers", nargs="+", default=list(SOLVERS))
+    p.add_argument("--wa", action="store_true", help="the W×A table: solvers × activation fixes (see above)")
+    p.add_argument("--scheme", default=None, help=f"with --wa: the scheme (default {WA_SCHEME})")
+    p.add_argument("--solvers", nargs="+", default=list(SOLVERS), help="without --wa: the solvers compared")
     p.add_argument("--calibration", type=int, default=CALIBRATION_WINDOWS,
                    help="calibration windows of 256 tokens from the training split (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a loaded 2-core machine two threads oversubscribe)")
-    p.add_argument("--out", default="docs/weights")
+    p.add_argument("--out", default=None, help="default docs/weights (--wa: docs/weights/wa)")
     a = p.parse_args(argv)
     import torch
 
+    from diffquant.errors import DiffquantError
+
+    if a.scheme and not a.wa:
+        raise DiffquantError(f"--scheme {a.scheme}: the solver table is {SCHEME}; --scheme goes with --wa")
     torch.set_num_threads(a.threads)
+    if a.wa:
+        return wa_table(a.quick, a.scheme or WA_SCHEME, a.calibration, Path(a.out or "docs/weights/wa"))
+    a.out = a.out or "docs/weights"
     from diffquant.evaluate import language_modeling
     from diffquant.quant.recipe import Recipe, quantize_
     from diffquant.quant.scheme import get_scheme
@@ -159,6 +180,94 @@ def report(r: dict) -> str:
             "2-core CPU shared with other jobs (a benchmark note, not a controlled timing).\n\n")
     return head + markdown(["weights", "perplexity [95%]", "Δloss vs float", "Δloss vs RTN", "RTN cost recovered",
                             "solve time"], lines) + "\n"
+
+
+def wa_table(quick: bool, scheme: str, calibration: int, out: Path) -> None:
+    """`--wa`: every (fix, solver) cell of WA_ORDER at `scheme`, resumed from OUT/results.json (see above)."""
+    from diffquant.evaluate import language_modeling
+    from diffquant.quant.recipe import from_cli, quantize_
+    from diffquant.quant.scheme import get_scheme
+
+    out.mkdir(parents=True, exist_ok=True)
+    model, _, seqs, calib, label = _data(quick, calibration)
+    path = out / "results.json"
+    result = json.loads(path.read_text()) if path.exists() else None
+    if result is None or result["scheme"] != scheme or result["model"] != label:
+        fp = language_modeling(model, seqs)
+        result = {"model": label, "scheme": scheme, "description": get_scheme(scheme).description,
+                  "float": {k: fp[k] for k in ("loss", "loss_se", "ppl", "ppl_ci95", "tokens", "per_sequence_loss")},
+                  "evaluation": {"sequences": len(seqs), "seq_len": seqs.shape[1], "predicted_tokens": fp["tokens"],
+                                 "corpus": "random ids" if quick else "kjv (validation split)"},
+                  "calibration": {"sequences": len(calib), "tokens": int(calib.numel()),
+                                  "corpus": "random ids" if quick else "kjv (training split)"},
+                  "cells": []}
+    done = {(c["fix"], c["weights"]) for c in result["cells"]}
+    for fix_text, weights in WA_ORDER:
+        if (fix_text, weights) in done:
+            continue
+        t0 = time.perf_counter()
+        with quantize_(model, from_cli(fix_text, weights, scheme), calib, progress=not quick) as q:
+            seconds = time.perf_counter() - t0
+            r = language_modeling(model, seqs)
+        record = q.record["fixes"][0] if q.record["fixes"] else {"mitigation": None}
+        solved_record = q.record["weights"]
+        result["cells"].append({"fix": fix_text, "weights": weights, "seconds": seconds, "mitigation_record": record,
+                                "weights_record": {k: v for k, v in solved_record.items() if k != "super_weights"},
+                                **{k: r[k] for k in ("loss", "loss_se", "ppl", "ppl_ci95", "per_sequence_loss")}})
+        atomic_write_json(path, result)
+        atomic_write_text(out / "results.md", wa_report(result))
+        print(f"{fix_text} × {weights}: ppl {r['ppl']:.3f} ({seconds:.0f} s)", flush=True)
+    print(wa_report(result))
+
+
+def wa_comparisons(result: dict) -> dict:
+    """{(fix, weights): {"float"/"solver"/"fix": paired Δloss}} for every finished cell."""
+    from diffquant.stats.intervals import paired
+
+    cells = {(c["fix"], c["weights"]): c for c in result["cells"]}
+    out = {}
+    for (fix, w), c in cells.items():
+        d = {"float": paired(result["float"]["per_sequence_loss"], c["per_sequence_loss"])}
+        if w != "rtn" and (fix, "rtn") in cells:
+            d["solver"] = paired(cells[(fix, "rtn")]["per_sequence_loss"], c["per_sequence_loss"])
+        if fix != "none" and ("none", w) in cells:
+            d["fix"] = paired(cells[("none", w)]["per_sequence_loss"], c["per_sequence_loss"])
+        out[(fix, w)] = d
+    return out
+
+
+def wa_report(result: dict) -> str:
+    from diffquant.report.tables import markdown
+
+    def delta(d):
+        return f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]" if d and d.get("ci95") else "-"
+
+    comp = wa_comparisons(result)
+    cells = {(c["fix"], c["weights"]): c for c in result["cells"]}
+    rows = []
+    for fix, w in WA_ORDER:
+        c = cells.get((fix, w))
+        if c is None:
+            continue
+        d = comp[(fix, w)]
+        name = "quarot" if (fix, w) == ("rotate", "gptq") else f"{fix} + {w}"
+        alpha = c["mitigation_record"].get("alpha")
+        rows.append([name + (f" (α {alpha:g})" if fix == "smoothquant:search" else ""),
+                     f"{c['ppl']:.3f} [{c['ppl_ci95'][0]:.3f}, {c['ppl_ci95'][1]:.3f}]", delta(d["float"]),
+                     delta(d.get("solver")), delta(d.get("fix")), f"{c['seconds']:.0f} s"])
+    fp = result["float"]
+    head = (f"{result['model']}, scheme {result['scheme']} ({result['description']}). {data_text(result)}. "
+            f"Float perplexity {fp['ppl']:.3f} "
+            f"[{fp['ppl_ci95'][0]:.3f}, {fp['ppl_ci95'][1]:.3f}]. Δloss: paired over the same sequences, 95% "
+            "t-intervals per comparison (not adjusted for the table's multiplicity); vs RTN: the same fix with "
+            "round-to-nearest weights; vs no fix: the same solver without the fix. quarot = rotate + GPTQ (without "
+            "act-order; QuaRot's online Hadamard across heads before o_proj is not applied). smoothquant:search "
+            "chooses α on the first 16 calibration windows with RTN weights (each row searches again and finds the "
+            "same α); after rotate, AWQ applies no scales to down_proj's input (they would not commute with the "
+            "online Hadamard). Time: fix, solve and calibration, wall clock, one thread on a shared 2-core CPU "
+            "(not a cost comparison).\n\n")
+    return head + markdown(["fix + weights", "perplexity [95%]", "Δloss vs float", "Δloss vs RTN", "Δloss vs no fix",
+                            "time"], rows) + "\n"
 
 
 if __name__ == "__main__":

@@ -46,14 +46,15 @@ def set_attn(model, name):
 
 
 def load_script_module(path: str, name: str):
-    """experiments/ or benchmarks/ script `path` (from the repository root) as module `name`, its folder first on
-    sys.path (scripts import their neighbours) and the module in sys.modules (dataclasses look it up there)."""
+    """A fresh copy of the experiments/, benchmarks/ or docs/ module at `path` (from the repository root), named
+    `name` so that a test may change its settings without touching other tests' copy; in sys.modules (dataclasses
+    look their module up there). Its own imports (`from experiments.pairs import ...`) resolve from the repository
+    root, which pytest puts on sys.path (pyproject's `pythonpath`), as `python -m experiments.NAME` does."""
     import importlib.util
     import sys
     from pathlib import Path
 
     file = Path(__file__).resolve().parent.parent / path
-    sys.path.insert(0, str(file.parent))
     spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

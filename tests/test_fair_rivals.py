@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import assert_detectable
+from diffquant.errors import DiffquantError
+from diffquant.stats.intervals import holm_adjust
+from experiments import fair_rivals as fr
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import fair_rivals as fr  # noqa: E402
-
-from conftest import assert_detectable  # noqa: E402
-from diffquant.errors import DiffquantError  # noqa: E402
-from diffquant.stats.intervals import holm_adjust  # noqa: E402
 
 
 def test_holm_by_hand():
@@ -56,7 +54,7 @@ def test_plan_fits_training_tracking_measurement_and_checkpoints_in_the_budget()
 
 
 def test_workers_go_to_their_own_gpu():
-    from pairs import worker_device
+    from experiments.pairs import worker_device
 
     assert [worker_device(k, 2) for k in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     assert worker_device(3, 8) == "cuda:3" and worker_device(0, 1) == "cuda:0"
@@ -284,15 +282,15 @@ def test_standing_reads_only_the_holm_adjusted_tests():
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """One quick comparison, run once for the module: the GPU script's `--quick` with networking cut where this
-    machine permits it (it runs fair_rivals' quick experiment into OUT/runs), else fair_rivals in-process."""
+    """One quick comparison, run once for the module: as the GPU preset runs it (`--minutes`) with networking cut
+    where this machine permits it (into OUT/runs), else in-process."""
     from conftest import offline_prefix
 
     out = tmp_path_factory.mktemp("fair")
     prefix = offline_prefix()
     if prefix is not None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-        r = subprocess.run([*prefix, sys.executable, str(ROOT / "experiments" / "gpu_fair.py"), "--quick",
+        r = subprocess.run([*prefix, sys.executable, "-m", "experiments.fair_rivals", "--quick", "--minutes", "8",
                             "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "training tokens/s measured per design: about" in r.stdout  # the estimate, printed before training

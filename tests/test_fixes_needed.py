@@ -43,26 +43,29 @@ def test_summary_against_scipy(load_script):
 
 
 def test_pair_mode_on_a_trained_pair(tmp_path, load_script):
-    """`--pair`: rivals.py's layout (<runs>/<pair>/s<seed>/<design>), two seeds of a micro pair trained here in
-    seconds. Each model's float loss equals plain-torch cross-entropy on the same held-out windows, and the summary's
-    costs are the means of the per-model ones; the demo setting is rivals.py's own."""
+    """`--pair`: the layout `emergence --only regime --setting NAME` trains (<runs>/<pair>/s<seed>/<design>), two
+    seeds of a micro pair trained here in seconds. Each model's float loss equals plain-torch cross-entropy on the
+    same held-out windows, and the summary's costs are the means of the per-model ones; the demo pair is
+    emergence's DEMO setting, the one `--setting demo` trains."""
     import json
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    rivals = load_script("experiments/rivals.py", "rivals_for_pair_test")
     emergence = load_script("experiments/emergence.py", "emergence_for_pair_test")
     fx = load_script("experiments/fixes_needed.py", "fixes_needed_pair_under_test")
-    assert fx.PAIRS["demo"] == rivals.DEMO
-    rivals.main(["--quick", "--out", str(tmp_path / "rivals"), "--archs", "baseline", "diff"])
-    runs = tmp_path / "rivals" / "runs" / "rivals"
-    fx.PAIRS["quick"] = next(iter(emergence.QUICK.values()))
-    fx.main(["--pair", "quick", "--runs", str(runs), "--out", str(tmp_path / "fixes")])
+    assert fx.PAIRS["demo"] == emergence.DEMO == dict(preset="tiny", corpus="kjv", seq_len=256, batch_size=16, lr=3e-3,
+                                                      weight_decay=0.1, tokens=600_000)
+    (name, setting), = emergence.QUICK.items()
+    emergence.main(["--quick", "--only", "regime", "--setting", name, "--archs", "baseline", "diff", "--schemes",
+                    "logits-int4", "w8a8", "--out", str(tmp_path / "rivals")])
+    runs = tmp_path / "rivals" / "runs"
+    fx.PAIRS[name] = setting
+    fx.main(["--pair", name, "--runs", str(runs), "--out", str(tmp_path / "fixes")])
     doc = json.loads((tmp_path / "fixes" / "results.json").read_text())
     assert sorted(doc["models"]) == ["baseline/s0", "baseline/s1", "diff/s0", "diff/s1"]
-    folder = runs / "quick" / "s1"
-    seqs = emergence.held_out(emergence.config(fx.PAIRS["quick"], 0, ["baseline", "diff"]), runs / "quick" / "s0", 64)
+    folder = runs / name / "s1"
+    seqs = emergence.held_out(emergence.config(setting, 0, ["baseline", "diff"]), runs / name / "s0", 64)
     model = AutoModelForCausalLM.from_pretrained(folder / "diff").eval()
     with torch.no_grad():
         logits = model(seqs).logits[:, :-1].float()
@@ -73,7 +76,7 @@ def test_pair_mode_on_a_trained_pair(tmp_path, load_script):
         want = [doc["models"][f"{design}/s{s}"]["cells"]["w4a4-static"]["none"]["delta"] for s in (0, 1)]
         assert abs(cost["mean"] - sum(want) / 2) < 1e-12
     text = (tmp_path / "fixes" / "results.md").read_text()
-    assert "`quick` pair" in text and "not chosen by a sweep" in text
+    assert f"`{name}` pair" in text and "not chosen by a sweep" in text
 
 
 def test_fixes_are_read_inside_the_fair_comparisons_grown_family(load_script):

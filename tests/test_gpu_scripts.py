@@ -1,5 +1,5 @@
 """The GPU scripts run where the GPU machine runs them: with no network (experiments/gpu_recipe.py --quick under a
-cut network; gpu_fair's offline run is in test_fair_rivals), printing their estimate first and refusing a plan that
+cut network; the fair comparison's offline `--minutes` run is in test_fair_rivals), printing their estimate first and refusing a plan that
 will not fit; and benchmarks/gpu_check.sh end to end on CPU (--cpu-smoke)."""
 
 import json
@@ -22,7 +22,7 @@ def test_gpu_recipe_quick_runs_offline(tmp_path):
     if prefix is None:
         pytest.skip("unshare -rn is not permitted here (needs user and network namespaces)")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([*prefix, sys.executable, str(ROOT / "experiments" / "gpu_recipe.py"), "--quick", "--out",
+    r = subprocess.run([*prefix, sys.executable, "-m", "experiments.gpu_recipe", "--quick", "--out",
                         str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     first = r.stdout.index("gpu_recipe (micro, 8,192 tokens per model, cpu): estimated ")

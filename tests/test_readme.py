@@ -49,4 +49,4 @@ def test_generated_parts_and_the_results_page_are_current():
     from conftest import load_script_module
 
     rr = load_script_module("docs/readme_results.py", "readme_results_current")
-    assert rr.main(["--check"]) == 0, "run: python docs/readme_results.py"
+    assert rr.main(["--check"]) == 0, "run: python -m docs.readme_results"

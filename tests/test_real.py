@@ -1,6 +1,5 @@
 """End to end with the offline sources (Debian packages, PyPI wheels): corpora, SmolLM2, demo, notebook."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -113,17 +112,11 @@ def test_notebook_runs(tmp_path, quick_pairs):
 
 
 def _experiment(script: str):
-    """An experiment script as a module (its folder on sys.path, as when it runs as a script), run in this process:
-    no second interpreter start, and the session's trained pairs are shared."""
-    folder = str(ROOT / "experiments")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    name = f"experiment_{Path(script).stem}"
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the script defines its settings
-    spec.loader.exec_module(module)
-    return module
+    """A fresh copy of an experiment module, run in this process: no second interpreter start, and the session's
+    trained pairs are shared."""
+    from conftest import load_script_module
+
+    return load_script_module(f"experiments/{script}", f"experiment_{Path(script).stem}")
 
 
 @pytest.fixture(scope="session")
@@ -146,8 +139,7 @@ TRAINS_PAIRS = {"table5_outliers.py", "fig8_logit_quant.py", "weight_act_grid.py
 
 
 @pytest.mark.parametrize("script", ["table5_outliers.py", "fig8_logit_quant.py", "weight_act_grid.py",
-                                    "needle_under_quant.py", "real_model_profile.py", "emergence.py",
-                                    "rivals.py", "mitigations.py"])
+                                    "needle_under_quant.py", "emergence.py", "mitigations.py"])
 def test_experiments_quick(script, tmp_path, quick_pairs, capsys):
     argv = ["--quick", "--out", str(tmp_path)] + (["--pairs", str(quick_pairs)] if script in TRAINS_PAIRS else [])
     _experiment(script).main(argv)
@@ -155,10 +147,11 @@ def test_experiments_quick(script, tmp_path, quick_pairs, capsys):
     assert "|" in capsys.readouterr().out  # printed its headline table
 
 
-def test_experiment_scripts_still_run_as_scripts(tmp_path):
-    """The in-process runs above import the scripts; this runs one the way a user does."""
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "real_model_profile.py"), "--quick", "--out",
-                             str(tmp_path)], capture_output=True, text=True, timeout=900)
+def test_experiments_run_as_modules(tmp_path, quick_pairs):
+    """The in-process runs above import the experiments; this runs one the way a user does, from the repository
+    root: `python -m experiments.NAME`."""
+    result = subprocess.run([sys.executable, "-m", "experiments.table5_outliers", "--quick", "--out", str(tmp_path),
+                             "--pairs", str(quick_pairs)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "|" in result.stdout
 

@@ -2,16 +2,11 @@
 extrapolation, on hand-made tracked curves."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
-
-import regime  # noqa: E402
-
-from diffquant.track import tokens_to_reach  # noqa: E402
+from diffquant.track import tokens_to_reach
+from experiments import regime
 
 
 def point(tokens, shares, peak, loss=1.0, hidden_ratio=10.0, sink_rate=0.0):

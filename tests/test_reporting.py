@@ -86,15 +86,8 @@ def test_the_zoo_model_is_named_honestly_and_keeps_its_alias():
 
 
 def test_weight_rows_on_the_zoo_model_carry_the_caveat():
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from experiments import mitigations
 
-    path = Path(__file__).resolve().parent.parent / "experiments/mitigations.py"
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("mitigations_under_test", path)
-    mitigations = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mitigations)
     row = {"kind": "scheme", "site": "w4a8"}
     assert "4-bit grid" in mitigations.caveat(row, "smollm2-135m")
     assert mitigations.caveat({"kind": "scheme", "site": "logits-int4"}, "smollm2-135m") == ""  # no weights touched
