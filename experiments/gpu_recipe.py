@@ -24,7 +24,7 @@ from pathlib import Path
 @dataclass
 class Settings:
     preset: str = "small"  # width 512, 8 layers, 512-token windows: 25.4M parameters on 66 symbols (paper: 3B)
-    corpus: str = "synth:bb:vocab=65,triggers=3"  # Guo et al.'s setting (65 symbols, 3 triggers), as gpu_fair
+    corpus: str = "synth:bb:vocab=65,triggers=3"  # Guo et al.'s (65 symbols, 3 triggers), as fair_rivals' small-bb
     train_tokens: int = 20_000_000  # per model; checked against the measured rate before training
     batch_size: int = 64  # x 512 tokens = 32K tokens per step
     lr: float = 2e-3

@@ -326,8 +326,9 @@ def table(doc: dict) -> str:
 
 def seed_groups(doc: dict) -> dict[str, dict[str, dict[int, dict]]]:
     """{setting: {design: {seed: model entry}}} for checkpoints laid out as <runs>/<setting>/s<seed>/<design>
-    (train_pair's layout, as experiments/rivals.py writes it), where a setting has two designs or more, each with
-    two seeds or more: those are compared over seeds rather than shown one model at a time."""
+    (train_pair's layout, as `python -m experiments.emergence --only regime --setting NAME` writes it), where a
+    setting has two designs or more, each with two seeds or more: those are compared over seeds rather than shown one
+    model at a time."""
     groups: dict[str, dict[str, dict[int, dict]]] = {}
     for m in doc["models"]:
         path = Path(m["source"])

@@ -1,6 +1,6 @@
 """docs/rerender.py's recomputation of old stats.json sink figures per differential head, checked against a plain
 computation on hand-built fragments; the committed demo's sink rows against the table header; the sink
-definition that experiments/emergence.py (and rivals.py, through it) writes into results."""
+definition that experiments/emergence.py (and its `--setting demo` run, docs/rivals/demo) writes into results."""
 
 from __future__ import annotations
 
