@@ -214,7 +214,8 @@ def wa_rows(rows: list[dict]) -> list[list]:
 
 
 ONE_SEED = ("One training seed: an ordering of the two models' costs here is one draw of the training noise, not a "
-            "property of the designs; experiments/rivals.py repeats this setting over three seeds.")
+            "property of the designs; `python -m experiments.emergence --only regime --setting demo` repeats this setting "
+            "over three seeds.")
 
 
 def render_report(s: dict, seed_note: str = ONE_SEED) -> str:

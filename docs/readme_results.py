@@ -132,7 +132,7 @@ def emergence_part() -> list[str]:
     if (ROOT / "docs/emergence/search.md").is_file():
         title = ("Searching for the outlier regime: no setting reached it" if hits == [] else
                  "When outliers appear")  # the heading says what was found
-        lines += [f"### {title} (`experiments/emergence.py`)", "",
+        lines += [f"### {title} (`python -m experiments.emergence`)", "",
                   "The search: the baseline alone, tracked during training (seed 0), under settings taken from the "
                   f"literature before any run (each setting's reason is in the script); the regime searched for is "
                   f"{NAME}, on held-out sequences.", "", *_md("docs/emergence/search.md")]
@@ -167,12 +167,12 @@ def regime_part() -> list[str]:
     if results is None:
         return []
     body = (ROOT / "docs/regime/results.md").read_text().split("\n", 1)[1].strip()  # its own title dropped
-    lines = ["### Guo et al.'s recipe: is there an outlier regime? (`experiments/regime.py`)", "",
+    lines = ["### Guo et al.'s recipe: is there an outlier regime? (`python -m experiments.regime`)", "",
              body.replace("](curves.png)", "](docs/regime/curves.png)"), ""]
     plan = _load("docs/rivals/fair-guo/plan.json")
     if plan and not (ROOT / "docs/rivals/fair-guo/results.json").is_file():
         done = len(list((ROOT / "docs/rivals/fair-guo/cells").glob("*/lr*/s*.json")))
-        lines += [f"The fair comparison of every design in this setting (`experiments/fair_rivals.py`: each design's "
+        lines += [f"The fair comparison of every design in this setting (`python -m experiments.fair_rivals`: each design's "
                   f"own learning rate, {len(plan['seeds'])} seeds, matched tokens and loss) is in progress: {done} of "
                   f"its {plan['runs']} runs are measured (docs/rivals/fair-guo/cells); no comparison is reported "
                   "before every seed is in.", ""]
@@ -181,7 +181,7 @@ def regime_part() -> list[str]:
         tables, _, tests = body.partition("## Tests")
         standing = tests.split("\n| ", 1)[0].split("\n")[1:]  # the section's paragraphs, before its table
         said = [line for line in standing if line.strip() and not line.startswith("Welch's t over seeds.")]
-        lines += ["#### Every design compared fairly in this setting (`experiments/fair_rivals.py`)", "",
+        lines += ["#### Every design compared fairly in this setting (`python -m experiments.fair_rivals`)", "",
                   *[x for line in said for x in (line, "")], tables.strip().replace("## ", "##### "), "",
                   "Every test behind the paragraphs above (design − DIFF and each ablation against its parent and the "
                   "Transformer, Welch's t over seeds, raw and Holm-adjusted p, learning-rate ties), the outlier curves "
@@ -190,7 +190,7 @@ def regime_part() -> list[str]:
     if (ROOT / "docs/rivals/fair-guo/fixes/results.md").is_file():
         fair = _load("docs/rivals/fair-guo/results.json")
         planned = sum(t.get("family") == "planned" and t["p_holm"] is not None for t in fair["tests"]) if fair else 0
-        lines += ["#### How much fixing DIFF needs against the baseline (`experiments/fixes_needed.py`)", "",
+        lines += ["#### How much fixing DIFF needs against the baseline (`python -m experiments.fixes_needed`)", "",
                   *_md("docs/rivals/fair-guo/fixes/results.md")]
         if planned:
             lines += [f"The fair comparison's planned family holds {planned} tests; the text under the fixes table says "
@@ -203,7 +203,7 @@ def rivals_part() -> list[str]:
     for which, title in (("demo", "the demo setting"), ("regime", "the setting the emergence search chose")):
         if (ROOT / f"docs/rivals/{which}/results.md").is_file():
             if not lines:
-                lines += ["### DIFF against the rival fixes (`experiments/rivals.py`)", "",
+                lines += ["### DIFF against the rival fixes (`python -m experiments.emergence --only regime --setting demo`)", "",
                           "Same data order, seeds, tokens, schedule and hyper-parameters for every design; none was "
                           "tuned (the demo setting's lr 3e-3 and weight decay 0.1 are `TrainConfig`'s defaults); three "
                           "seeds.", ""]
@@ -345,10 +345,10 @@ def search_pair_note() -> list[str]:
 def mitigations_part() -> list[str]:
     if not (ROOT / "docs/mitigations/results.md").is_file():
         return []
-    lines = ["### Post-training fixes (`experiments/mitigations.py`)", "", *_md("docs/mitigations/results.md"),
+    lines = ["### Post-training fixes (`python -m experiments.mitigations`)", "", *_md("docs/mitigations/results.md"),
              *search_pair_note(), ROTATE_NOTE, "", "![mitigations](docs/mitigations/mitigations.png)", ""]
     if (ROOT / "docs/rivals/demo/fixes/results.md").is_file():
-        lines += ["#### How much fixing DIFF needs on the demo pair (`experiments/fixes_needed.py --pair demo`)", "",
+        lines += ["#### How much fixing DIFF needs on the demo pair (`python -m experiments.fixes_needed --pair demo`)", "",
                   *_md("docs/rivals/demo/fixes/results.md")]
     return lines
 
@@ -371,17 +371,17 @@ def fig8_real_part() -> list[str]:
 def kv_cache_part() -> list[str]:
     lines = []
     if (ROOT / "docs/kv_cache/results.md").is_file():
-        lines += ["### KV-cache quantization (`experiments/kv_cache.py`)", "", *_md("docs/kv_cache/results.md"),
+        lines += ["### KV-cache quantization (`python -m experiments.kv_cache`)", "", *_md("docs/kv_cache/results.md"),
                   "![kv cache](docs/kv_cache/kv_cache.png)", ""]
     lines += fair_kv_part()
     if (ROOT / "docs/kv_cache/decode.md").is_file():
-        lines += ["#### Prefill against decoding through the cache (`experiments/kv_cache.py --decode`)", "",
+        lines += ["#### Prefill against decoding through the cache (`python -m experiments.kv_cache --decode`)", "",
                   *_md("docs/kv_cache/decode.md")]
     if (ROOT / "docs/kv_cache/needle.md").is_file():
-        lines += ["#### Needle retrieval through a quantized cache (`experiments/kv_cache.py --needle`)", "",
+        lines += ["#### Needle retrieval through a quantized cache (`python -m experiments.kv_cache --needle`)", "",
                   *_md("docs/kv_cache/needle.md")]
     if (ROOT / "docs/kv_cache/parity.md").is_file():
-        lines += ["#### Against transformers' QuantizedCache (`experiments/kv_cache_parity.py`)", "",
+        lines += ["#### Against transformers' QuantizedCache (`python -m experiments.kv_cache_parity`)", "",
                   *_md("docs/kv_cache/parity.md")]
     return lines
 
@@ -436,7 +436,7 @@ def fair_kv_part() -> list[str]:
               "long context both understate its cost" if kivi else
               "the 128 most recent positions in full precision, so its cost is understated against a long context")
     granularity = kv_granularity(doc) if doc["experiment"].get("train") else ""
-    return ["#### The cache on every design, trained fairly (`experiments/fair_rivals.py`)", "",
+    return ["#### The cache on every design, trained fairly (`python -m experiments.fair_rivals`)", "",
             f"The fair comparison's models (Guo et al.'s Bigram-Backcopy recipe as run here, "
             f"{doc['plan']['tokens_per_model']:,} training tokens per model, each design at its own learning rate, {n} "
             f"seeds; {doc['experiment']['eval_sequences']} held-out sequences of the synthetic corpus) with the keys "
@@ -456,7 +456,7 @@ def fair_kv_part() -> list[str]:
 def weights_part() -> list[str]:
     if not (ROOT / "docs/weights/results.md").is_file():
         return []
-    return ["### Weight solvers (`experiments/weight_solvers.py`)", "",
+    return ["### Weight solvers (`python -m experiments.weight_solvers`)", "",
             "SmolLM2-135M-Instruct's weights were already on a 4-bit grid (Q4_1, groups of 32) before dequantization; "
             "one calibration set, one run. Solvers listed in the settings but absent from the table did not run.", "",
             *_md("docs/weights/results.md"), *wa_part(), *llmcompressor_part()]
@@ -465,14 +465,15 @@ def weights_part() -> list[str]:
 def wa_part() -> list[str]:
     if not (ROOT / "docs/weights/wa/results.md").is_file():
         return []
-    return ["#### Weight solvers × activation fixes (`experiments/wa_table.py`)", "", *_md("docs/weights/wa/results.md")]
+    return ["#### Weight solvers × activation fixes (`python -m experiments.weight_solvers --wa`)", "",
+            *_md("docs/weights/wa/results.md")]
 
 
 def llmcompressor_part() -> list[str]:
     if not (ROOT / "docs/weights/llmcompressor.md").is_file():
         return []
     methods = " and ".join(m.upper() for m in ("gptq", "awq") if m in (_load("docs/weights/llmcompressor.json") or {}))
-    return [f"#### Against llm-compressor's {methods or 'GPTQ'} (`python benchmarks/llmcompressor_check.py`)", "",
+    return [f"#### Against llm-compressor's {methods or 'GPTQ'} (`python -m benchmarks.llmcompressor_check`)", "",
             *_md("docs/weights/llmcompressor.md")]
 
 
@@ -547,7 +548,7 @@ def benchmark_part() -> list[str]:
                          "; ".join(parts), "bounded"])
     if not rows:
         return []
-    lines = ["### Benchmarks (`python benchmarks/run.py`)", "",
+    lines = ["### Benchmarks (`python -m benchmarks.run`)", "",
              f"Ratios measured within one run on {b.get('device') or 'this CPU'} ({b.get('threads')} threads), "
              f"`{b.get('preset')}` preset, batch {b.get('batch')}; medians over {b.get('rounds')} interleaved rounds"
              + (f" (load average {b['load_average']:.1f} from other work when the last run started)"
@@ -574,7 +575,7 @@ def peers_part() -> list[str]:
     results = _load("benchmarks/peers.json")
     if results is None:
         return []
-    return ["### diffquant and the tools you know (`python benchmarks/peers.py`)", "", *peers.markdown_part(results),
+    return ["### diffquant and the tools you know (`python -m benchmarks.peers`)", "", *peers.markdown_part(results),
             "What diffquant measures that these workflows do not give out of the box (DIFF's two maps and the "
             "differential map, sinks per differential head, statistics under fake quantization, the merge of shards "
             "that torchrun ranks use), each in a few lines: "
@@ -621,7 +622,7 @@ def results_page() -> str:
     return "\n".join([
         "# Results",
         "",
-        "Written by `python docs/readme_results.py` from the result files the demo, the experiments and the "
+        "Written by `python -m docs.readme_results` from the result files the demo, the experiments and the "
         "benchmarks commit under `docs/` and `benchmarks/`; none is typed by hand. Scale first: the paper's models "
         "have 3B parameters and 350B training tokens; the models trained here have 0.1–5M parameters and 0.6–8M "
         "tokens, and the one real pretrained model is SmolLM2-135M-Instruct (Q4_1 → fp32). They measure small "
@@ -650,7 +651,7 @@ def finish_demo(out: Path, cache: str, minutes: float, load: float) -> None:
     summary = out / "summary.json"
     s = json.loads(summary.read_text().replace(cache, "~/.cache/diffquant"))
     s["timing_note"] = (f"{minutes:.1f} min from an empty cache, fetching KJV and SmolLM2 included, measured by "
-                        f"`python docs/readme_results.py --run-{'quick' if out.name == 'demo-quick' else 'demo'}` on "
+                        f"`python -m docs.readme_results --run-{'quick' if out.name == 'demo-quick' else 'demo'}` on "
                         f"{os.cpu_count()} cores with a load average of {load:.1f} from other work when it started")
     from diffquant.demo import render_report
     from diffquant.paths import atomic_write_json, atomic_write_text
@@ -689,7 +690,7 @@ def quick_part() -> str:
 
     s = _load("docs/demo-quick/summary.json")
     if s is None:
-        return "(`diffquant demo --quick` has not been committed yet: run `python docs/readme_results.py --run-quick`)"
+        return "(`diffquant demo --quick` has not been committed yet: run `python -m docs.readme_results --run-quick`)"
     cost = {r["model"]: r.get("ppl_change_pct") for r in s["sweep"]
             if r["kind"] == "act" and r["bits"] == 4 and r["granularity"] == "tensor"}
     top = {(r[0], r[1]): r[2] for r in s["table5"]}

@@ -32,7 +32,7 @@ experts function registered with transformers' `ExpertsInterface`) and, with a s
 routers stay in float under wildcard weight patterns. Where a site does not exist, diffquant says why and lists
 what the model has; a scheme that cannot apply is refused before anything runs (`diffquant sites --model M`).
 
-The table is written by `python docs/support_table.py` from the architecture matrix (tiny random-weight models,
+The table is written by `python -m docs.support_table` from the architecture matrix (tiny random-weight models,
 `diffquant/models/matrix.py`); every statistic and scheme in its first columns is checked against an
 independent computation in `tests/test_architectures.py`. The real backends convert `nn.Linear` modules only: on
 GPT-2 (`Conv1D`) torchao and quanto leave every layer weight in float, bitsandbytes leaves Falcon's

@@ -184,7 +184,7 @@ def markdown_report(result: dict) -> str:
 
     sel = result["selection"]
     pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
-    lines = [f"### Figure 8 on a real model: {result['model']} (`experiments/fig8_real_model.py`)", "",
+    lines = [f"### Figure 8 on a real model: {result['model']} (`python -m experiments.fig8_real_model`)", "",
              "Model: SmolLM2-135M-Instruct, dequantized from Q4_1 to fp32 (zoo name `smollm2-135m`), zero-shot, "
              "no chat template." if result["model"] == "smollm2-135m" else f"Model: {result['model']}.", "",
              "#### Task selection (float model only, before any quantized run)", "", f"Rule: {sel['rule']}", "",

@@ -253,7 +253,8 @@ def pair_head(doc: dict, seeds: dict) -> str:
     from diffquant.training import TrainConfig
 
     o = doc["setting"]
-    return (f"Post-training fixes on the `{doc['pair']}` pair (experiments/rivals.py's setting: preset {o['preset']}, "
+    return (f"Post-training fixes on the `{doc['pair']}` pair (its setting, `emergence --setting {doc['pair']}`: "
+            f"preset {o['preset']}, "
             f"{o['corpus'].upper()}, {doc['tokens_per_model']:,} training tokens per model, lr {o['lr']:g} and weight "
             f"decay {o.get('weight_decay', TrainConfig.weight_decay):g} for every design, not chosen by a sweep; "
             + ", ".join(f"{display(d)} seeds {seeds[d]}" for d in doc["designs"])

@@ -128,7 +128,7 @@ def report(cells: dict, out: Path) -> dict | None:
 
     recipe = next((c for (d, lr), c in cells.items() if d == RECIPE[0] and math.isclose(lr, RECIPE[1])), None)
     if recipe is None:
-        raise DiffquantError(f"no finished {RECIPE[0]} cell at lr {RECIPE[1]:g}, seed 0: run experiments/fair_rivals.py")
+        raise DiffquantError(f"no finished {RECIPE[0]} cell at lr {RECIPE[1]:g}, seed 0: run python -m experiments.fair_rivals")
     s = series(recipe["curve"])
     v = verdict(s)
     tracked = next(f.default for f in fields(TrainConfig) if f.name == "track_sequences")  # fair_rivals keeps it
