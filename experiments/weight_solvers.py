@@ -271,4 +271,9 @@ def wa_report(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from diffquant.errors import DiffquantError
+
+    try:
+        main()
+    except DiffquantError as err:  # one line, not a traceback
+        raise SystemExit(f"weight_solvers: {err}") from None
