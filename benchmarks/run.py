@@ -47,23 +47,37 @@ def sync(device) -> None:
 Case = tuple[Callable[[], ContextManager], Callable[[], object]]  # (context to time inside, what to time)
 
 
-def interleaved(cases: dict[str, Case], device, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+class Medians(dict):
+    """Median seconds per case, with every round's seconds kept (`rounds`) for the spread of a ratio."""
+
+    def __init__(self, times: dict[str, list[float]]):
+        super().__init__({name: statistics.median(v) for name, v in times.items()})
+        self.rounds = times
+
+    def spread(self, a: str, b: str) -> list[float]:
+        """[least, most] of case a's seconds over case b's, round by round (the two ran in the same round)."""
+        ratios = [x / y for x, y in zip(self.rounds[a], self.rounds[b])]
+        return [round(min(ratios), 3), round(max(ratios), 3)]
+
+
+def interleaved(cases: dict[str, Case], device, rounds: int, clock=time.perf_counter) -> tuple[Medians, dict]:
     """Median seconds of each case, the cases alternating within every round. Also returns each case's
-    first call (warm-up: compilation, allocator growth), which is not in the median."""
+    first call (warm-up: compilation, allocator growth), which is not in the median. `clock`:
+    time.process_time measures CPU time (what other work on the machine disturbs least)."""
     first, times = {}, {name: [] for name in cases}
     for r in range(rounds + 1):
         for name, (context, fn) in cases.items():
             with context():
                 sync(device)
-                t = time.perf_counter()
+                t = clock()
                 fn()
                 sync(device)
-                elapsed = time.perf_counter() - t
+                elapsed = clock() - t
             if r:
                 times[name].append(elapsed)
             else:
                 first[name] = elapsed
-    return {name: statistics.median(v) for name, v in times.items()}, first
+    return Medians(times), first
 
 
 @contextlib.contextmanager
@@ -96,13 +110,38 @@ def bench_profiler(model, ids, device, rounds: int) -> dict:
         "tokens": ids.numel(), "forward_s": plain, "tokens_per_s": ids.numel() / plain,
         "profiled_tokens_per_s": ids.numel() / t["token_stats_compiled"],
         "hidden_and_linear_inputs_ratio": t["token_stats"] / plain,
+        "hidden_and_linear_inputs_ratio_spread": t.spread("token_stats", "plain"),
         "hidden_and_linear_inputs_ratio_compiled": t["token_stats_compiled"] / plain,
+        "hidden_and_linear_inputs_ratio_compiled_spread": t.spread("token_stats_compiled", "plain"),
         "no_op_taps_ratio": t["no_op_taps"] / plain,
         "compile_s": first["token_stats_compiled"] - t["token_stats_compiled"], "target_1": 1.2,
         "eager_attention_vs_sdpa": eager / plain,
         "attn_logits_vs_eager_ratio": t["logit_stats"] / eager,
+        "attn_logits_vs_eager_ratio_spread": t.spread("logit_stats", "eager_attention"),
         "attn_logits_vs_eager_ratio_compiled": t["logit_stats_compiled"] / eager, "target_2": 1.3,
+        "host_syncs_per_forward": host_syncs(model, ids),
     }
+
+
+def host_syncs(model, ids) -> dict:
+    """Calls that would make the host wait for an accelerator (diffquant.syncs.HostSyncs), in one profiled forward
+    of the hidden states and Linear inputs and one of the attention logits: as the statistics run on CUDA (every
+    update leaves non-finite values out in one pass) and as they run on CPU (the sum is read back first, which on
+    CPU reads host memory and waits for nothing)."""
+    from diffquant.stats import site_stats
+    from diffquant.syncs import HostSyncs
+
+    out = {}
+    for device_kind, check_first in (("accelerator_path", frozenset()), ("cpu_path", frozenset({"cpu"}))):
+        saved, site_stats.CHECK_SUM_FIRST = site_stats.CHECK_SUM_FIRST, check_first
+        try:
+            for label, sites in (("token_sites", ["*.hidden", *LINEAR_INPUT_SITES]), ("attn_logits", ["*.attn_logits"])):
+                with tapped(model, {p: StatsObserver() for p in sites}), torch.inference_mode(), HostSyncs() as syncs:
+                    model(ids, use_cache=False)
+                out[f"{device_kind}_{label}"] = {"total": syncs.total, **dict(syncs.counts)}
+        finally:
+            site_stats.CHECK_SUM_FIRST = saved
+    return out
 
 
 def bench_profile_ops(model, ids, rounds: int = 3) -> dict:
@@ -206,6 +245,7 @@ def bench_diff_vs_baseline(preset: str, device, batch: int, seq: int, rounds: in
             if label != "baseline":
                 for mode in ("inference", "training"):
                     r[f"{label}_{mode}_ratio"] = r[f"{label}_{mode}_tok_s"] / r[f"baseline_{mode}_tok_s"]
+                    r[f"{label}_{mode}_ratio_spread"] = t.spread(f"baseline_{mode}", f"{label}_{mode}")
         r["inference_ratio"], r["training_ratio"] = r["diff_inference_ratio"], r["diff_training_ratio"]
         r["target"] = 0.92
         out[impl] = r
@@ -340,8 +380,67 @@ def bench_sweep(model, seqs, device, rounds: int) -> dict:
             "sweep": lambda: sweep(False), "sweep_compiled": lambda: sweep(True)}
     t, _ = interleaved({name: (contextlib.nullcontext, fn) for name, fn in runs.items()}, device, rounds)
     return {"plain_eval_s": t["four_plain"] / 4, "four_bit_sweep_s": t["sweep"],
-            "ratio_vs_four_plain": t["sweep"] / t["four_plain"],
+            "ratio_vs_four_plain": t["sweep"] / t["four_plain"], "ratio_spread": t.spread("sweep", "four_plain"),
             "ratio_vs_four_plain_compiled": t["sweep_compiled"] / t["four_plain"], "target": 1.15}
+
+
+SMOLLM2_RUNS = (("1", "default"), ("1", "tuned"), ("2", "tuned"))  # threads, malloc settings
+
+
+def bench_smollm2(rounds: int = 3) -> dict:
+    """The issue-41 targets on SmolLM2-135M-Instruct (the zoo's Q4_1 GGUF dequantized to fp32), through the public
+    API as a user runs it: the hidden-state and Linear-input profile of 8 KJV validation windows of 256 tokens
+    against the plain forward of the same batch, and the attention-logit profile of one 2,048-token window against
+    the plain eager and SDPA forwards; with one thread (CPU time) and two (wall time), each in a fresh process,
+    with glibc's default malloc and after `dq.keep_freed_memory()` (what the command line calls)."""
+    out = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)", "rounds": rounds,
+           "targets": {"attn_logits_vs_eager": 1.6, "hidden_and_linear_inputs_vs_plain": 1.1}}
+    for threads, malloc in SMOLLM2_RUNS:
+        child = subprocess.run([sys.executable, __file__, "--smollm2-child", threads, malloc, str(rounds)],
+                               capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": threads})
+        if child.returncode:
+            raise SystemExit(f"the SmolLM2 child ({threads} threads, {malloc} malloc) failed:\n{child.stderr[-2000:]}")
+        out[f"threads_{threads}_{malloc}_malloc"] = json.loads(child.stdout.splitlines()[-1])
+    return out
+
+
+def smollm2_child(threads: int, malloc: str, rounds: int) -> dict:
+    import diffquant as dq
+
+    torch.set_num_threads(threads)
+    if malloc == "tuned":
+        dq.keep_freed_memory()
+    model, tok = dq.load("smollm2-135m", device="cpu")
+    model.eval()
+    batch = dq.windows("kjv", tok, split="validation", seq_len=256, tokens=2048)
+    window = dq.windows("kjv", tok, split="validation", seq_len=2048, tokens=2048)
+    clock = time.process_time if threads == 1 else time.perf_counter
+    token_sites = ["*.hidden", *LINEAR_INPUT_SITES]
+
+    def forward(ids, impl="sdpa"):
+        def run():
+            with attention(model, impl), torch.inference_mode():
+                model(ids, use_cache=False)
+        return run
+
+    none = contextlib.nullcontext
+    cases = {"plain_8x256": (none, forward(batch)),
+             "profile_hidden_and_linear_inputs": (none, lambda: dq.profile(model, batch, token_sites, sinks=False)),
+             "plain_2048_sdpa": (none, forward(window)), "plain_2048_eager": (none, forward(window, "eager")),
+             "profile_attn_logits": (none, lambda: dq.profile(model, window, ["*.attn_logits"], batch_size=1,
+                                                              sinks=False)),
+             "profile_attn_logits_and_sinks": (none, lambda: dq.profile(model, window, ["*.attn_logits"],
+                                                                        batch_size=1))}
+    t, _ = interleaved(cases, torch.device("cpu"), rounds, clock)
+    return {"threads": threads, "malloc": malloc, "clock": "CPU time" if threads == 1 else "wall time",
+            "load_average": os.getloadavg()[0], "seconds": dict(t),
+            "hidden_and_linear_inputs_vs_plain": t["profile_hidden_and_linear_inputs"] / t["plain_8x256"],
+            "hidden_and_linear_inputs_vs_plain_spread": t.spread("profile_hidden_and_linear_inputs", "plain_8x256"),
+            "attn_logits_vs_eager": t["profile_attn_logits"] / t["plain_2048_eager"],
+            "attn_logits_vs_eager_spread": t.spread("profile_attn_logits", "plain_2048_eager"),
+            "attn_logits_and_sinks_vs_eager": t["profile_attn_logits_and_sinks"] / t["plain_2048_eager"],
+            "attn_logits_vs_sdpa": t["profile_attn_logits"] / t["plain_2048_sdpa"],
+            "eager_vs_sdpa": t["plain_2048_eager"] / t["plain_2048_sdpa"]}
 
 
 MEMORY_CHILD = """
@@ -398,11 +497,15 @@ def bench_memory_cuda(model, preset: str, n_small: int, seq: int, device) -> dic
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--smollm2-child"]:  # one process of bench_smollm2
+        print(json.dumps(smollm2_child(int(argv[1]), argv[2], int(argv[3]))))
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="micro preset, few rounds (a smoke test)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results-<device>.json)")
     p.add_argument("--only", nargs="+", help="run these sections only (profiler, profile_ops, fake_quant, diff_vs_baseline, sweep, "
-                                             "memory, tracking, mitigation_speed, gptq_speed, profiler_small, long_context)")
+                                             "memory, tracking, mitigation_speed, gptq_speed, profiler_small, long_context, smollm2)")
     a = p.parse_args(argv)
     keep_freed_memory()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -439,6 +542,7 @@ def main(argv=None) -> None:
         small_ids = torch.randint(0, PRESETS["small"].vocab, (4, 512))
         sections["profiler_small"] = lambda: bench_profiler(small, small_ids, device, 5)
         sections["long_context"] = bench_long_context
+        sections["smollm2"] = bench_smollm2
     out = Path(a.out or f"benchmarks/results-{device.type}.json")
     if only:  # run some sections, keep the others' last figures
         results = {**(json.loads(out.read_text()) if out.exists() else {}), **results}
