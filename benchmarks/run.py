@@ -426,6 +426,8 @@ def smollm2_child(threads: int, malloc: str, rounds: int) -> dict:
     none = contextlib.nullcontext
     cases = {"plain_8x256": (none, forward(batch)),
              "profile_hidden_and_linear_inputs": (none, lambda: dq.profile(model, batch, token_sites, sinks=False)),
+             "profile_hidden_and_linear_inputs_compiled": (none, lambda: dq.profile(model, batch, token_sites,
+                                                                                    sinks=False, compile=True)),
              "plain_2048_sdpa": (none, forward(window)), "plain_2048_eager": (none, forward(window, "eager")),
              "profile_attn_logits": (none, lambda: dq.profile(model, window, ["*.attn_logits"], batch_size=1,
                                                               sinks=False)),
@@ -436,6 +438,9 @@ def smollm2_child(threads: int, malloc: str, rounds: int) -> dict:
             "load_average": os.getloadavg()[0], "seconds": dict(t),
             "hidden_and_linear_inputs_vs_plain": t["profile_hidden_and_linear_inputs"] / t["plain_8x256"],
             "hidden_and_linear_inputs_vs_plain_spread": t.spread("profile_hidden_and_linear_inputs", "plain_8x256"),
+            "hidden_and_linear_inputs_compiled_vs_plain": t["profile_hidden_and_linear_inputs_compiled"] / t["plain_8x256"],
+            "hidden_and_linear_inputs_compiled_vs_plain_spread": t.spread("profile_hidden_and_linear_inputs_compiled",
+                                                                          "plain_8x256"),
             "attn_logits_vs_eager": t["profile_attn_logits"] / t["plain_2048_eager"],
             "attn_logits_vs_eager_spread": t.spread("profile_attn_logits", "plain_2048_eager"),
             "attn_logits_and_sinks_vs_eager": t["profile_attn_logits_and_sinks"] / t["plain_2048_eager"],
