@@ -60,10 +60,14 @@ class Medians(dict):
         return [round(min(ratios), 3), round(max(ratios), 3)]
 
 
-def interleaved(cases: dict[str, Case], device, rounds: int, clock=time.perf_counter) -> tuple[Medians, dict]:
+CLOCK = time.perf_counter  # main() sets time.process_time on CPU (one thread): see the results' "clock"
+
+
+def interleaved(cases: dict[str, Case], device, rounds: int, clock=None) -> tuple[Medians, dict]:
     """Median seconds of each case, the cases alternating within every round. Also returns each case's
-    first call (warm-up: compilation, allocator growth), which is not in the median. `clock`:
-    time.process_time measures CPU time (what other work on the machine disturbs least)."""
+    first call (warm-up: compilation, allocator growth), which is not in the median. `clock` (default CLOCK):
+    time.process_time measures CPU time, what other work on a shared machine disturbs least."""
+    clock = clock or CLOCK
     first, times = {}, {name: [] for name in cases}
     for r in range(rounds + 1):
         for name, (context, fn) in cases.items():
@@ -127,11 +131,14 @@ def host_syncs(model, ids) -> dict:
     """Calls that would make the host wait for an accelerator (diffquant.syncs.HostSyncs), in one profiled forward
     of the hidden states and Linear inputs and one of the attention logits: as the statistics run on CUDA (every
     update leaves non-finite values out in one pass) and as they run on CPU (the sum is read back first, which on
-    CPU reads host memory and waits for nothing)."""
+    CPU reads host memory and waits for nothing). The plain forward's own count is beside them: diffquant's are
+    the difference."""
     from diffquant.stats import site_stats
     from diffquant.syncs import HostSyncs
 
-    out = {}
+    with torch.inference_mode(), HostSyncs() as syncs:  # the model's own (transformers' mask code reads one back)
+        model(ids, use_cache=False)
+    out = {"plain_forward": {"total": syncs.total, **dict(syncs.counts)}}
     for device_kind, check_first in (("accelerator_path", frozenset()), ("cpu_path", frozenset({"cpu"}))):
         saved, site_stats.CHECK_SUM_FIRST = site_stats.CHECK_SUM_FIRST, check_first
         try:
@@ -172,6 +179,33 @@ def bench_profile_ops(model, ids, rounds: int = 3) -> dict:
             "extra_share_by_op": {k: round(v / added, 4) for k, v in top if v > 0},
             "extra_calls_per_forward": {k: (stats_calls.get(k, 0) - plain_calls.get(k, 0)) // rounds for k, v in top
                                         if v > 0}}
+
+
+def bench_diff_ops(preset: str, device, batch: int, seq: int, rounds: int = 3) -> dict:
+    """Where DIFF's inference time goes beyond the baseline's (the ≥ 0.92× target, issue 41): torch.profiler's self
+    CPU time per operator for a forward of each, summed over `rounds` forwards, and the operators whose time grew
+    most, in ms per forward with their calls per forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from diffquant.models.presets import build
+
+    ids = torch.randint(0, PRESETS[preset].vocab, (batch, seq), device=device)
+
+    def self_times(model):
+        with torch.inference_mode():
+            model(ids, use_cache=False)  # warm-up outside the trace
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(rounds):
+                    model(ids, use_cache=False)
+        return {e.key: (e.self_cpu_time_total / 1e3 / rounds, e.count // rounds) for e in prof.key_averages()}
+
+    base, diff = (self_times(build(PRESETS[preset], arch).to(device).eval()) for arch in ("baseline", "diff"))
+    grew = {k: diff.get(k, (0.0, 0))[0] - base.get(k, (0.0, 0))[0] for k in diff.keys() | base.keys()}
+    top = sorted(grew.items(), key=lambda kv: -kv[1])[:10]
+    return {"tokens": ids.numel(), "baseline_ms": sum(v for v, _ in base.values()),
+            "diff_ms": sum(v for v, _ in diff.values()),
+            "grew_ms_per_forward": {k: round(v, 2) for k, v in top if v > 0},
+            "calls_per_forward": {k: [base.get(k, (0, 0))[1], diff.get(k, (0, 0))[1]] for k, v in top if v > 0}}
 
 
 def bench_fake_quant(device, mb: int, rounds: int) -> dict:
@@ -510,10 +544,14 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="micro preset, few rounds (a smoke test)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results-<device>.json)")
     p.add_argument("--only", nargs="+", help="run these sections only (profiler, profile_ops, fake_quant, diff_vs_baseline, sweep, "
-                                             "memory, tracking, mitigation_speed, gptq_speed, profiler_small, long_context, smollm2)")
+                                             "memory, tracking, mitigation_speed, gptq_speed, profiler_small, long_context, smollm2, diff_ops)")
     a = p.parse_args(argv)
     keep_freed_memory()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    global CLOCK
+    if device.type == "cpu" and not a.quick:  # one thread, CPU time: on a shared 2-core machine two threads' wall
+        torch.set_num_threads(1)               # time measured the other jobs (ratios 2.03 -> 3.59 under a load of 5)
+        CLOCK = time.process_time
     if a.quick:
         preset, batch, seq, rounds = "micro", 4, 64, 2
     elif device.type == "cuda":
@@ -525,6 +563,7 @@ def main(argv=None) -> None:
     ids = torch.randint(0, PRESETS[preset].vocab, (batch, seq), device=device)
     results = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
                "threads": torch.get_num_threads(), "torch": torch.__version__, "preset": preset,
+               "clock": "CPU time" if CLOCK is time.process_time else "wall time",
                "load_average": os.getloadavg()[0],  # other work on the machine: what the ratios' noise comes from
                "batch": [batch, seq], "rounds": rounds}
     print(f"device {results['device']}, preset {preset}, batch {batch}x{seq}, {rounds} rounds")
@@ -534,6 +573,7 @@ def main(argv=None) -> None:
         "profile_ops": lambda: bench_profile_ops(model, ids),
         "fake_quant": lambda: bench_fake_quant(device, 8 if a.quick else 64, rounds),
         "diff_vs_baseline": lambda: bench_diff_vs_baseline(preset, device, batch, seq, rounds),
+        "diff_ops": lambda: bench_diff_ops(preset, device, batch, seq),
         "sweep": lambda: bench_sweep(model, ids.cpu()[: max(2, batch // 2)].repeat(2, 1), device, max(2, rounds // 2)),
         "memory": (lambda: bench_memory_cuda(model, preset, 4 if a.quick else 16, seq, device)) if device.type == "cuda"
         else (lambda: bench_memory_cpu(4 if a.quick else 16)),
