@@ -52,8 +52,8 @@ MODELS = {"smollm2-135m": MODEL_LABEL,
           "tiny": "diffquant's tiny preset, random weights (4 layers, width 256, 5M parameters; KJV as bytes)"}
 
 # diffquant's torch and transformers in every venv, so that the peers run the same Hugging Face modules and any
-# difference is theirs (both peers accept transformers 5.24; left to themselves they resolve 5.25)
-SHARED_PINS = ("torch==2.13.0", "transformers==5.24.0", "numpy")
+# difference is theirs (the version diffquant runs on: re-measured with every workflow on 5.25, issue 41)
+SHARED_PINS = ("torch==2.13.0", "transformers==5.25.0", "numpy")
 PEERS = {
     "transformer_lens": (*SHARED_PINS, "transformer-lens==4.3.0"),
     "nnsight": (*SHARED_PINS, "nnsight==0.8.1"),

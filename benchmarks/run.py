@@ -47,23 +47,41 @@ def sync(device) -> None:
 Case = tuple[Callable[[], ContextManager], Callable[[], object]]  # (context to time inside, what to time)
 
 
-def interleaved(cases: dict[str, Case], device, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+class Medians(dict):
+    """Median seconds per case, with every round's seconds kept (`rounds`) for the spread of a ratio."""
+
+    def __init__(self, times: dict[str, list[float]]):
+        super().__init__({name: statistics.median(v) for name, v in times.items()})
+        self.rounds = times
+
+    def spread(self, a: str, b: str) -> list[float]:
+        """[least, most] of case a's seconds over case b's, round by round (the two ran in the same round)."""
+        ratios = [x / y for x, y in zip(self.rounds[a], self.rounds[b])]
+        return [round(min(ratios), 3), round(max(ratios), 3)]
+
+
+CLOCK = time.perf_counter  # main() sets time.process_time on CPU (one thread): see the results' "clock"
+
+
+def interleaved(cases: dict[str, Case], device, rounds: int, clock=None) -> tuple[Medians, dict]:
     """Median seconds of each case, the cases alternating within every round. Also returns each case's
-    first call (warm-up: compilation, allocator growth), which is not in the median."""
+    first call (warm-up: compilation, allocator growth), which is not in the median. `clock` (default CLOCK):
+    time.process_time measures CPU time, what other work on a shared machine disturbs least."""
+    clock = clock or CLOCK
     first, times = {}, {name: [] for name in cases}
     for r in range(rounds + 1):
         for name, (context, fn) in cases.items():
             with context():
                 sync(device)
-                t = time.perf_counter()
+                t = clock()
                 fn()
                 sync(device)
-                elapsed = time.perf_counter() - t
+                elapsed = clock() - t
             if r:
                 times[name].append(elapsed)
             else:
                 first[name] = elapsed
-    return {name: statistics.median(v) for name, v in times.items()}, first
+    return Medians(times), first
 
 
 @contextlib.contextmanager
@@ -96,13 +114,41 @@ def bench_profiler(model, ids, device, rounds: int) -> dict:
         "tokens": ids.numel(), "forward_s": plain, "tokens_per_s": ids.numel() / plain,
         "profiled_tokens_per_s": ids.numel() / t["token_stats_compiled"],
         "hidden_and_linear_inputs_ratio": t["token_stats"] / plain,
+        "hidden_and_linear_inputs_ratio_spread": t.spread("token_stats", "plain"),
         "hidden_and_linear_inputs_ratio_compiled": t["token_stats_compiled"] / plain,
+        "hidden_and_linear_inputs_ratio_compiled_spread": t.spread("token_stats_compiled", "plain"),
         "no_op_taps_ratio": t["no_op_taps"] / plain,
         "compile_s": first["token_stats_compiled"] - t["token_stats_compiled"], "target_1": 1.2,
         "eager_attention_vs_sdpa": eager / plain,
         "attn_logits_vs_eager_ratio": t["logit_stats"] / eager,
+        "attn_logits_vs_eager_ratio_spread": t.spread("logit_stats", "eager_attention"),
         "attn_logits_vs_eager_ratio_compiled": t["logit_stats_compiled"] / eager, "target_2": 1.3,
+        "host_syncs_per_forward": host_syncs(model, ids),
     }
+
+
+def host_syncs(model, ids) -> dict:
+    """Calls that would make the host wait for an accelerator (diffquant.syncs.HostSyncs), in one profiled forward
+    of the hidden states and Linear inputs and one of the attention logits: as the statistics run on CUDA (every
+    update leaves non-finite values out in one pass) and as they run on CPU (the sum is read back first, which on
+    CPU reads host memory and waits for nothing). The plain forward's own count is beside them: diffquant's are
+    the difference."""
+    from diffquant.stats import site_stats
+    from diffquant.syncs import HostSyncs
+
+    with torch.inference_mode(), HostSyncs() as syncs:  # the model's own (transformers' mask code reads one back)
+        model(ids, use_cache=False)
+    out = {"plain_forward": {"total": syncs.total, **dict(syncs.counts)}}
+    for device_kind, check_first in (("accelerator_path", frozenset()), ("cpu_path", frozenset({"cpu"}))):
+        saved, site_stats.CHECK_SUM_FIRST = site_stats.CHECK_SUM_FIRST, check_first
+        try:
+            for label, sites in (("token_sites", ["*.hidden", *LINEAR_INPUT_SITES]), ("attn_logits", ["*.attn_logits"])):
+                with tapped(model, {p: StatsObserver() for p in sites}), torch.inference_mode(), HostSyncs() as syncs:
+                    model(ids, use_cache=False)
+                out[f"{device_kind}_{label}"] = {"total": syncs.total, **dict(syncs.counts)}
+        finally:
+            site_stats.CHECK_SUM_FIRST = saved
+    return out
 
 
 def bench_profile_ops(model, ids, rounds: int = 3) -> dict:
@@ -133,6 +179,33 @@ def bench_profile_ops(model, ids, rounds: int = 3) -> dict:
             "extra_share_by_op": {k: round(v / added, 4) for k, v in top if v > 0},
             "extra_calls_per_forward": {k: (stats_calls.get(k, 0) - plain_calls.get(k, 0)) // rounds for k, v in top
                                         if v > 0}}
+
+
+def bench_diff_ops(preset: str, device, batch: int, seq: int, rounds: int = 3) -> dict:
+    """Where DIFF's inference time goes beyond the baseline's (the ≥ 0.92× target, issue 41): torch.profiler's self
+    CPU time per operator for a forward of each, summed over `rounds` forwards, and the operators whose time grew
+    most, in ms per forward with their calls per forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from diffquant.models.presets import build
+
+    ids = torch.randint(0, PRESETS[preset].vocab, (batch, seq), device=device)
+
+    def self_times(model):
+        with torch.inference_mode():
+            model(ids, use_cache=False)  # warm-up outside the trace
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(rounds):
+                    model(ids, use_cache=False)
+        return {e.key: (e.self_cpu_time_total / 1e3 / rounds, e.count // rounds) for e in prof.key_averages()}
+
+    base, diff = (self_times(build(PRESETS[preset], arch).to(device).eval()) for arch in ("baseline", "diff"))
+    grew = {k: diff.get(k, (0.0, 0))[0] - base.get(k, (0.0, 0))[0] for k in diff.keys() | base.keys()}
+    top = sorted(grew.items(), key=lambda kv: -kv[1])[:10]
+    return {"tokens": ids.numel(), "baseline_ms": sum(v for v, _ in base.values()),
+            "diff_ms": sum(v for v, _ in diff.values()),
+            "grew_ms_per_forward": {k: round(v, 2) for k, v in top if v > 0},
+            "calls_per_forward": {k: [base.get(k, (0, 0))[1], diff.get(k, (0, 0))[1]] for k, v in top if v > 0}}
 
 
 def bench_fake_quant(device, mb: int, rounds: int) -> dict:
@@ -206,6 +279,7 @@ def bench_diff_vs_baseline(preset: str, device, batch: int, seq: int, rounds: in
             if label != "baseline":
                 for mode in ("inference", "training"):
                     r[f"{label}_{mode}_ratio"] = r[f"{label}_{mode}_tok_s"] / r[f"baseline_{mode}_tok_s"]
+                    r[f"{label}_{mode}_ratio_spread"] = t.spread(f"baseline_{mode}", f"{label}_{mode}")
         r["inference_ratio"], r["training_ratio"] = r["diff_inference_ratio"], r["diff_training_ratio"]
         r["target"] = 0.92
         out[impl] = r
@@ -340,8 +414,72 @@ def bench_sweep(model, seqs, device, rounds: int) -> dict:
             "sweep": lambda: sweep(False), "sweep_compiled": lambda: sweep(True)}
     t, _ = interleaved({name: (contextlib.nullcontext, fn) for name, fn in runs.items()}, device, rounds)
     return {"plain_eval_s": t["four_plain"] / 4, "four_bit_sweep_s": t["sweep"],
-            "ratio_vs_four_plain": t["sweep"] / t["four_plain"],
+            "ratio_vs_four_plain": t["sweep"] / t["four_plain"], "ratio_spread": t.spread("sweep", "four_plain"),
             "ratio_vs_four_plain_compiled": t["sweep_compiled"] / t["four_plain"], "target": 1.15}
+
+
+SMOLLM2_RUNS = (("1", "default"), ("1", "tuned"), ("2", "tuned"))  # threads, malloc settings
+
+
+def bench_smollm2(rounds: int = 3) -> dict:
+    """The issue-41 targets on SmolLM2-135M-Instruct (the zoo's Q4_1 GGUF dequantized to fp32), through the public
+    API as a user runs it: the hidden-state and Linear-input profile of 8 KJV validation windows of 256 tokens
+    against the plain forward of the same batch, and the attention-logit profile of one 2,048-token window against
+    the plain eager and SDPA forwards; with one thread (CPU time) and two (wall time), each in a fresh process,
+    with glibc's default malloc and after `dq.keep_freed_memory()` (what the command line calls)."""
+    out = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)", "rounds": rounds,
+           "targets": {"attn_logits_vs_eager": 1.6, "hidden_and_linear_inputs_vs_plain": 1.1}}
+    for threads, malloc in SMOLLM2_RUNS:
+        child = subprocess.run([sys.executable, __file__, "--smollm2-child", threads, malloc, str(rounds)],
+                               capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": threads})
+        if child.returncode:
+            raise SystemExit(f"the SmolLM2 child ({threads} threads, {malloc} malloc) failed:\n{child.stderr[-2000:]}")
+        out[f"threads_{threads}_{malloc}_malloc"] = json.loads(child.stdout.splitlines()[-1])
+    return out
+
+
+def smollm2_child(threads: int, malloc: str, rounds: int) -> dict:
+    import diffquant as dq
+
+    torch.set_num_threads(threads)
+    if malloc == "tuned":
+        dq.keep_freed_memory()
+    model, tok = dq.load("smollm2-135m", device="cpu")
+    model.eval()
+    batch = dq.windows("kjv", tok, split="validation", seq_len=256, tokens=2048)
+    window = dq.windows("kjv", tok, split="validation", seq_len=2048, tokens=2048)
+    clock = time.process_time if threads == 1 else time.perf_counter
+    token_sites = ["*.hidden", *LINEAR_INPUT_SITES]
+
+    def forward(ids, impl="sdpa"):
+        def run():
+            with attention(model, impl), torch.inference_mode():
+                model(ids, use_cache=False)
+        return run
+
+    none = contextlib.nullcontext
+    cases = {"plain_8x256": (none, forward(batch)),
+             "profile_hidden_and_linear_inputs": (none, lambda: dq.profile(model, batch, token_sites, sinks=False)),
+             "profile_hidden_and_linear_inputs_compiled": (none, lambda: dq.profile(model, batch, token_sites,
+                                                                                    sinks=False, compile=True)),
+             "plain_2048_sdpa": (none, forward(window)), "plain_2048_eager": (none, forward(window, "eager")),
+             "profile_attn_logits": (none, lambda: dq.profile(model, window, ["*.attn_logits"], batch_size=1,
+                                                              sinks=False)),
+             "profile_attn_logits_and_sinks": (none, lambda: dq.profile(model, window, ["*.attn_logits"],
+                                                                        batch_size=1))}
+    t, _ = interleaved(cases, torch.device("cpu"), rounds, clock)
+    return {"threads": threads, "malloc": malloc, "clock": "CPU time" if threads == 1 else "wall time",
+            "load_average": os.getloadavg()[0], "seconds": dict(t),
+            "hidden_and_linear_inputs_vs_plain": t["profile_hidden_and_linear_inputs"] / t["plain_8x256"],
+            "hidden_and_linear_inputs_vs_plain_spread": t.spread("profile_hidden_and_linear_inputs", "plain_8x256"),
+            "hidden_and_linear_inputs_compiled_vs_plain": t["profile_hidden_and_linear_inputs_compiled"] / t["plain_8x256"],
+            "hidden_and_linear_inputs_compiled_vs_plain_spread": t.spread("profile_hidden_and_linear_inputs_compiled",
+                                                                          "plain_8x256"),
+            "attn_logits_vs_eager": t["profile_attn_logits"] / t["plain_2048_eager"],
+            "attn_logits_vs_eager_spread": t.spread("profile_attn_logits", "plain_2048_eager"),
+            "attn_logits_and_sinks_vs_eager": t["profile_attn_logits_and_sinks"] / t["plain_2048_eager"],
+            "attn_logits_vs_sdpa": t["profile_attn_logits"] / t["plain_2048_sdpa"],
+            "eager_vs_sdpa": t["plain_2048_eager"] / t["plain_2048_sdpa"]}
 
 
 MEMORY_CHILD = """
@@ -398,14 +536,22 @@ def bench_memory_cuda(model, preset: str, n_small: int, seq: int, device) -> dic
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--smollm2-child"]:  # one process of bench_smollm2
+        print(json.dumps(smollm2_child(int(argv[1]), argv[2], int(argv[3]))))
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="micro preset, few rounds (a smoke test)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results-<device>.json)")
     p.add_argument("--only", nargs="+", help="run these sections only (profiler, profile_ops, fake_quant, diff_vs_baseline, sweep, "
-                                             "memory, tracking, mitigation_speed, gptq_speed, profiler_small, long_context)")
+                                             "memory, tracking, mitigation_speed, gptq_speed, profiler_small, long_context, smollm2, diff_ops)")
     a = p.parse_args(argv)
     keep_freed_memory()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    global CLOCK
+    if device.type == "cpu" and not a.quick:  # one thread, CPU time: on a shared 2-core machine two threads' wall
+        torch.set_num_threads(1)               # time measured the other jobs (ratios 2.03 -> 3.59 under a load of 5)
+        CLOCK = time.process_time
     if a.quick:
         preset, batch, seq, rounds = "micro", 4, 64, 2
     elif device.type == "cuda":
@@ -417,6 +563,7 @@ def main(argv=None) -> None:
     ids = torch.randint(0, PRESETS[preset].vocab, (batch, seq), device=device)
     results = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
                "threads": torch.get_num_threads(), "torch": torch.__version__, "preset": preset,
+               "clock": "CPU time" if CLOCK is time.process_time else "wall time",
                "load_average": os.getloadavg()[0],  # other work on the machine: what the ratios' noise comes from
                "batch": [batch, seq], "rounds": rounds}
     print(f"device {results['device']}, preset {preset}, batch {batch}x{seq}, {rounds} rounds")
@@ -426,6 +573,7 @@ def main(argv=None) -> None:
         "profile_ops": lambda: bench_profile_ops(model, ids),
         "fake_quant": lambda: bench_fake_quant(device, 8 if a.quick else 64, rounds),
         "diff_vs_baseline": lambda: bench_diff_vs_baseline(preset, device, batch, seq, rounds),
+        "diff_ops": lambda: bench_diff_ops(preset, device, batch, seq),
         "sweep": lambda: bench_sweep(model, ids.cpu()[: max(2, batch // 2)].repeat(2, 1), device, max(2, rounds // 2)),
         "memory": (lambda: bench_memory_cuda(model, preset, 4 if a.quick else 16, seq, device)) if device.type == "cuda"
         else (lambda: bench_memory_cpu(4 if a.quick else 16)),
@@ -439,6 +587,7 @@ def main(argv=None) -> None:
         small_ids = torch.randint(0, PRESETS["small"].vocab, (4, 512))
         sections["profiler_small"] = lambda: bench_profiler(small, small_ids, device, 5)
         sections["long_context"] = bench_long_context
+        sections["smollm2"] = bench_smollm2
     out = Path(a.out or f"benchmarks/results-{device.type}.json")
     if only:  # run some sections, keep the others' last figures
         results = {**(json.loads(out.read_text()) if out.exists() else {}), **results}

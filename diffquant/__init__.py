@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = ["DiffquantError", "load", "load_pair", "windows", "profile", "Profile", "quantize_", "Recipe", "Quantized",
            "SmoothQuant", "Rotate", "Clip", "GPTQ", "AWQ", "QuantScheme", "scheme", "perplexity", "multiple_choice",
-           "sweep", "plot_sweep", "train", "registries"]
+           "sweep", "plot_sweep", "train", "registries", "keep_freed_memory"]
 
 
 def __getattr__(name: str):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from diffquant.allocator import keep_freed_memory
 from diffquant.errors import DiffquantError
 from diffquant.profiler import ModelProfile as Profile
 from diffquant.quant.gptq_config import GPTQ
@@ -25,7 +26,7 @@ from diffquant.quant.solvers import AWQ
 
 __all__ = ["load", "load_pair", "windows", "profile", "Profile", "quantize_", "Recipe", "Quantized", "SmoothQuant",
            "Rotate", "Clip", "GPTQ", "AWQ", "QuantScheme", "scheme", "perplexity", "multiple_choice", "sweep",
-           "plot_sweep", "train", "registries"]
+           "plot_sweep", "train", "registries", "keep_freed_memory"]
 
 
 def load(source: str, *, device: str | None = None, dtype: str = "fp32", device_map=None, hub: bool = False,
@@ -59,7 +60,12 @@ def profile(model, windows, sites: Iterable[str] = ("*.attn_logits", "*.hidden")
     `sinks` (the command line's default too) the attention-sink and massive-activation metrics; `metrics` the
     papers' metric sets (diff-table5, sun2024, gu2024, bondarenko2023, bondarenko2023-linear). Returns a
     Profile: `.table()`, `.save(folder)` (report, figures, and the profile itself), `Profile.load(folder)`,
-    `.merge(other)`."""
+    `.merge(other)`.
+
+    On CPU under Linux, call `dq.keep_freed_memory()` once first, as the command line does: glibc then reuses
+    freed memory instead of mapping fresh pages for every large tensor (on SmolLM2 a fifth or more of a profile's
+    time; benchmarks/run.py's `smollm2` section). It changes the process's malloc settings for good, which is why
+    the API leaves it to you."""
     from diffquant.profiler import profile_model
 
     return profile_model(model, windows, list([sites] if isinstance(sites, str) else sites), batch_size=batch_size,

@@ -24,7 +24,7 @@ def test_over_long_window_refused_in_one_line_before_torch_loads():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     rc, torch_loaded, seconds = out.stdout.split()
     assert rc == "2" and torch_loaded == "False"
-    assert float(seconds) < 1.0, seconds  # measured inside the process: no model, no torch
+    assert float(seconds) < 5.0, seconds  # measured inside the process: no model, no torch (5 s: a loaded machine)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "context of 2,048 positions" in lines[0] and "--allow-long-context" in lines[0]
     assert time.time() - start < 30

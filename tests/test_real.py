@@ -91,7 +91,9 @@ def test_demo_quick(tmp_path, capsys):
     for model, v in committed["train"].items():
         assert summary["train"][model]["ppl"] == pytest.approx(v["ppl"], rel=1e-4), model
     assert [r[2] for r in summary["table5"]] == pytest.approx([r[2] for r in committed["table5"]], rel=1e-4)
-    assert [r["ppl"] for r in summary["sweep"]] == pytest.approx([r["ppl"] for r in committed["sweep"]], rel=1e-4)
+    # the sweep's 4-bit activation cells amplify rounding: the pair trained with one thread (this suite) and with two
+    # (the committed run) differ by 4e-8 in perplexity and by 1.1e-4 in DIFF's W8A4 cell (measured), so 5e-4 there
+    assert [r["ppl"] for r in summary["sweep"]] == pytest.approx([r["ppl"] for r in committed["sweep"]], rel=5e-4)
 
 
 def test_notebook_runs(tmp_path, quick_pairs):

@@ -26,7 +26,8 @@ the check compares Q and K as the layer passed them, before grouped-query heads 
 
 Query blocks: queries are processed in blocks of `query_block` rows, so the logits never exist as one
 [batch, head, T, T] tensor. On CPU a block's logits take about CPU_BLOCK_BYTES (a few MiB: each of the statistics'
-passes then reads a block that is still in the core's cache; measured in benchmarks/peers_breakdown.py); on CUDA as
+passes then reads a block that is still in the core's cache; measured in benchmarks/peers_breakdown.py; not where a
+quantizer's scale spans blocks, `_ranged`, whose logits blocking computes twice); on CUDA as
 many rows as fit a memory budget: $DIFFQUANT_ATTN_MEMORY MiB if set, else an eighth of the device's memory or half of
 what is free, whichever is less ($DIFFQUANT_ATTN_BLOCK fixes the rows instead; both are read at each call). Taps see
 each block with its place in the call (`ctx.block`), statistics are exactly those of the whole tensor, and a quantizer
@@ -308,7 +309,8 @@ def _attend(module, taps, query, key, value, attention_mask, scaling, dropout, k
     visible = Visible.of(module, attention_mask, query.shape[2], key.shape[2], kwargs)
     two_call = getattr(module, "_diffquant_paired", False) and not getattr(module, "_diffquant_fused", False)
     # DiffLlama's two-call form reuses the first call's whole probabilities in the second: blocks only where needed
-    block = query_block(query.shape[0], query.shape[1], key.shape[2], query.device, cache=not two_call)
+    block = query_block(query.shape[0], query.shape[1], key.shape[2], query.device,
+                        cache=not two_call and not _ranged(taps))
     if query.shape[2] > block:
         if two_call:
             raise DiffquantError("a long context in DiffLlama's two-call form: give the model the fused forward "
@@ -344,7 +346,7 @@ def diff_attention(module, query, key, vpair, attention_mask, scaling, lam, taps
         a = _differential_map(taps, probs, lam, visible, rows)
         return torch.matmul(_widen(a.to(vpair.dtype), visible.k_len), vpair)
 
-    block = query_block(query.shape[0], query.shape[1], visible.k_len, query.device)
+    block = query_block(query.shape[0], query.shape[1], visible.k_len, query.device, cache=not _ranged(taps))
     if visible.q_len > block:
         return _blocked(module, taps, query, key, visible, scaling, {}, combine, block).transpose(1, 2), None
     probs = _probabilities(module, taps, query, key, visible, scaling, {})
@@ -372,6 +374,14 @@ def _widen(probs: torch.Tensor, k_len: int) -> torch.Tensor:
 MAP_POINTS = ("attn_logits", "attn_probs", "attn_map")  # the sites that see a block's [.., rows, keys] maps
 
 
+def _ranged(taps) -> list:
+    """The logit taps whose quantization scale spans query blocks: blocked, they need the logits computed twice
+    (their range first), so such calls take blocks as large as memory allows, not cache-sized ones (a per-tensor
+    logit sweep on the tiny preset would otherwise compute every logit twice)."""
+    return [(tap, ctx) for tap, ctx in taps.get("attn_logits", ()) if getattr(tap, "needs_range", None)
+            and tap.needs_range(ctx)]
+
+
 def _blocked(module, taps, query, key, visible: Visible, scaling, kwargs, consume, block):
     """Attention in query blocks of `block` rows: `consume(probs_block, rows)` turns each block's probabilities
     into its output rows; nothing of size T × T is kept. Each block's keys end where `Visible.key_end` says when
@@ -380,8 +390,7 @@ def _blocked(module, taps, query, key, visible: Visible, scaling, kwargs, consum
     blocks = [(i, min(i + block, q_len)) for i in range(0, q_len, block)]
     cut = all(getattr(tap, "cut_keys", False) for point in MAP_POINTS for tap, _ in taps.get(point, ()))
     ends = [visible.key_end(rows) if cut else visible.k_len for rows in blocks]
-    ranged = [(tap, ctx) for tap, ctx in taps.get("attn_logits", ()) if getattr(tap, "needs_range", None)
-              and tap.needs_range(ctx)]
+    ranged = _ranged(taps)
     for tap, ctx in ranged:  # pass 1: the full range of quantizers whose scale spans query blocks
         tap.start_range()
         for rows, end in zip(blocks, ends):
