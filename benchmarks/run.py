@@ -430,8 +430,9 @@ def bench_smollm2(rounds: int = 3) -> dict:
     out = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)", "rounds": rounds,
            "targets": {"attn_logits_vs_eager": 1.6, "hidden_and_linear_inputs_vs_plain": 1.1}}
     for threads, malloc in SMOLLM2_RUNS:
-        child = subprocess.run([sys.executable, __file__, "--smollm2-child", threads, malloc, str(rounds)],
-                               capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": threads})
+        child = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smollm2-child", threads, malloc, str(rounds)],
+                               capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": threads},
+                               cwd=Path(__file__).resolve().parent.parent)  # the checkout's diffquant, as its parent's
         if child.returncode:
             raise SystemExit(f"the SmolLM2 child ({threads} threads, {malloc} malloc) failed:\n{child.stderr[-2000:]}")
         out[f"threads_{threads}_{malloc}_malloc"] = json.loads(child.stdout.splitlines()[-1])
