@@ -602,7 +602,8 @@ def main(argv=None) -> None:
 
     atomic_write_json(out, results)
     with out.with_name(out.stem.replace("results", "history") + ".jsonl").open("a") as f:  # one line per run
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": a.quick,
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": a.quick, "clock": results["clock"],
+                            "threads": results["threads"],
                             **{k: results[k] for k in sections}}) + "\n")
     print(f"wrote {out}")
 

@@ -477,25 +477,30 @@ def llmcompressor_part() -> list[str]:
             *_md("docs/weights/llmcompressor.md")]
 
 
-def _history(n: int = 3) -> list[dict]:
-    """The last n full (not --quick) benchmark runs, oldest first."""
+def _history(clock: str, n: int = 3) -> list[dict]:
+    """The last n full (not --quick) benchmark runs timed by `clock`, oldest first (runs before the clock was
+    recorded were timed in wall time with two threads)."""
     p = ROOT / "benchmarks/history-cpu.jsonl"
     runs = [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.is_file() else []
-    return [r for r in runs if not r.get("quick")][-n:]
+    return [r for r in runs if not r.get("quick") and r.get("clock", "wall time") == clock][-n:]
 
 
 def _ratio(section: str, *keys: str, fmt="{:.2f}×", runs=None) -> str:
-    """The last run's figure and, where several runs hold it, their range: '1.52× (1.48–1.58 over 3 runs)'."""
-    def get(d):
-        for k in (section, *keys):
+    """The last run's figure, its spread over that run's rounds where recorded, and, where several runs hold it, their
+    range: '1.52× [1.49–1.60 over rounds] (1.48–1.58 over 3 runs)'."""
+    def get(d, path=(section, *keys)):
+        for k in path:
             if not isinstance(d, dict) or k not in d:
                 return None
             d = d[k]
         return d
 
     values = [v for v in (get(r) for r in runs or []) if v is not None]
-    last = get(_load("benchmarks/results-cpu.json"))
-    text = fmt.format(last)
+    b = _load("benchmarks/results-cpu.json")
+    text = fmt.format(get(b))
+    spread = get(b, (section, *keys[:-1], keys[-1] + "_spread"))  # the last run's least and most over its rounds
+    if spread:
+        text += f" [{spread[0]:.2f}–{spread[1]:.2f} over rounds]"
     if len(values) > 1:
         text += f" ({fmt.format(min(values)).rstrip('×')}–{fmt.format(max(values))} over {len(values)} runs)"
     return text
@@ -508,7 +513,7 @@ def benchmark_part() -> list[str]:
     b = _load("benchmarks/results-cpu.json")
     if b is None:
         return []
-    runs, rows = _history(), []
+    runs, rows = _history(b.get("clock", "wall time")), []
     if "profiler" in b:
         rows += [["statistics on every hidden state and Linear input / plain forward",
                   f"{_ratio('profiler', 'hidden_and_linear_inputs_ratio', runs=runs)} eager, "
@@ -523,6 +528,29 @@ def benchmark_part() -> list[str]:
                          f"{_ratio('diff_vs_baseline', 'sdpa', f'{label}_inference_ratio', runs=runs)}; "
                          f"{_ratio('diff_vs_baseline', 'sdpa', f'{label}_training_ratio', runs=runs)}",
                          "≥ 0.92× (DIFF)" if label == "diff" else ""])
+    sm = b.get("smollm2", {})
+    for key, what in (("threads_1_tuned_malloc", "one thread, CPU time"), ("threads_2_tuned_malloc", "two threads, wall time"),
+                      ("threads_1_default_malloc", "one thread, CPU time, glibc's default malloc")):
+        r = sm.get(key)
+        if r:
+            rows += [[f"{display('smollm2-135m')} ({what}): hidden-state and Linear-input profile of 8 × 256 tokens "
+                      "/ plain forward (`dq.profile`)",
+                      f"{r['hidden_and_linear_inputs_vs_plain']:.2f}× eager "
+                      f"[{r['hidden_and_linear_inputs_vs_plain_spread'][0]:.2f}–"
+                      f"{r['hidden_and_linear_inputs_vs_plain_spread'][1]:.2f} over rounds], "
+                      f"{r['hidden_and_linear_inputs_compiled_vs_plain']:.2f}× compiled", "≤ 1.1×"],
+                     [f"{display('smollm2-135m')} ({what}): attention-logit profile of one 2,048-token window / plain "
+                      "eager forward",
+                      f"{r['attn_logits_vs_eager']:.2f}× [{r['attn_logits_vs_eager_spread'][0]:.2f}–"
+                      f"{r['attn_logits_vs_eager_spread'][1]:.2f} over rounds] ({r['attn_logits_vs_sdpa']:.2f}× the SDPA "
+                      f"forward; with the sink metrics {r['attn_logits_and_sinks_vs_eager']:.2f}× eager)", "≤ 1.6×"]]
+    syncs = b.get("profiler", {}).get("host_syncs_per_forward")
+    if syncs:
+        own = syncs["plain_forward"]["total"]
+        rows.append(["host syncs per profiled forward on the accelerator path (diffquant's own: minus the plain "
+                     f"forward's {own}, transformers' mask code)",
+                     f"{syncs['accelerator_path_token_sites']['total'] - own} (hidden and Linear inputs), "
+                     f"{syncs['accelerator_path_attn_logits']['total'] - own} (attention logits)", "0"])
     if "sweep" in b:
         rows.append(["16/8/6/4-bit logit sweep / four plain evaluations",
                      f"{_ratio('sweep', 'ratio_vs_four_plain', runs=runs)} eager, "
@@ -549,7 +577,8 @@ def benchmark_part() -> list[str]:
     if not rows:
         return []
     lines = ["### Benchmarks (`python -m benchmarks.run`)", "",
-             f"Ratios measured within one run on {b.get('device') or 'this CPU'} ({b.get('threads')} threads), "
+             f"Ratios measured within one run on {b.get('device') or 'this CPU'} ({b.get('threads')} thread(s), "
+             f"{b.get('clock', 'wall time')}), "
              f"`{b.get('preset')}` preset, batch {b.get('batch')}; medians over {b.get('rounds')} interleaved rounds"
              + (f" (load average {b['load_average']:.1f} from other work when the last run started)"
                 if b.get("load_average") is not None else "") + "; "
@@ -565,6 +594,13 @@ def benchmark_part() -> list[str]:
                   f"state and Linear input minus the plain forward, {ops['rounds']} forwards): the extra is "
                   f"{ops['extra_s'] / ops['plain_s']:.0%} of the plain forward's operator time; each operator's share "
                   f"of the added time, with its extra calls per forward: {share}.", ""]
+    d_ops = b.get("diff_ops")
+    if d_ops:
+        grew = ", ".join(f"{k.removeprefix('aten::')} +{v:.1f} ms ({d_ops['calls_per_forward'][k][0]} → "
+                         f"{d_ops['calls_per_forward'][k][1]} calls)" for k, v in list(d_ops["grew_ms_per_forward"].items())[:5])
+        lines += [f"Where DIFF's inference time goes beyond the baseline's (`{b.get('preset')}`, {d_ops['tokens']:,} tokens, "
+                  f"torch.profiler self CPU time per forward: DIFF {d_ops['diff_ms']:.1f} ms, baseline "
+                  f"{d_ops['baseline_ms']:.1f} ms): {grew}. The paper reports 0.91× on GPUs with FlashAttention.", ""]
     return lines
 
 
