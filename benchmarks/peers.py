@@ -419,13 +419,11 @@ NOT_COVERED = (
     "waiting threads spin, and the statistics' many short kernels per batch pay it most. With one thread per child "
     "(the tables) diffquant is the fastest workflow in every case where a peer ran; the statistics' own speed-up is "
     "the breakdown above.",
-    "Cut, on a machine of 2 cores shared with other jobs and a budget of about 70 CPU-minutes for this comparison: "
-    "SmolLM2 at 262,144 tokens (about 15 CPU-minutes for diffquant alone; the peers' caches would hold 112 GiB) and SmolLM2's "
-    "attention window of 8,192 (the peers' caches would hold 34 GiB; diffquant alone was not run, for time); the bare "
-    "forward at 65,536 SmolLM2 tokens. At 65,536 SmolLM2 tokens the peers are refused by the memory rule (28 GiB). How "
-    "cost and memory grow with tokens and context is measured instead on the tiny preset with random weights, where "
-    "every workflow fits up to 262,144 tokens and an attention window of 8,192: keeping and reducing activations "
-    "costs by their number (assumed, not measured: random weights change the activations' values only).",
+    "Where the peers cannot run, diffquant alone: SmolLM2 at 65,536 and 262,144 tokens (the peers' caches would hold "
+    "28 and 112 GiB) and SmolLM2's attention window of 8,192 (34 GiB); the memory rule refuses the peers there. Not run: "
+    "the bare forward at 65,536 and 262,144 SmolLM2 tokens (its rate at 8,192 stands for it: it does not depend on the "
+    "count). The tiny-preset rows (random weights; KJV as bytes) come from an earlier run, with the peers on "
+    "transformers 5.24; they show how cost and memory grow with tokens and context where every workflow fits.",
     "The demo pair (DIFF and its baseline) is not in these tables: its checkpoints are not on the machine these "
     "figures come from, and TransformerLens 4.3 has no DiffLlama adapter (none among "
     "transformer_lens/model_bridge/supported_architectures), so only nnsight could be compared on it.",
