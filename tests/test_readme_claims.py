@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LABELS = {"hidden top-1/median": "hidden_ratio", "logit top-1/median": "logit_ratio", "max‖h‖/median": "massive_ratio",
           "hidden kurtosis": "hidden_kurtosis", "sink rate": "sink_rate", "int4-logit cost": "logits_int4_cost",
           "W8A8 cost": "w8a8_cost", "loss": "loss", "logit top-1": "logit_top1"}
-SOURCES = {"## ": ("emergence.py", "docs/emergence/results.json"),
+SOURCES = {"## ": ("experiments.emergence", "docs/emergence/results.json"),
            "In the demo setting": (None, "docs/rivals/demo/results.json"),
            "In the setting the emergence search chose": (None, "docs/rivals/regime/results.json")}
 

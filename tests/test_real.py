@@ -166,7 +166,7 @@ def test_the_demo_plan_states_the_committed_timings():
         s = json.loads((ROOT / folder / "summary.json").read_text())
         assert {k: v for k, v in STEP_SECONDS[kind].items() if k != "load"} == \
             {k: round(v) for k, v in s["seconds"].items() if k != "total"}, kind
-        assert f"load average {STEP_SECONDS[kind]['load']:g}" in s["timing_note"]
+        assert f"load average of {STEP_SECONDS[kind]['load']:g}" in s["timing_note"]
     lines = plan_lines(QUICK, True)
-    assert lines[0].startswith("diffquant demo --quick") and len(lines) == 7
+    assert lines[0].startswith("diffquant demo --quick") and len(lines) == 6  # the total, then the five steps
     assert "[1/5]" in plan_lines(DemoConfig(), False)[1]
