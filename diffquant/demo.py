@@ -41,7 +41,7 @@ SEQ = 256
 # Seconds each step took in the committed runs (docs/demo/summary.json, docs/demo-quick/summary.json: 2 CPU cores,
 # an empty cache, other work on the machine; `python -m docs.readme_results --run-demo / --run-quick` measures them
 # again, and a test keeps these equal to those files), for the plan the demo prints before it starts.
-STEP_SECONDS = {"full": {"train": 2405, "profile": 141, "sweep": 643, "smollm2": 182, "load": 3.7},
+STEP_SECONDS = {"full": {"train": 1614, "profile": 9, "sweep": 43, "smollm2": 31, "load": 4.2},
                 "quick": {"train": 281, "profile": 15, "sweep": 60, "smollm2": 70, "load": 8.5}}
 
 
