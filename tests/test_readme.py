@@ -3,6 +3,7 @@ docs/RESULTS.md are what docs/readme_results.py writes from the committed files,
 main job on its first screen."""
 
 import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,9 @@ def test_every_python_block_uses_only_the_public_api():
 def test_the_python_block_runs_verbatim(tmp_path):
     """In a fresh interpreter, in an empty folder, exactly as a reader would paste it."""
     code = "\n".join(python_blocks(README))
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread, as every test worker (see test_notebook_runs)
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                         env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "smoothquant:0.5 → gptq → w8a8-static" in run.stdout and "attention logits" in run.stdout
     assert (tmp_path / "runs/python/profile/table5.md").is_file()

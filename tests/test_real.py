@@ -102,13 +102,21 @@ def test_notebook_runs(tmp_path, quick_pairs):
 
     nb = nbformat.read(ROOT / "notebooks" / "walkthrough.ipynb", as_version=4)
     (tmp_path / "pair").symlink_to(quick_pairs / QUICK_PAIR)  # the notebook's pair, trained once for the session
+    threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["DIFFQUANT_QUICK"] = "1"
     os.environ["DIFFQUANT_NOTEBOOK_OUT"] = str(tmp_path)
+    # one thread in the kernel, as in every test worker (conftest): with two, its OpenMP threads spin against the
+    # other worker, and the GPTQ cell took over 600 s in CI where it takes 33 s alone
+    os.environ["OMP_NUM_THREADS"] = "1"
     try:
         NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     finally:
         os.environ.pop("DIFFQUANT_QUICK")
         os.environ.pop("DIFFQUANT_NOTEBOOK_OUT")
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "logits int4" in outputs and "hidden-state top-1" in outputs and "smoothquant:0.5 → gptq → w8a8-static" in outputs
 
