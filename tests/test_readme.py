@@ -2,8 +2,8 @@
 docs/RESULTS.md are what docs/readme_results.py writes from the committed files, and it stays short with the
 main job on its first screen."""
 
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
