@@ -121,3 +121,27 @@ def assert_detectable(sd_text: str, units_text: str | None, a, b, tests: int, po
         units = float(units_text)
         assert (sd - half) * pooled * (1 - 5e-3) <= units <= (sd + half) * pooled * (1 + 5e-3), \
             f"{units_text} is not {sd_text} SD × the pooled SD {pooled:.4g}"
+
+
+def holm_by_hand(ps: dict) -> dict:
+    """Holm's adjustment written out, independent of the code under test: sort ascending, multiply the i-th smallest
+    by m − i, running maximum, cap at 1."""
+    out, running = {}, 0.0
+    for i, key in enumerate(sorted(ps, key=ps.get)):
+        running = max(running, min(1.0, (len(ps) - i) * ps[key]))
+        out[key] = running
+    return out
+
+
+def write_micro_diff_checkpoint(root):
+    """A micro DIFF model (2 layers, width 128) with a tokenizer trained on a small corpus: root/m and root/c.txt."""
+    from diffquant.data.tokens import train_tokenizer
+    from diffquant.models.presets import ModelSpec, build_pair
+
+    text = "\n".join(f"and {w} went unto the {v} of {u}." for w, v, u in
+                     zip(["he", "she", "they"] * 300, ["house", "city", "field", "land"] * 225, ["god", "men"] * 450))
+    (root / "c.txt").write_text(text)
+    _, diff = build_pair(ModelSpec("q", hidden=128, layers=2, heads=4, ffn=256, vocab=512, seq_len=64))
+    diff.save_pretrained(root / "m")
+    train_tokenizer(text, 400).save_pretrained(root / "m")
+    return root

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from conftest import write_micro_diff_checkpoint
 from diffquant.cli import main
 from diffquant.errors import DiffquantError
 from diffquant.models.matrix import FAMILIES, VOCAB
@@ -284,17 +285,7 @@ def test_presets_that_export():
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A micro DIFF model with a trained tokenizer and a small corpus (as tests/test_quantize_cli.py's)."""
-    from diffquant.data.tokens import train_tokenizer
-    from diffquant.models.presets import ModelSpec, build_pair
-
-    root = tmp_path_factory.mktemp("ct")
-    text = "\n".join(f"and {w} went unto the {v} of {u}." for w, v, u in
-                     zip(["he", "she", "they"] * 300, ["house", "city", "field", "land"] * 225, ["god", "men"] * 450))
-    (root / "c.txt").write_text(text)
-    _, diff = build_pair(ModelSpec("q", hidden=128, layers=2, heads=4, ffn=256, vocab=512, seq_len=64))
-    diff.save_pretrained(root / "m")
-    train_tokenizer(text, 400).save_pretrained(root / "m")
-    return root
+    return write_micro_diff_checkpoint(tmp_path_factory.mktemp("ct"))
 
 
 LOSS_CHILD = r'''

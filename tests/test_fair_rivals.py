@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_detectable
+from conftest import assert_detectable, holm_by_hand
 from diffquant.errors import DiffquantError
 from diffquant.stats.intervals import holm_adjust
 from experiments import fair_rivals as fr
@@ -113,14 +113,6 @@ def test_tests_against_diff_are_holm_adjusted_within_each_family():
         "primary": ["w4a4_static_cost"], "secondary": ["loss", "hidden_ratio", "logit_ratio"]}
 
 
-def _holm(ps: dict) -> dict:
-    """Holm by hand: sort ascending, multiply the i-th smallest by m − i, running maximum, cap at 1."""
-    out, running = {}, 0.0
-    for i, key in enumerate(sorted(ps, key=ps.get)):
-        running = max(running, min(1.0, (len(ps) - i) * ps[key]))
-        out[key] = running
-    return out
-
 
 def test_ablations_against_parents_and_the_transformer_in_the_grown_family():
     """Every ablation is also tested against its parent and against the Transformer (family "added"); those tests and
@@ -144,8 +136,8 @@ def test_ablations_against_parents_and_the_transformer_in_the_grown_family():
            ttest_ind([c[r["metric"]] for c in per[r["design"]]], [c[r["metric"]] for c in per[r["reference"]]],
                      equal_var=False).pvalue for r in rows}
     raw.update({("fixes", f["scheme"], f["fix"], ""): f["p"] for f in fixes if f["p"] is not None})
-    grown = _holm(raw)
-    planned = _holm({k: v for k, v in raw.items() if k[0] == "planned"})
+    grown = holm_by_hand(raw)
+    planned = holm_by_hand({k: v for k, v in raw.items() if k[0] == "planned"})
     for r in rows:
         key = (r["family"], r["design"], r["reference"], r["metric"])
         assert r["p"] == pytest.approx(raw[key]) and r["p_holm_grown"] == pytest.approx(grown[key])

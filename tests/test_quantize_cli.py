@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from conftest import write_micro_diff_checkpoint
 from diffquant.cli import main
 from diffquant.models.load import load_model
 from diffquant.quant.backends import BACKENDS, load_real, serialized_bytes
@@ -11,18 +12,7 @@ from diffquant.quant.backends import BACKENDS, load_real, serialized_bytes
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from diffquant.data.tokens import train_tokenizer
-    from diffquant.models.presets import ModelSpec, build_pair
-
-    root = tmp_path_factory.mktemp("q")
-    text = "\n".join(f"and {w} went unto the {v} of {u}." for w, v, u in
-                     zip(["he", "she", "they"] * 300, ["house", "city", "field", "land"] * 225, ["god", "men"] * 450))
-    (root / "c.txt").write_text(text)
-    spec = ModelSpec("q", hidden=128, layers=2, heads=4, ffn=256, vocab=512, seq_len=64)
-    _, diff = build_pair(spec)
-    diff.save_pretrained(root / "m")
-    train_tokenizer(text, 400).save_pretrained(root / "m")
-    return root
+    return write_micro_diff_checkpoint(tmp_path_factory.mktemp("q"))
 
 
 @pytest.mark.parametrize("weights", [False, True])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from scipy.stats import ttest_ind
 
-from conftest import assert_detectable
+from conftest import assert_detectable, holm_by_hand
 
 ROOT = Path(__file__).resolve().parent.parent
 LABELS = {"hidden top-1/median": "hidden_ratio", "logit top-1/median": "logit_ratio", "max‖h‖/median": "massive_ratio",
@@ -97,13 +97,6 @@ def test_every_verdict_in_the_readme_survives_holm():
                 assert f"p {p:.2g})" in cell, f"{source}: {row[0]} / {k}: {cell} vs adjusted p {p:.2g}"
 
 
-def _holm(ps: dict) -> dict:
-    out, running = {}, 0.0
-    for i, key in enumerate(sorted(ps, key=ps.get)):
-        running = max(running, min(1.0, (len(ps) - i) * ps[key]))
-        out[key] = running
-    return out
-
 
 def test_the_contrary_emergence_result_is_stated_with_its_tests():
     """The sentence under the emergence table: DIFF's means against the Transformer's and each Holm p, recomputed
@@ -113,7 +106,7 @@ def test_the_contrary_emergence_result_is_stated_with_its_tests():
     per = doc["per_seed"]
     keys = [k for k in LABELS.values() if k in per["DIFF"][0] and k != "sink_rate"]
     raw = {k: _p([m[k] for m in per["Transformer"]], [m[k] for m in per["DIFF"]]) for k in keys}
-    adjusted = _holm(raw)
+    adjusted = holm_by_hand(raw)
     line = next(ln for ln in _results_block() if ln.startswith("Contrary to the paper's Table 5"))
     mean = {k: (sum(m[k] for m in per["DIFF"]) / len(per["DIFF"]),
                 sum(m[k] for m in per["Transformer"]) / len(per["Transformer"])) for k in keys}
@@ -162,7 +155,7 @@ def test_fair_comparison_verdicts_recomputed_from_the_seeds():
         raw[key] = ttest_ind(cost("diff", t["scheme"], t["fix"]), cost("baseline", t["scheme"], t["fix"]),
                              equal_var=False).pvalue
         assert t["p"] == pytest.approx(raw[key], rel=1e-9)
-    planned, grown = _holm({k: v for k, v in raw.items() if k[0] == "planned"}), _holm(raw)
+    planned, grown = holm_by_hand({k: v for k, v in raw.items() if k[0] == "planned"}), holm_by_hand(raw)
     assert fair["grown"]["tests"] == len(raw) == 175
     for r in fair["tests"]:
         key = (r["family"], r["metric"], r["design"], r.get("reference", "diff"))
