@@ -158,9 +158,9 @@ def step_backend(device: str, smoke: bool, out: Path, backend: str) -> dict:
     ids = torch.randint(0, PRESETS[preset].vocab, (4, 64) if smoke else (8, 256), device=device)
     with tempfile.TemporaryDirectory() as tmp:
         build(PRESETS[preset], "baseline").save_pretrained(tmp)
-        from transformers import AutoModelForCausalLM
+        from diffquant.models.load import from_pretrained
 
-        ref = AutoModelForCausalLM.from_pretrained(tmp).to(device).eval()
+        ref = from_pretrained(tmp).to(device).eval()
         kwargs = {"device": device} if "device" in inspect.signature(backends.load_real).parameters else {}
         real = backends.load_real(backend, tmp, **kwargs)
         if not kwargs and not backend.startswith("bnb"):  # bitsandbytes places itself on the GPU

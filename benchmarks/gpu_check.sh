@@ -12,8 +12,11 @@
 #     echo /.whl/ >> .git/info/exclude
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#         -d .whl "transformers==5.25.0" "torchao==0.18.0"
-# and name .whl in the device call's carry. Every prerequisite is checked up front, one line each.
+#         -d .whl transformers==5.25.0 torchao==0.18.0 huggingface_hub==2.4.0 httpx2==2.17.0 httpcore2==2.17.0 \
+#         truststore==0.10.5 hf-xet==1.8.0 kernels==0.19.1 regex==2026.12.2 click==8.5.1 gguf==0.19.0
+# (the set that ran on an H100 on 2026-12-05, 26 MB: the image's Python 3.12 had transformers 5.17 and
+# huggingface_hub 1.33) and name .whl in the device call's carry. Every prerequisite is checked up front, one
+# line each. Move .whl away before running the suite here: its Python 3.12 wheels do not install on 3.11.
 # Settings: OUT (summary folder, default /tmp/gpu_check-out), GPU_CHECK_MODEL (a transformers folder to profile
 # in bf16, e.g. SmolLM2-135M saved with save_pretrained; default the tiny preset), GPU_CHECK_BACKEND (default
 # torchao-int8wo), GPU_CHECK_WORK (scratch, default /tmp/gpu_check), PYTHON (default python3).
@@ -23,7 +26,7 @@ SMOKE=()
 for arg in "$@"; do
     case "$arg" in
         --cpu-smoke) SMOKE=(--cpu-smoke) ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $arg (--cpu-smoke, or none)"; exit 2 ;;
     esac
 done

@@ -211,6 +211,7 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
     from transformers import AutoModelForCausalLM
 
     from diffquant.evaluate import language_modeling
+    from diffquant.models.load import from_pretrained
     from diffquant.models.presets import get_preset
 
     spec = get_preset(cfg.preset)
@@ -223,7 +224,7 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
     state_path = ckpt / "trainer_state.pt"
     metrics = {"arch": arch, "steps": total, "curve": [], "val": []}
     if resume and state_path.is_file():
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        model = from_pretrained(ckpt, dtype=torch.float32)
         state = torch.load(state_path, weights_only=False)
         start = state["step"]
         metrics = state["metrics"]

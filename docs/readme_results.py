@@ -604,6 +604,76 @@ def benchmark_part() -> list[str]:
     return lines
 
 
+def gpu_part() -> list[str]:
+    """The last `bash benchmarks/gpu_check.sh` on a GPU: benchmarks/results-cuda.json and the steps' summary."""
+    from diffquant.report.tables import markdown
+
+    b, check = _load("benchmarks/results-cuda.json"), _load("benchmarks/gpu_check.json")
+    if b is None or check is None:
+        return []
+
+    def spread(d, key):
+        lo_hi = d.get(key + "_spread") or d.get("ratio_spread" if key == "ratio_vs_four_plain" else "")
+        return f" [{lo_hi[0]:.2f}–{lo_hi[1]:.2f} over rounds]" if lo_hi else ""
+
+    p, rows = b["profiler"], []
+    rows += [["plain forward (SDPA), tokens/s", f"{p['tokens_per_s']:,.0f}", ""],
+             ["statistics on every hidden state and Linear input / plain forward",
+              f"{p['hidden_and_linear_inputs_ratio']:.2f}×{spread(p, 'hidden_and_linear_inputs_ratio')} eager, "
+              f"{p['hidden_and_linear_inputs_ratio_compiled']:.2f}× compiled ({p['profiled_tokens_per_s']:,.0f} tokens/s)",
+              f"≤ {p['target_1']}×"],
+             ["attention-logit statistics / eager attention",
+              f"{p['attn_logits_vs_eager_ratio']:.2f}×{spread(p, 'attn_logits_vs_eager_ratio')} eager, "
+              f"{p['attn_logits_vs_eager_ratio_compiled']:.2f}× compiled (eager attention / SDPA "
+              f"{p['eager_attention_vs_sdpa']:.2f}×)", f"≤ {p['target_2']}×"]]
+    syncs = p.get("host_syncs_per_forward")
+    if syncs:
+        own = syncs["plain_forward"]["total"]
+        rows.append(["host syncs per profiled forward (diffquant's own: minus the plain forward's "
+                     f"{own})", f"{syncs['accelerator_path_token_sites']['total'] - own} (hidden and Linear inputs), "
+                     f"{syncs['accelerator_path_attn_logits']['total'] - own} (attention logits)", "0"])
+    d = b.get("diff_vs_baseline", {}).get("sdpa", {})
+    for label in ("diff", "diff_two_call", "gated", "clipsoftmax", "sink"):
+        if f"{label}_inference_ratio" in d:
+            rows.append([f"{label} / baseline tokens/s ({b['diff_vs_baseline'].get('autocast', 'float32')} autocast), "
+                         "inference; training",
+                         f"{d[f'{label}_inference_ratio']:.2f}×{spread(d, f'{label}_inference_ratio')}; "
+                         f"{d[f'{label}_training_ratio']:.2f}×{spread(d, f'{label}_training_ratio')}",
+                         "≥ 0.92× (DIFF)" if label == "diff" else ""])
+    if "sweep" in b:
+        w = b["sweep"]
+        rows.append(["16/8/6/4-bit logit sweep / four plain evaluations",
+                     f"{w['ratio_vs_four_plain']:.2f}×{spread(w, 'ratio_vs_four_plain')} eager, "
+                     f"{w['ratio_vs_four_plain_compiled']:.2f}× compiled", f"≤ {w['target']}×"])
+    if "memory" in b:
+        m = b["memory"]
+        rows.append([f"peak GPU memory profiling {m['tokens'][0]:,} then {m['tokens'][1]:,} tokens",
+                     f"{m['stream_peak_mib'][0]:,.0f} → {m['stream_peak_mib'][1]:,.0f} MiB "
+                     f"(+{100 * m['stream_increase']:.2f}%)", f"≤ +{100 * m['target']:.0f}%"])
+    steps = check["steps"]
+    bf = steps.get("bf16_profile", {})
+    if bf.get("status") == "ok":
+        worst = bf["worst_relative_difference"]
+        rows.append([f"bfloat16 profile against float32 ({bf['model']}, {bf['tokens']:,} tokens, {bf['sites']} sites): "
+                     "largest relative difference", ", ".join(f"{k} {100 * v['rel']:.2f}%" for k, v in worst.items())
+                     + f"; {bf['bf16_nonfinite']} non-finite", ""])
+    r = steps.get("recipe", {})
+    if r.get("timing"):
+        rows.append(["GPU recipe (`python -m experiments.gpu_recipe`, `small` pair, 20M tokens each, tracked, "
+                     "profiled, swept)", f"{r['timing']['total_s']:.0f} s in all, training {r['timing']['train_s']:.0f} s "
+                     f"(estimated {sum(r['estimate']['seconds'].values()) / 60:.1f} min)", "≤ 10 min"])
+    failed = [f"{k} ({v.get('log_tail', '').strip().splitlines()[-1].split(': ', 1)[-1][:240] if v.get('log_tail') else v['status']})"
+              for k, v in steps.items() if v["status"] not in ("ok", "skipped")]
+    return ["### On a GPU (`bash benchmarks/gpu_check.sh`)", "",
+            f"One run on {b['device']} (torch {b['torch']}, `{b['preset']}` preset, batch {b['batch']}, {b['clock']}, "
+            f"medians over {b['rounds']} interleaved rounds, load average {b['load_average']:.1f}): "
+            "[benchmarks/results-cuda.json](benchmarks/results-cuda.json), the steps in "
+            "[benchmarks/gpu_check.json](benchmarks/gpu_check.json).", "",
+            markdown(["what", "measured", "target"], rows), "",
+            *([f"Failed in that run: {'; '.join(failed)}. Fixed since (every load passes `use_kernels=False`), "
+               "not yet re-run on a GPU.", ""] if failed else [])]
+
+
 def peers_part() -> list[str]:
     """The parity and cost tables against TransformerLens and nnsight (benchmarks/peers.py), and the examples."""
     from benchmarks import peers
@@ -620,7 +690,7 @@ def peers_part() -> list[str]:
 
 def results_block() -> str:
     parts = (demo_part() + emergence_part() + regime_part() + rivals_part() + mitigations_part() + weights_part() + fig8_real_part()
-             + kv_cache_part() + benchmark_part() + peers_part())
+             + kv_cache_part() + benchmark_part() + gpu_part() + peers_part())
     return "\n".join(parts).strip()
 
 

@@ -83,7 +83,7 @@ def held_out(cfg: TrainConfig, folder: Path, n: int) -> torch.Tensor:
 def train_and_measure(name: str, overrides: dict, seed: int, archs, runs: Path, n_eval: int,
                       schemes=("logits-int4",)) -> dict:
     """Train (or reuse) the designs of one setting and seed; measure each on held-out sequences."""
-    from transformers import AutoModelForCausalLM
+    from diffquant.models.load import from_pretrained
 
     from experiments.measure import measure
 
@@ -96,7 +96,7 @@ def train_and_measure(name: str, overrides: dict, seed: int, archs, runs: Path, 
     seqs = held_out(cfg, folder, n_eval)
     out = {}
     for arch in archs:
-        model = AutoModelForCausalLM.from_pretrained(folder / arch).eval()
+        model = from_pretrained(folder / arch).eval()
         m = measure(model, seqs, schemes)
         info = results["models"][arch]
         m.update(parameters=info["parameters"], train_tokens=info["emergence"][-1]["tokens"],

@@ -233,7 +233,7 @@ def held_out_and_calibration(e: Experiment, folder: Path) -> tuple[torch.Tensor,
 def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs: Path, device: str,
              seqs: torch.Tensor, calib: torch.Tensor, cells: Path) -> dict:
     """Train (resuming) and measure one cell, or read its measurements (under `cells`) when it is finished."""
-    from transformers import AutoModelForCausalLM
+    from diffquant.models.load import from_pretrained
 
     from diffquant.training import train_pair
     from experiments.measure import measure
@@ -260,7 +260,7 @@ def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs
                figures=False)
     train_s = time.perf_counter() - t0
     info = json.loads((folder / "metrics.json").read_text())["models"][design]
-    model = AutoModelForCausalLM.from_pretrained(folder / design).to(device).eval()
+    model = from_pretrained(folder / design).to(device).eval()
     from diffquant.models.fused import fuse
 
     fuse(model)

@@ -317,7 +317,7 @@ def main(argv=None) -> None:
     if a.pair:
         return pair_main(a)
     import torch
-    from transformers import AutoModelForCausalLM
+    from diffquant.models.load import from_pretrained
 
     from experiments import fair_rivals as F
 
@@ -353,7 +353,7 @@ def main(argv=None) -> None:
             finished = fair_out / "cells" / design / f"lr{rates[design]:g}" / f"s{seed}.json"  # written after training
             if key in doc["models"] or not finished.is_file():  # a checkpoint mid-training is never measured
                 continue
-            model = AutoModelForCausalLM.from_pretrained(folder).eval()
+            model = from_pretrained(folder).eval()
             fuse(model)
             doc["models"][key] = {"design": design, "seed": seed, **measure_model(model, seqs, calib)}
             out.mkdir(parents=True, exist_ok=True)
@@ -383,7 +383,7 @@ def write_report(doc: dict, out: Path) -> None:
 def pair_main(a) -> None:
     """`--pair`: every seed of the two designs trained under RUNS/<pair>/s<seed>/<design> (the layout of `emergence --runs RUNS`)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from diffquant.models.load import from_pretrained
 
     from experiments.emergence import config, held_out
 
@@ -409,7 +409,7 @@ def pair_main(a) -> None:
     for folder in folders:
         seed = int(folder.name[1:])
         for design in a.designs:
-            model = AutoModelForCausalLM.from_pretrained(folder / design).eval()
+            model = from_pretrained(folder / design).eval()
             params[design] = sum(p.numel() for p in model.parameters())
             key = f"{design}/s{seed}"
             if key in doc["models"]:

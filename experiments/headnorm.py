@@ -139,7 +139,7 @@ def measure_cell(plan: dict, model, seqs, copies, calib) -> dict:
 def run_cell(plan: dict, arm: str, lr: float, seed: int, runs: Path, out: Path, device: str, seqs, copies,
              calib) -> dict:
     """Train (resuming) and measure one cell, or read it when it is done under this plan."""
-    from transformers import AutoModelForCausalLM
+    from diffquant.models.load import from_pretrained
 
     from diffquant.models.fused import fuse
     from diffquant.training import train_pair
@@ -157,7 +157,7 @@ def run_cell(plan: dict, arm: str, lr: float, seed: int, runs: Path, out: Path, 
                resume=(folder / "train_config.json").exists(), progress=False, figures=False)
     train_s = time.perf_counter() - t0
     info = json.loads((folder / "metrics.json").read_text())["models"][arm]
-    model = AutoModelForCausalLM.from_pretrained(folder / arm).to(device).eval()
+    model = from_pretrained(folder / arm).to(device).eval()
     fuse(model)
     m = measure_cell(plan, model, seqs.to(device), copies, calib.to(device))
     cell = {**{k: v for k, v in m.items() if k != "sinks"}, "arm": arm, "lr": lr, "seed": seed,

@@ -74,3 +74,29 @@ def test_not_a_causal_lm(tmp_path):
                        image_size=32, patch_size=16)).save_pretrained(tmp_path)
     with pytest.raises(DiffquantError, match="not a causal language model"):
         load_model(str(tmp_path))
+
+
+def test_every_load_skips_hub_kernels(tmp_path, micro_pair):
+    """transformers kernelizes every `from_pretrained` model when `kernels` is installed (a dependency of 5.25): on
+    CUDA it swaps RMSNorm/rotary/activation forwards for kernels fetched from the hub, and an offline H100 load
+    failed (benchmarks/gpu_check.sh, 2026-12-05). Every diffquant load passes use_kernels=False: checked on the
+    loaded models (kernelize runs on CPU too, it finds no CPU kernels) and by reading the sources."""
+    import re
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    from diffquant.quant import backends
+
+    folder = tmp_path / "m"
+    micro_pair[0].save_pretrained(folder)
+    if find_spec("kernels"):  # what the default does, so the checks below can fail
+        assert AutoModelForCausalLM.from_pretrained(folder).use_kernels is True
+    assert load_model(str(folder))[0].use_kernels is False
+    assert backends.load_real("torchao-int8wo", folder).use_kernels is False
+    root = Path(__file__).resolve().parents[1]
+    callers = [p.relative_to(root).as_posix() for d in ("diffquant", "experiments", "benchmarks", "docs")
+               for p in (root / d).glob("**/*.py") if ".peers" not in p.parts
+               and re.search(r"(=|return)\s*AutoModelForCausalLM\.from_pretrained\(", p.read_text())]
+    # export_parity and llmcompressor_check load as a user of plain transformers would, in another environment
+    assert sorted(callers) == ["benchmarks/export_parity.py", "benchmarks/llmcompressor_check.py",
+                               "diffquant/models/load.py"]

@@ -15,6 +15,19 @@ DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "bf16": "bflo
           "fp16": "float16", "float16": "float16"}
 
 
+def from_pretrained(path, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained` as diffquant loads every model: without transformers' hub kernels.
+
+    Since transformers 5.2x `from_pretrained` kernelizes every model when the `kernels` package is installed (a
+    dependency of transformers 5.25): on CUDA it swaps the forwards of RMSNorm, rotary embeddings and activations
+    for kernels fetched from the hub. diffquant measures the model's own code, and downloads nothing unasked; with
+    the default, a CUDA load without network failed outright (benchmarks/gpu_check.sh on an H100, 2026-12-05:
+    "Version 2 of 'kernels-community/rotary' is not available in the local cache"). `use_kernels=True` opts in."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, **{"use_kernels": False, **kwargs})
+
+
 def check_dtype(name: str | None) -> None:
     """A --dtype the loaders accept (no torch: argument errors answer at once)."""
     if name is not None and name not in DTYPES:
@@ -144,7 +157,7 @@ def _load_zoo(name: str, kwargs: dict, cache: str | None):
 def _from_pretrained(path, kwargs: dict, local_files_only: bool = True, **extra):
     import warnings
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from diffquant.quant import compressed
@@ -162,7 +175,7 @@ def _from_pretrained(path, kwargs: dict, local_files_only: bool = True, **extra)
     try:
         with warnings.catch_warnings():  # "loading attributes (e.g. ['dequantize']) will be overwritten": meant so
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=local_files_only, **kwargs, **extra)
+            model = from_pretrained(path, local_files_only=local_files_only, **kwargs, **extra)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e) or "does not recognize this architecture" in str(e):
             raise DiffquantError(f"{path} is not a causal language model ({str(e).splitlines()[0][:200]})") from None

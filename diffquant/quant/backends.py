@@ -239,16 +239,18 @@ def load_real(name: str, model_dir: str | Path, calibration: torch.Tensor | None
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from diffquant.models.load import from_pretrained
+
     require(name)
     device, dtype = torch.device(device), dtype or torch.float32
     with torch.device("meta"):
         check(name, AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)), device)
     if name.startswith("quanto"):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        model = from_pretrained(model_dir, dtype=dtype).to(device).eval()
         return _quanto(model, name, None if calibration is None else calibration.to(device))
     try:
-        return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=_quantization_config(name, dtype),
-                                                    dtype=dtype, device_map={"": device}).eval()
+        return from_pretrained(model_dir, quantization_config=_quantization_config(name, dtype), dtype=dtype,
+                               device_map={"": device}).eval()
     except (RuntimeError, ValueError, AssertionError, ImportError) as e:
         raise DiffquantError(f"backend {name} could not quantize this model here: {str(e).splitlines()[0][:300]}") from None
 
@@ -295,6 +297,8 @@ def load_saved_real(path: Path, device: torch.device | str = "cpu"):
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from diffquant.models.load import from_pretrained
+
     name = json.loads((path / "diffquant_backend.json").read_text())["backend"]
     if name.startswith("quanto"):
         from optimum.quanto import requantize
@@ -305,7 +309,7 @@ def load_saved_real(path: Path, device: torch.device | str = "cpu"):
         qmap = json.loads((path / "quanto_map.json").read_text())
         requantize(model, load_file(str(path / "quanto.safetensors")), qmap, device=torch.device(device))
         return model.eval()
-    return AutoModelForCausalLM.from_pretrained(path, device_map={"": torch.device(device)}).eval()
+    return from_pretrained(path, device_map={"": torch.device(device)}).eval()
 
 
 def serialized_bytes(model) -> int:
