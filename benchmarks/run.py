@@ -151,61 +151,97 @@ def host_syncs(model, ids) -> dict:
     return out
 
 
-def bench_profile_ops(model, ids, rounds: int = 3) -> dict:
+def _op_times(run, rounds: int, device) -> dict[str, tuple[float, float, int]]:
+    """torch.profiler's per-operator (self CPU s, self device s, calls) over `rounds` calls of `run`, after one
+    warm-up outside the trace; device time only where the device is an accelerator (CUDA kernels' own time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    run()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        for _ in range(rounds):
+            run()
+    return {e.key: (e.self_cpu_time_total / 1e6, getattr(e, "self_device_time_total", 0) / 1e6 if cuda else 0.0,
+                    e.count) for e in prof.key_averages()}
+
+
+def bench_profile_ops(model, ids, rounds: int = 3, per_kernel: bool | None = None) -> dict:
     """Where the profiler's extra time goes: torch.profiler's self CPU time per operator for a plain forward and
     for the same forward with statistics on every hidden state and Linear input (eager), summed over `rounds`
     forwards each; the difference per operator, as a share of all operators' added time, names what is left to
-    cut."""
-    from torch.profiler import ProfilerActivity, profile
-
+    cut. On a GPU also the kernels' own device time per operator, and the same for the attention logits against
+    eager attention (on a GPU the CPU time is mostly launching kernels: the two say whether launches or the
+    kernels themselves cost; `per_kernel` forces that part elsewhere, where the device times read 0)."""
+    device = next(model.parameters()).device
     token_sites = ["*.hidden", *LINEAR_INPUT_SITES]
 
-    def self_times(context) -> tuple[dict[str, float], dict[str, int]]:
-        with context(), torch.inference_mode():
-            model(ids, use_cache=False)  # warm-up outside the trace
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(rounds):
-                    model(ids, use_cache=False)
-        events = prof.key_averages()
-        return {e.key: e.self_cpu_time_total / 1e6 for e in events}, {e.key: e.count for e in events}
+    def times(context):
+        def run():
+            with context(), torch.inference_mode():
+                model(ids, use_cache=False)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        return _op_times(run, rounds, device)
 
-    plain, plain_calls = self_times(contextlib.nullcontext)
-    stats, stats_calls = self_times(lambda: tapped(model, {p: StatsObserver() for p in token_sites}))
-    extra = {k: stats.get(k, 0.0) - plain.get(k, 0.0) for k in stats.keys() | plain.keys()}
-    added = sum(v for v in extra.values() if v > 0)  # operators that got slower or are new (others: noise)
-    top = sorted(extra.items(), key=lambda kv: -kv[1])[:12]
-    return {"rounds": rounds, "plain_s": sum(plain.values()), "stats_s": sum(stats.values()),
-            "extra_s": sum(stats.values()) - sum(plain.values()),
-            "extra_share_by_op": {k: round(v / added, 4) for k, v in top if v > 0},
-            "extra_calls_per_forward": {k: (stats_calls.get(k, 0) - plain_calls.get(k, 0)) // rounds for k, v in top
-                                        if v > 0}}
+    def extra_by_op(base, stats, col):
+        extra = {k: stats.get(k, (0.0, 0.0, 0))[col] - base.get(k, (0.0, 0.0, 0))[col] for k in stats.keys() | base.keys()}
+        added = sum(v for v in extra.values() if v > 0)  # operators that got slower or are new (others: noise)
+        top = [(k, v) for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:12] if v > 0]
+        calls = {k: (stats.get(k, (0, 0, 0))[2] - base.get(k, (0, 0, 0))[2]) // rounds for k, _ in top}
+        return extra, added, top, calls
+
+    plain = times(contextlib.nullcontext)
+    stats = times(lambda: tapped(model, {p: StatsObserver() for p in token_sites}))
+    extra, added, top, calls = extra_by_op(plain, stats, 0)
+    out = {"rounds": rounds, "plain_s": sum(v[0] for v in plain.values()), "stats_s": sum(v[0] for v in stats.values()),
+           "extra_s": sum(v[0] for v in stats.values()) - sum(v[0] for v in plain.values()),
+           "extra_share_by_op": {k: round(v / added, 4) for k, v in top}, "extra_calls_per_forward": calls}
+    if device.type == "cuda" if per_kernel is None else per_kernel:
+        eager = times(lambda: attention(model, "eager"))
+        logits = times(lambda: tapped(model, {"*.attn_logits": StatsObserver()}))
+        for label, base, with_stats in (("token_sites", plain, stats), ("attn_logits", eager, logits)):
+            _, dev_added, dev_top, dev_calls = extra_by_op(base, with_stats, 1)
+            _, cpu_added, _, _ = extra_by_op(base, with_stats, 0)
+            out[f"cuda_{label}"] = {
+                "plain_device_ms": 1e3 * sum(v[1] for v in base.values()) / rounds,
+                "extra_device_ms": 1e3 * dev_added / rounds, "extra_cpu_ms": 1e3 * cpu_added / rounds,
+                "extra_device_ms_by_op": {k: round(1e3 * v / rounds, 3) for k, v in dev_top},
+                "extra_calls_per_forward": dev_calls}
+    return out
 
 
 def bench_diff_ops(preset: str, device, batch: int, seq: int, rounds: int = 3) -> dict:
     """Where DIFF's inference time goes beyond the baseline's (the ≥ 0.92× target, issue 41): torch.profiler's self
     CPU time per operator for a forward of each, summed over `rounds` forwards, and the operators whose time grew
-    most, in ms per forward with their calls per forward."""
-    from torch.profiler import ProfilerActivity, profile
-
+    most, in ms per forward with their calls per forward; on a GPU the same from the kernels' own device time."""
     from diffquant.models.presets import build
 
     ids = torch.randint(0, PRESETS[preset].vocab, (batch, seq), device=device)
 
-    def self_times(model):
-        with torch.inference_mode():
-            model(ids, use_cache=False)  # warm-up outside the trace
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(rounds):
-                    model(ids, use_cache=False)
-        return {e.key: (e.self_cpu_time_total / 1e3 / rounds, e.count // rounds) for e in prof.key_averages()}
+    def times(model):
+        def run():
+            with torch.inference_mode():
+                model(ids, use_cache=False)
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize()
+        return _op_times(run, rounds, device)
 
-    base, diff = (self_times(build(PRESETS[preset], arch).to(device).eval()) for arch in ("baseline", "diff"))
-    grew = {k: diff.get(k, (0.0, 0))[0] - base.get(k, (0.0, 0))[0] for k in diff.keys() | base.keys()}
-    top = sorted(grew.items(), key=lambda kv: -kv[1])[:10]
-    return {"tokens": ids.numel(), "baseline_ms": sum(v for v, _ in base.values()),
-            "diff_ms": sum(v for v, _ in diff.values()),
-            "grew_ms_per_forward": {k: round(v, 2) for k, v in top if v > 0},
-            "calls_per_forward": {k: [base.get(k, (0, 0))[1], diff.get(k, (0, 0))[1]] for k, v in top if v > 0}}
+    base, diff = (times(build(PRESETS[preset], arch).to(device).eval()) for arch in ("baseline", "diff"))
+
+    def grew(col):
+        ms = {k: 1e3 * (diff.get(k, (0.0, 0.0, 0))[col] - base.get(k, (0.0, 0.0, 0))[col]) / rounds
+              for k in diff.keys() | base.keys()}
+        top = [(k, v) for k, v in sorted(ms.items(), key=lambda kv: -kv[1])[:10] if v > 0]
+        return ({k: round(v, 2) for k, v in top},
+                {k: [base.get(k, (0, 0, 0))[2] // rounds, diff.get(k, (0, 0, 0))[2] // rounds] for k, _ in top})
+
+    total = lambda t, col: 1e3 * sum(v[col] for v in t.values()) / rounds  # noqa: E731
+    out = {"tokens": ids.numel(), "baseline_ms": total(base, 0), "diff_ms": total(diff, 0)}
+    out["grew_ms_per_forward"], out["calls_per_forward"] = grew(0)
+    if torch.device(device).type == "cuda":
+        out["device_baseline_ms"], out["device_diff_ms"] = total(base, 1), total(diff, 1)
+        out["device_grew_ms_per_forward"], out["device_calls_per_forward"] = grew(1)
+    return out
 
 
 def bench_fake_quant(device, mb: int, rounds: int) -> dict:

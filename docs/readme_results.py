@@ -662,6 +662,23 @@ def gpu_part() -> list[str]:
         rows.append(["GPU recipe (`python -m experiments.gpu_recipe`, `small` pair, 20M tokens each, tracked, "
                      "profiled, swept)", f"{r['timing']['total_s']:.0f} s in all, training {r['timing']['train_s']:.0f} s "
                      f"(estimated {sum(r['estimate']['seconds'].values()) / 60:.1f} min)", "≤ 10 min"])
+    notes = []
+    for label, what in (("cuda_token_sites", "statistics on every hidden state and Linear input, against the plain "
+                         "forward"), ("cuda_attn_logits", "attention-logit statistics, against eager attention")):
+        o = b.get("profile_ops", {}).get(label)
+        if o:
+            ops = ", ".join(f"{k.removeprefix('aten::')} {v:.2f} ms ({o['extra_calls_per_forward'].get(k, 0)} calls)"
+                            for k, v in list(o["extra_device_ms_by_op"].items())[:6])
+            notes.append(f"Where the time goes ({what}; torch.profiler per forward): the kernels add "
+                         f"{o['extra_device_ms']:.1f} ms of device time to the plain {o['plain_device_ms']:.1f} ms and "
+                         f"{o['extra_cpu_ms']:.1f} ms of host time launching them; by operator: {ops}.")
+    d_ops = b.get("diff_ops", {})
+    if "device_grew_ms_per_forward" in d_ops:
+        grew = ", ".join(f"{k.removeprefix('aten::')} +{v:.2f} ms" for k, v in
+                         list(d_ops["device_grew_ms_per_forward"].items())[:5])
+        notes.append(f"DIFF beyond the baseline on the device ({d_ops['tokens']:,} tokens, float32, kernels' own time "
+                     f"per forward: DIFF {d_ops['device_diff_ms']:.1f} ms, baseline {d_ops['device_baseline_ms']:.1f} "
+                     f"ms): {grew}.")
     failed = [f"{k} ({v.get('log_tail', '').strip().splitlines()[-1].split(': ', 1)[-1][:240] if v.get('log_tail') else v['status']})"
               for k, v in steps.items() if v["status"] not in ("ok", "skipped")]
     return ["### On a GPU (`bash benchmarks/gpu_check.sh`)", "",
@@ -669,7 +686,7 @@ def gpu_part() -> list[str]:
             f"medians over {b['rounds']} interleaved rounds, load average {b['load_average']:.1f}): "
             "[benchmarks/results-cuda.json](benchmarks/results-cuda.json), the steps in "
             "[benchmarks/gpu_check.json](benchmarks/gpu_check.json).", "",
-            markdown(["what", "measured", "target"], rows), "",
+            markdown(["what", "measured", "target"], rows), "", *[x for n in notes for x in (n, "")],
             *([f"Failed in that run: {'; '.join(failed)}. Fixed since (every load passes `use_kernels=False`), "
                "not yet re-run on a GPU.", ""] if failed else [])]
 

@@ -51,6 +51,36 @@ def test_profile_ops_shares_come_from_the_trace():
     assert ops["extra_calls_per_forward"].get("aten::mm", 0) == 0
 
 
+
+def test_gpu_breakdown_runs_here_and_renders(tmp_path, monkeypatch):
+    """The per-kernel breakdown gpu_check.sh asks for on a GPU (token sites and attention logits; device times read
+    0 on CPU), run here on the real path, then rendered into the results page's GPU part beside the committed run."""
+    torch = pytest.importorskip("torch")
+    bench = _module("benchmarks/run.py", "bench_under_test_gpu")
+    rr = _module("docs/readme_results.py", "readme_results_under_test_gpu")
+    from diffquant.models.presets import PRESETS, build_pair
+
+    torch.manual_seed(0)
+    model = build_pair(PRESETS["micro"])[0].eval()
+    ops = bench.bench_profile_ops(model, torch.randint(0, PRESETS["micro"].vocab, (2, 32)), rounds=1,
+                                  per_kernel=True)
+    for label in ("cuda_token_sites", "cuda_attn_logits"):
+        assert ops[label]["extra_cpu_ms"] > 0 and ops[label]["extra_device_ms"] == 0
+    d_ops = bench.bench_diff_ops("micro", "cpu", 2, 32, rounds=1)
+    assert d_ops["diff_ms"] > 0 and "device_diff_ms" not in d_ops
+    d_ops.update(device_baseline_ms=1.0, device_diff_ms=1.5, device_grew_ms_per_forward={"aten::cat": 0.25})
+    root = rr.ROOT
+    (tmp_path / "benchmarks").mkdir()
+    results = json.loads((root / "benchmarks/results-cuda.json").read_text())
+    ops["cuda_token_sites"]["extra_device_ms_by_op"] = {"aten::index_add_": 1.25}
+    ops["cuda_token_sites"]["extra_calls_per_forward"] = {"aten::index_add_": 41}
+    (tmp_path / "benchmarks/results-cuda.json").write_text(json.dumps({**results, "profile_ops": ops, "diff_ops": d_ops}))
+    (tmp_path / "benchmarks/gpu_check.json").write_text((root / "benchmarks/gpu_check.json").read_text())
+    monkeypatch.setattr(rr, "ROOT", tmp_path)
+    text = "\n".join(rr.gpu_part())
+    assert "index_add_ 1.25 ms (41 calls)" in text and "DIFF 1.5 ms, baseline 1.0 ms): cat +0.25 ms" in text
+    assert f"{results['profiler']['hidden_and_linear_inputs_ratio']:.2f}×" in text
+
 def test_emergence_text_says_when_no_setting_reached_the_regime(tmp_path, monkeypatch):
     rr = _module("docs/readme_results.py", "readme_results_under_test")
     (tmp_path / "docs/emergence").mkdir(parents=True)
