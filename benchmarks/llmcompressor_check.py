@@ -177,6 +177,47 @@ def layer_errors(model, weights: dict, calib, limit: int = 4) -> dict[str, float
     return out
 
 
+FIXTURE = ROOT / "tests" / "data" / "llmcompressor-micro-llama-gptq-w4g32"
+
+
+def write_fixture(out: Path = FIXTURE) -> None:
+    """A checkpoint llm-compressor itself wrote, small enough to commit (tests/test_export.py reads it): its GPTQ
+    (int4 symmetric, groups of 32, no act-order, every Linear but lm_head) of the matrix's micro Llama (random
+    weights, seed 0; a byte-level BPE tokenizer trained on a few lines), calibrated on 8 random windows of 32
+    tokens, saved with `save_compressed=True`; beside it llm-compressor's own dequantized weights
+    (`fake_quantize`, reference.safetensors) and its per-sequence losses on 4 evaluation windows
+    (fixture.json), each computed in llm-compressor's process."""
+    import shutil
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from diffquant.data.tokens import train_tokenizer
+    from diffquant.models.matrix import FAMILIES, VOCAB
+    from diffquant.paths import atomic_write_json
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    calib, evals = (torch.randint(3, VOCAB, shape, generator=g).numpy() for shape in ((8, 32), (4, 32)))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        FAMILIES["llama"].build().save_pretrained(tmp / "float")
+        text = "\n".join(f"and {w} went unto the {v}." for w in ("he", "she", "they") * 50 for v in ("house", "city"))
+        train_tokenizer(text, 300).save_pretrained(tmp / "float")
+        np.save(tmp / "calib.npy", calib)
+        np.save(tmp / "eval.npy", evals)
+        shutil.rmtree(out, ignore_errors=True)
+        result = run_peer(tmp / "float", tmp / "calib.npy", tmp / "eval.npy", tmp / "reference.safetensors", "gptq",
+                          "none", 32, save_dir=out)
+        shutil.copy(tmp / "reference.safetensors", out / "reference.safetensors")
+    atomic_write_json(out / "fixture.json", {
+        "what": write_fixture.__doc__.split("\n\n")[0], "command": "python -m benchmarks.llmcompressor_check --fixture",
+        "versions": result["versions"], "eval_ids": evals.tolist(), "per_sequence_loss": result["per_sequence_loss"],
+        "grid": result["grid"]})
+    print(f"wrote {out}")
+
+
 def main(argv=None) -> None:
     import numpy as np
     import torch
@@ -200,7 +241,11 @@ def main(argv=None) -> None:
     p.add_argument("--methods", nargs="+", choices=("gptq", "awq", "export"), default=["gptq", "awq"],
                    help="sections to (re)compute; the others are kept from OUT/llmcompressor.json")
     p.add_argument("--out", default=str(OUT))
+    p.add_argument("--fixture", action="store_true", help="write the small llm-compressor checkpoint the tests read "
+                                                               "(tests/data/), and nothing else")
     a = p.parse_args(argv)
+    if a.fixture:
+        return write_fixture()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model_dir, _ = export_model()
     model, _, seqs, calib, label = _data(False, a.calibration)

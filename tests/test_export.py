@@ -8,6 +8,7 @@ simulation that wrote it (saved beside it as plain tensors)."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -353,6 +354,42 @@ def test_cli_refuses_a_recipe_the_format_cannot_hold_before_any_work(ckpt, tmp_p
                  "--out", str(out)]) == 2
     assert "--backend fake" in capsys.readouterr().err
 
+
+LLMCOMPRESSOR = Path(__file__).parent / "data" / "llmcompressor-micro-llama-gptq-w4g32"
+
+
+def test_a_checkpoint_llmcompressor_wrote_loads_profiles_and_sweeps(tmp_path):
+    """A checkpoint llm-compressor 0.14 itself wrote (tests/data, `python -m benchmarks.llmcompressor_check
+    --fixture`: its GPTQ w4 g32 of a micro Llama, saved compressed): `--model DIR` loads it dequantized, every
+    weight equal to llm-compressor's own `fake_quantize` of it, each evaluation window's loss equal to the loss
+    llm-compressor's model computed in its own process; profile, sweep and quantize take it, recording what it held."""
+    from safetensors.torch import load_file
+
+    from diffquant.models.load import load_model
+
+    fixture = json.loads((LLMCOMPRESSOR / "fixture.json").read_text())
+    model, tok = load_model(str(LLMCOMPRESSOR))
+    assert model._diffquant_source_quantization["groups"][0]["weights"] == "int4, symmetric, group 32, static"
+    reference = load_file(LLMCOMPRESSOR / "reference.safetensors")
+    assert sum(n.endswith("proj.weight") for n in reference) == 14  # 2 layers x 7 Linears
+    for name, w in reference.items():
+        assert torch.equal(model.get_parameter(name).detach(), w), name
+    with torch.no_grad():
+        for row, theirs in zip(fixture["eval_ids"], fixture["per_sequence_loss"]):
+            ids = torch.tensor([row])
+            logits = model(ids).logits[0, :-1]
+            mine = -logits.log_softmax(-1).gather(1, ids[0, 1:, None]).mean()
+            assert float(mine) == pytest.approx(theirs, rel=1e-5)
+    text = tmp_path / "c.txt"
+    text.write_text("\n".join(f"and {w} went unto the {v}." for w in ("he", "she", "they") * 40
+                              for v in ("house", "city", "field")))
+    common = ["--model", str(LLMCOMPRESSOR), "--data", str(text), "--tokens", "128", "--seq-len", "16"]
+    assert main(["profile", *common, "--out", str(tmp_path / "p")]) == 0
+    assert "int4, symmetric, group 32" in " ".join(f.read_text() for f in (tmp_path / "p").rglob("*.json"))
+    assert main(["sweep", *common, "--bits", "16,4", "--no-plots", "--out", str(tmp_path / "s")]) == 0
+    assert main(["quantize", *common, "--scheme", "w8a16", "--calib-batches", "1", "--out", str(tmp_path / "q")]) == 0
+    held = json.loads((tmp_path / "q" / "quantize.json").read_text())["source_quantization"]
+    assert held["compression"] == "pack-quantized" and held["ignore"] == ["lm_head"]
 
 @pytest.mark.slow
 def test_llmcompressor_check_compares_shipped_checkpoints(tmp_path, load_script):
