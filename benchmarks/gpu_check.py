@@ -89,8 +89,8 @@ def step_benchmarks(device: str, smoke: bool, out: Path) -> dict:
     goes: torch.profiler per operator for the statistics and for DIFF against the baseline."""
     cmd = [sys.executable, "-m", "benchmarks.run", "--out", str(out / f"results-{device}.json")]
     cmd += ["--quick"] if smoke else []
-    subprocess.run(cmd + ["--only", *(["diff_vs_baseline"] if smoke else ["profiler", "diff_vs_baseline", "sweep",
-                                                                          "memory"])], check=True, cwd=ROOT)
+    subprocess.run(cmd + ["--only", *(["diff_vs_baseline"] if smoke else ["profiler", "launches", "diff_vs_baseline",
+                                                                          "sweep", "memory"])], check=True, cwd=ROOT)
     breakdown = subprocess.run(cmd + ["--only", "profile_ops", "diff_ops"], cwd=ROOT, capture_output=True, text=True)
     results = json.loads((out / f"results-{device}.json").read_text())
     return {"file": f"results-{device}.json",

@@ -127,6 +127,34 @@ def bench_profiler(model, ids, device, rounds: int) -> dict:
     }
 
 
+def bench_launches(model, ids) -> dict:
+    """Operators that launch a kernel on an accelerator (diffquant.syncs.Launches), in one forward: plain, with
+    statistics on every hidden state and Linear input, with attention-logit statistics (and the eager attention
+    they replace), as the statistics run on an accelerator; with the sites counted, the launches per site update.
+    A count, the same on every device: where kernels are small each launch's host time sets the pace (the H100
+    run of 2026-12-05: about 12 µs per launch added)."""
+    from diffquant.stats import site_stats
+    from diffquant.syncs import Launches
+
+    out = {}
+    saved, site_stats.CHECK_SUM_FIRST = site_stats.CHECK_SUM_FIRST, frozenset()
+    try:
+        for label, context in (("plain", contextlib.nullcontext), ("eager_attention", lambda: attention(model, "eager")),
+                               ("token_sites", lambda: tapped(model, {p: StatsObserver() for p in
+                                                                      ["*.hidden", *LINEAR_INPUT_SITES]})),
+                               ("attn_logits", lambda: tapped(model, {"*.attn_logits": StatsObserver()}))):
+            with context() as taps, torch.inference_mode(), Launches() as counted:
+                model(ids, use_cache=False)
+            out[label] = counted.total
+            if label in ("token_sites", "attn_logits"):
+                out[f"{label}_sites"] = len(taps.sites)
+    finally:
+        site_stats.CHECK_SUM_FIRST = saved
+    out["per_token_site_update"] = (out["token_sites"] - out["plain"]) / out["token_sites_sites"]
+    out["per_attn_logit_layer"] = (out["attn_logits"] - out["eager_attention"]) / out["attn_logits_sites"]
+    return out
+
+
 def host_syncs(model, ids) -> dict:
     """Calls that would make the host wait for an accelerator (diffquant.syncs.HostSyncs), in one profiled forward
     of the hidden states and Linear inputs and one of the attention logits: as the statistics run on CUDA (every
@@ -580,7 +608,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="micro preset, few rounds (a smoke test)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results-<device>.json)")
-    p.add_argument("--only", nargs="+", help="run these sections only (profiler, profile_ops, fake_quant, diff_vs_baseline, sweep, "
+    p.add_argument("--only", nargs="+", help="run these sections only (profiler, profile_ops, launches, fake_quant, diff_vs_baseline, sweep, "
                                              "memory, tracking, mitigation_speed, gptq_speed, profiler_small, long_context, smollm2, diff_ops)")
     a = p.parse_args(argv)
     keep_freed_memory()
@@ -608,6 +636,7 @@ def main(argv=None) -> None:
     sections = {
         "profiler": lambda: bench_profiler(model, ids, device, rounds),
         "profile_ops": lambda: bench_profile_ops(model, ids),
+        "launches": lambda: bench_launches(model, ids),
         "fake_quant": lambda: bench_fake_quant(device, 8 if a.quick else 64, rounds),
         "diff_vs_baseline": lambda: bench_diff_vs_baseline(preset, device, batch, seq, rounds),
         "diff_ops": lambda: bench_diff_ops(preset, device, batch, seq),
@@ -626,13 +655,16 @@ def main(argv=None) -> None:
         sections["long_context"] = bench_long_context
         sections["smollm2"] = bench_smollm2
     out = Path(a.out or f"benchmarks/results-{device.type}.json")
-    if only:  # run some sections, keep the others' last figures
-        results = {**(json.loads(out.read_text()) if out.exists() else {}), **results}
+    load = results["load_average"]
+    if only:  # run some sections, keep the others' last figures and the run header they were measured under
+        old = json.loads(out.read_text()) if out.exists() else {}
+        results = {**results, **old} if old.get("device") == results["device"] else {**old, **results}
         sections = {k: v for k, v in sections.items() if k in only}
     for name, bench in sections.items():
         t = time.perf_counter()
         results[name] = bench()
         results[name]["bench_s"] = time.perf_counter() - t
+        results[name].setdefault("load_average", load)  # this section's own, where the header is an older run's
         print(name, json.dumps(results[name], indent=1), flush=True)
     from diffquant.paths import atomic_write_json
 

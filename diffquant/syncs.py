@@ -19,6 +19,7 @@ from collections import Counter
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 T = torch.Tensor
 READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy, torch.equal}
@@ -66,6 +67,33 @@ class HostSyncs(TorchFunctionMode):
         if name is not None:
             self.counts[name] += 1
         return func(*args, **kwargs)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+# operators that only make a new view or read metadata: no kernel runs on any device
+VIEWS = frozenset({"view", "_unsafe_view", "as_strided", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "select",
+                   "slice", "narrow", "expand", "transpose", "t", "permute", "alias", "detach", "unbind", "split",
+                   "lift_fresh", "view_as_real", "view_as_complex", "_local_scalar_dense"})
+
+
+class Launches(TorchDispatchMode):
+    """Counts, by name, the operators run inside it that launch a kernel on an accelerator (every dispatched
+    operator but views). On a GPU eager PyTorch spends some microseconds of host time on each, so where the
+    kernels are small (a 25M-parameter model's statistics) their number, not their arithmetic, sets the time;
+    counted here on any device."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in VIEWS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
 
     @property
     def total(self) -> int:

@@ -506,6 +506,18 @@ def _ratio(section: str, *keys: str, fmt="{:.2f}×", runs=None) -> str:
     return text
 
 
+def _launches_rows(b: dict) -> list[list[str]]:
+    """Kernel launches the statistics add (benchmarks.run's `launches`: operators other than views, as on an
+    accelerator), where the results hold them."""
+    n = b.get("launches")
+    if not n:
+        return []
+    return [["kernel launches per forward (operators other than views, counted on the accelerator path; the "
+             "token sites' count is the same on any device, the logits' follows the device's query blocks)",
+             f"plain {n['plain']:,}; each hidden-state or Linear-input site adds {n['per_token_site_update']:.0f} "
+             f"({n['token_sites_sites']} sites: {n['token_sites'] - n['plain']:,}); attention-logit statistics add "
+             f"{n['per_attn_logit_layer']:.0f} per layer over eager attention's {n['eager_attention']:,}", "fewer"]]
+
 def benchmark_part() -> list[str]:
     from diffquant.report.style import display
     from diffquant.report.tables import markdown
@@ -551,6 +563,7 @@ def benchmark_part() -> list[str]:
                      f"forward's {own}, transformers' mask code)",
                      f"{syncs['accelerator_path_token_sites']['total'] - own} (hidden and Linear inputs), "
                      f"{syncs['accelerator_path_attn_logits']['total'] - own} (attention logits)", "0"])
+    rows += _launches_rows(b)
     if "sweep" in b:
         rows.append(["16/8/6/4-bit logit sweep / four plain evaluations",
                      f"{_ratio('sweep', 'ratio_vs_four_plain', runs=runs)} eager, "
@@ -626,6 +639,7 @@ def gpu_part() -> list[str]:
               f"{p['attn_logits_vs_eager_ratio']:.2f}×{spread(p, 'attn_logits_vs_eager_ratio')} eager, "
               f"{p['attn_logits_vs_eager_ratio_compiled']:.2f}× compiled (eager attention / SDPA "
               f"{p['eager_attention_vs_sdpa']:.2f}×)", f"≤ {p['target_2']}×"]]
+    rows += _launches_rows(b)
     syncs = p.get("host_syncs_per_forward")
     if syncs:
         own = syncs["plain_forward"]["total"]

@@ -66,6 +66,9 @@ def test_gpu_breakdown_runs_here_and_renders(tmp_path, monkeypatch):
                                   per_kernel=True)
     for label in ("cuda_token_sites", "cuda_attn_logits"):
         assert ops[label]["extra_cpu_ms"] > 0 and ops[label]["extra_device_ms"] == 0
+    n = bench.bench_launches(model, torch.randint(0, PRESETS["micro"].vocab, (2, 32)))
+    assert n["token_sites"] > n["plain"] > 0 and n["token_sites_sites"] == 2 * 5 + 1  # 2 layers x 5 points, final
+    assert n["per_token_site_update"] == (n["token_sites"] - n["plain"]) / n["token_sites_sites"]
     d_ops = bench.bench_diff_ops("micro", "cpu", 2, 32, rounds=1)
     assert d_ops["diff_ms"] > 0 and "device_diff_ms" not in d_ops
     d_ops.update(device_baseline_ms=1.0, device_diff_ms=1.5, device_grew_ms_per_forward={"aten::cat": 0.25})

@@ -256,6 +256,18 @@ def test_host_sync_counter():
     assert dict(syncs.counts) == {"__bool__": 1, "__getitem__ with a boolean mask": 1, "to(cpu)": 1, "bincount": 1}
 
 
+
+def test_launch_counter_counts_kernels_not_views():
+    from diffquant.syncs import Launches
+
+    x = torch.randn(4, 6)
+    with Launches() as n:
+        y = x.view(-1).reshape(6, 4).t()[1:]  # views only
+        z = (y + 1).abs_().sum(dim=0)  # add, abs_, sum
+        torch.zeros(3)  # zeros -> one fill
+        z.amax()
+    assert dict(n.counts) == {"add": 1, "abs_": 1, "sum": 1, "zeros": 1, "amax": 1} and n.total == 5
+
 @pytest.mark.parametrize("arch", ["baseline", "diff"])
 def test_profile_adds_no_host_sync_per_forward(arch, monkeypatch):
     """Per forward with the default sites (logits, hidden states), Linear inputs and the sink metrics, the
