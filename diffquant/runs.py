@@ -25,3 +25,16 @@ def fmt_ms(values: list[float]) -> str:
 
     t = t_interval(values)
     return fmt_pm(t["mean"], t["half"], 4)
+
+
+def parse_worker(text: str | None) -> tuple[int, int] | None:
+    """`--worker K/N` (train only every N-th cell, starting at K: N processes share one experiment's cells) as
+    (K, N); None when not given. A malformed value is refused in one line."""
+    if not text:
+        return None
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+        from diffquant.errors import DiffquantError
+
+        raise DiffquantError(f"--worker takes K/N with 0 ≤ K < N, got {text!r}")
+    return int(k), int(n)

@@ -49,6 +49,7 @@ import torch
 
 from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json, atomic_write_text
+from diffquant.runs import parse_worker
 
 DESIGNS = ("baseline", "diff", "gated", "clipsoftmax", "sink", "baseline-headnorm", "diff-gain", "gated-nobias")
 HEADLINE = ("w8a8-static", "w4a4-static", "logits-int4")  # what outliers affect (Bondarenko et al.'s static W8A8)
@@ -865,12 +866,7 @@ def main(argv=None, experiments: dict | None = None) -> dict | None:
     a = p.parse_args(argv)
     if a.render:
         return render_only(Path(a.out or f"docs/rivals/fair-{experiments[a.experiment].name}"))
-    worker = None
-    if a.worker:
-        k, _, n = a.worker.partition("/")
-        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
-            raise DiffquantError(f"--worker takes K/N with 0 ≤ K < N, got {a.worker!r}")
-        worker = (int(k), int(n))
+    worker = parse_worker(a.worker)
     e = experiments["quick" if a.quick else a.experiment]
     out = Path(a.out or f"docs/rivals/fair-{e.name}")
     runs = Path(a.runs) if a.runs else (out / "runs" if a.quick else Path("runs/fair") / e.name)

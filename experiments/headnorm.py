@@ -31,6 +31,7 @@ import yaml
 
 from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json, atomic_write_text
+from diffquant.runs import parse_worker
 
 PLAN = Path("docs/headnorm/plan.yaml")
 # The quick run: the same pipeline on the micro preset, a few steps, two seeds (nothing here is a result).
@@ -431,12 +432,7 @@ def main(argv=None) -> dict | None:
     print(describe(plan), flush=True)
     if a.plan_only:
         return None
-    worker = None
-    if a.worker:
-        k, _, n = a.worker.partition("/")
-        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
-            raise DiffquantError(f"--worker takes K/N with 0 ≤ K < N, got {a.worker!r}")
-        worker = (int(k), int(n))
+    worker = parse_worker(a.worker)
     out = Path(a.out or "docs/headnorm")
     runs = Path(a.runs) if a.runs else (out / "runs" if a.quick else Path("runs/headnorm"))
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
