@@ -84,6 +84,21 @@ def prerequisites(smoke: bool, backend: str) -> tuple[list[str], bool]:
 # ---------------------------------------------------------------- steps (each in its own process)
 
 
+def _numbers(figures: dict) -> dict:
+    """A section's numbers, those one level down included (diff_vs_baseline's ratios sit under "sdpa")."""
+    out = {}
+    for k, v in figures.items():
+        if isinstance(v, (int, float)):
+            out[k] = v
+        elif isinstance(v, dict):
+            out.update({f"{k}.{k2}": v2 for k2, v2 in v.items() if isinstance(v2, (int, float))})
+    return out
+
+
+def _tail(text: str, n: int = 1500) -> str:
+    """The end of a step's output without progress bars (each line as its last carriage return left it)."""
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines())[-n:]
+
 def step_benchmarks(device: str, smoke: bool, out: Path) -> dict:
     """The device sections, then (a second process, so a failure there keeps the first's figures) where the time
     goes: torch.profiler per operator for the statistics and for DIFF against the baseline."""
@@ -94,9 +109,8 @@ def step_benchmarks(device: str, smoke: bool, out: Path) -> dict:
     breakdown = subprocess.run(cmd + ["--only", "profile_ops", "diff_ops"], cwd=ROOT, capture_output=True, text=True)
     results = json.loads((out / f"results-{device}.json").read_text())
     return {"file": f"results-{device}.json",
-            "headline": {section: {k: v for k, v in figures.items() if isinstance(v, (int, float))}
-                         for section, figures in results.items() if isinstance(figures, dict)},
-            **({} if breakdown.returncode == 0 else {"breakdown_failed": breakdown.stderr[-1500:]})}
+            "headline": {section: _numbers(figures) for section, figures in results.items() if isinstance(figures, dict)},
+            **({} if breakdown.returncode == 0 else {"breakdown_failed": _tail(breakdown.stderr)})}
 
 
 def _model_and_ids(device: str, smoke: bool):
@@ -209,7 +223,7 @@ def step_recipe(device: str, smoke: bool, out: Path, limit: float) -> dict:
     line = next((x for x in text.splitlines() if "gpu_recipe (" in x and "estimated" in x), None)
     read = lambda f: json.loads(f.read_text()) if f.is_file() else None  # noqa: E731
     return {"exit": code, "estimate_line": line, "estimate": read(estimate), "timing": read(folder / "timing.json"),
-            "status": "ok" if line and code in (0, "stopped at the limit") else "failed", "log_tail": text[-1500:]}
+            "status": "ok" if line and code in (0, "stopped at the limit") else "failed", "log_tail": _tail(text)}
 
 
 # ---------------------------------------------------------------- orchestration
@@ -227,9 +241,9 @@ def run_step(name: str, smoke: bool, out: Path, backend: str) -> dict:
     try:  # the recipe stops itself at its limit; the others are stopped here
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                            timeout=limit + (30 if name == "recipe" else 0))
-        status, tail = ("ok" if r.returncode == 0 else "failed"), (r.stdout + r.stderr)[-1500:]
+        status, tail = ("ok" if r.returncode == 0 else "failed"), _tail(r.stdout + r.stderr)
     except subprocess.TimeoutExpired as e:
-        status, tail = "timed out", ((e.stdout or b"").decode() + (e.stderr or b"").decode())[-1500:]
+        status, tail = "timed out", _tail((e.stdout or b"").decode() + (e.stderr or b"").decode())
     entry = {"status": status, "seconds": round(time.perf_counter() - t, 1), "limit_s": limit}
     if result_file.is_file():
         found = json.loads(result_file.read_text())

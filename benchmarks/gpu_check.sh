@@ -7,16 +7,18 @@
 #     bash benchmarks/gpu_check.sh               # on the GPU machine; exit 0 when every step is ok
 #     bash benchmarks/gpu_check.sh --cpu-smoke   # anywhere: every step on CPU with tiny settings (the suite runs it)
 #
-# The GPU machine reaches no package registry: what its Python lacks travels as wheels in .whl/ beside the
-# checkout, installed here into /tmp/gpu_check-site first. Prepare them once where pip works (Python 3.12):
+# The GPU machine reaches no package registry: what its Python lacks travels as wheels in .whl/ in the checkout
+# (copied to the machine with it), installed there into /tmp/gpu_check-site first. Fetch them once where pip
+# works, for the GPU machine's Python (its `python3 --version`; 3.12 below) and processor:
 #     echo /.whl/ >> .git/info/exclude
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #         -d .whl transformers==5.25.0 torchao==0.18.0 huggingface_hub==2.4.0 httpx2==2.17.0 httpcore2==2.17.0 \
 #         truststore==0.10.5 hf-xet==1.8.0 kernels==0.19.1 regex==2026.12.2 click==8.5.1 gguf==0.19.0
-# (the set that ran on an H100 on 2026-12-05, 26 MB: the image's Python 3.12 had transformers 5.17 and
-# huggingface_hub 1.33) and name .whl in the device call's carry. Every prerequisite is checked up front, one
-# line each. Move .whl away before running the suite here: its Python 3.12 wheels do not install on 3.11.
+# (the set that ran on an H100 on 2026-12-05, 26 MB, beside an image with torch 2.11, transformers 5.17 and
+# huggingface_hub 1.33). Every prerequisite is checked up front, one line each. This script installs whatever
+# .whl/ holds, also with --cpu-smoke: move the folder away before running the test suite on another Python.
+# The recipe step is stopped at its time limit on purpose (its summary says "stopped at the limit": not a failure).
 # Settings: OUT (summary folder, default /tmp/gpu_check-out), GPU_CHECK_MODEL (a transformers folder to profile
 # in bf16, e.g. SmolLM2-135M saved with save_pretrained; default the tiny preset), GPU_CHECK_BACKEND (default
 # torchao-int8wo), GPU_CHECK_WORK (scratch, default /tmp/gpu_check), PYTHON (default python3).

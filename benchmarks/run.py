@@ -155,6 +155,32 @@ def bench_launches(model, ids) -> dict:
     return out
 
 
+def bench_launches_small() -> dict:
+    """`bench_launches`' token-site counts on the GPU benchmark's model and batch (`small`, 16 × 512), counted here:
+    the figures that go beside results-cuda.json's times (the logits' count follows the device's query blocks, so
+    it is left to the GPU run)."""
+    from diffquant.stats import site_stats
+    from diffquant.syncs import Launches
+
+    torch.manual_seed(0)
+    model = build_pair(PRESETS["small"])[0].eval()
+    ids = torch.randint(0, PRESETS["small"].vocab, (16, 512))
+    out = {"preset": "small", "batch": [16, 512]}
+    saved, site_stats.CHECK_SUM_FIRST = site_stats.CHECK_SUM_FIRST, frozenset()
+    try:
+        for label, context in (("plain", contextlib.nullcontext), ("token_sites", lambda: tapped(
+                model, {p: StatsObserver() for p in ["*.hidden", *LINEAR_INPUT_SITES]}))):
+            with context() as taps, torch.inference_mode(), Launches() as counted:
+                model(ids, use_cache=False)
+            out[label] = counted.total
+            if taps is not None:
+                out["token_sites_sites"] = len(taps.sites)
+    finally:
+        site_stats.CHECK_SUM_FIRST = saved
+    out["per_token_site_update"] = (out["token_sites"] - out["plain"]) / out["token_sites_sites"]
+    return out
+
+
 def host_syncs(model, ids) -> dict:
     """Calls that would make the host wait for an accelerator (diffquant.syncs.HostSyncs), in one profiled forward
     of the hidden states and Linear inputs and one of the attention logits: as the statistics run on CUDA (every
@@ -636,7 +662,8 @@ def main(argv=None) -> None:
     sections = {
         "profiler": lambda: bench_profiler(model, ids, device, rounds),
         "profile_ops": lambda: bench_profile_ops(model, ids),
-        "launches": lambda: bench_launches(model, ids),
+        "launches": lambda: {**bench_launches(model, ids), **({"small": bench_launches_small()}
+                                                               if device.type == "cpu" and not a.quick else {})},
         "fake_quant": lambda: bench_fake_quant(device, 8 if a.quick else 64, rounds),
         "diff_vs_baseline": lambda: bench_diff_vs_baseline(preset, device, batch, seq, rounds),
         "diff_ops": lambda: bench_diff_ops(preset, device, batch, seq),

@@ -31,10 +31,11 @@ __all__ = ["load", "load_pair", "windows", "profile", "Profile", "quantize_", "R
 
 def load(source: str, *, device: str | None = None, dtype: str = "fp32", device_map=None, hub: bool = False,
          cache_dir: str | None = None):
-    """(model, tokenizer) of a zoo name (`smollm2-135m`), a save_pretrained folder, a `.gguf` file, a folder
-    `diffquant quantize` wrote, a preset `tiny:diff` (random weights, byte tokenizer), or a hub id with
-    `hub=True` (the only case that downloads). `device` "cpu", "cuda", "cuda:1" (default: CUDA when there is
-    one); `dtype` fp32, bf16, fp16 or auto."""
+    """(model, tokenizer) of a zoo name (`smollm2-135m`), a save_pretrained folder, a compressed-tensors folder
+    (llm-compressor's or `--export`'s: weights dequantized to their exact grid, what it held in every report), a
+    `.gguf` file, a folder `diffquant quantize` wrote, a preset `tiny:diff` (random weights, byte tokenizer), or a
+    hub id with `hub=True` (the only case that downloads). `device` "cpu", "cuda", "cuda:1" (default: CUDA when
+    there is one); `dtype` fp32, bf16, fp16 or auto. transformers' hub kernels stay off (`use_kernels=False`)."""
     from diffquant.models.load import load_model
     from diffquant.models.placement import resolve_device
 

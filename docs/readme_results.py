@@ -516,7 +516,8 @@ def _launches_rows(b: dict) -> list[list[str]]:
              "token sites' count is the same on any device, the logits' follows the device's query blocks)",
              f"plain {n['plain']:,}; each hidden-state or Linear-input site adds {n['per_token_site_update']:.0f} "
              f"({n['token_sites_sites']} sites: {n['token_sites'] - n['plain']:,}); attention-logit statistics add "
-             f"{n['per_attn_logit_layer']:.0f} per layer over eager attention's {n['eager_attention']:,}", "fewer"]]
+             f"{n['per_attn_logit_layer']:.0f} per layer to an eager-attention forward's "
+             f"{n['eager_attention']:,}", "fewer"]]
 
 def benchmark_part() -> list[str]:
     from diffquant.report.style import display
@@ -617,6 +618,10 @@ def benchmark_part() -> list[str]:
     return lines
 
 
+def _first_sentence(text: str) -> str:
+    """An error's first sentence (a whole one: a cut one can leave a code span open)."""
+    return text.split(". ")[0].rstrip(".") + "."
+
 def gpu_part() -> list[str]:
     """The last `bash benchmarks/gpu_check.sh` on a GPU: benchmarks/results-cuda.json and the steps' summary."""
     from diffquant.report.tables import markdown
@@ -693,8 +698,21 @@ def gpu_part() -> list[str]:
         notes.append(f"DIFF beyond the baseline on the device ({d_ops['tokens']:,} tokens, float32, kernels' own time "
                      f"per forward: DIFF {d_ops['device_diff_ms']:.1f} ms, baseline {d_ops['device_baseline_ms']:.1f} "
                      f"ms): {grew}.")
-    failed = [f"{k} ({v.get('log_tail', '').strip().splitlines()[-1].split(': ', 1)[-1][:240] if v.get('log_tail') else v['status']})"
+    failed = [f"{k} ({_first_sentence(v['log_tail'].strip().splitlines()[-1].split(': ', 1)[-1]) if v.get('log_tail') else v['status']})"
               for k, v in steps.items() if v["status"] not in ("ok", "skipped")]
+    small = (_load("benchmarks/results-cpu.json") or {}).get("launches", {}).get("small")
+    if small and small["batch"] == b["batch"] and b["preset"] == small["preset"]:
+        added_ms = (p["hidden_and_linear_inputs_ratio"] - 1) * p["forward_s"] * 1e3
+        launched = small["token_sites"] - small["plain"]
+        notes.insert(0, f"Why the statistics cost {p['hidden_and_linear_inputs_ratio']:.1f}× here: they add "
+                        f"{added_ms:.1f} ms to the {p['forward_s'] * 1e3:.1f} ms forward (eager), and the same code "
+                        f"launches {launched:,} more kernels per forward ({small['per_token_site_update']:.0f} per "
+                        f"update at each of {small['token_sites_sites']} sites, beside the forward's "
+                        f"{small['plain']:,}; counted on CPU on the accelerator path, benchmarks/results-cpu.json's "
+                        f"`launches.small`): about {1e3 * added_ms / launched:.0f} µs per added kernel. Whether the "
+                        "host's time per launch or the kernels' memory traffic (many read a whole "
+                        f"{b['batch'][0] * b['batch'][1]:,}-token activation) sets that is what the per-kernel "
+                        "breakdown, once a GPU run records it, tells.")
     return ["### On a GPU (`bash benchmarks/gpu_check.sh`)", "",
             f"One run on {b['device']} (torch {b['torch']}, `{b['preset']}` preset, batch {b['batch']}, {b['clock']}, "
             f"medians over {b['rounds']} interleaved rounds, load average {b['load_average']:.1f}): "

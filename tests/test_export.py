@@ -386,6 +386,9 @@ def test_a_checkpoint_llmcompressor_wrote_loads_profiles_and_sweeps(tmp_path):
     common = ["--model", str(LLMCOMPRESSOR), "--data", str(text), "--tokens", "128", "--seq-len", "16"]
     assert main(["profile", *common, "--out", str(tmp_path / "p")]) == 0
     assert "int4, symmetric, group 32" in " ".join(f.read_text() for f in (tmp_path / "p").rglob("*.json"))
+    # named in every table as a GGUF model is: what the checkpoint held, and what it runs in
+    assert "llmcompressor-micro-llama-gptq-w4g32 (compressed-tensors int4 group 32 → fp32)" in \
+        (tmp_path / "p" / "table5.md").read_text()
     assert main(["sweep", *common, "--bits", "16,4", "--no-plots", "--out", str(tmp_path / "s")]) == 0
     assert main(["quantize", *common, "--scheme", "w8a16", "--calib-batches", "1", "--out", str(tmp_path / "q")]) == 0
     held = json.loads((tmp_path / "q" / "quantize.json").read_text())["source_quantization"]

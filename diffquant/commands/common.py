@@ -59,6 +59,17 @@ def load_models(args) -> dict[str, tuple]:
         if tokenizer is None:
             raise DiffquantError(f"{source} has no tokenizer files; pass a folder that holds them (diffquant train "
                                  "saves them with every checkpoint)")
-        models[label] = (model, tokenizer)
+        models[model_label(label, source, model)] = (model, tokenizer)
     return models
+
+
+def model_label(label: str, source: str, model) -> str:
+    """The report name of a loaded --model: a compressed-tensors folder named by default (its folder's name) is
+    named as a GGUF model is, with what it held and what it runs in."""
+    held = getattr(model, "_diffquant_source_quantization", None)
+    if not held or label != Path(source).name:
+        return label
+    from diffquant.quant.compressed import label as held_label
+
+    return f"{label} {held_label(held, next(model.parameters()).dtype)}"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffquant.commands.common import parse_model_args, prepare_out
+from diffquant.commands.common import model_label, parse_model_args, prepare_out
 from diffquant.errors import DiffquantError
 from diffquant.memory import check_fits
 from diffquant.profiler import input_device, profile_model
@@ -35,6 +35,7 @@ def run_cli(args) -> None:
         if tokenizer is None:
             raise DiffquantError(f"{source} has no tokenizer files; pass a folder that holds them (diffquant train "
                                  "saves them with every checkpoint)")
+        label = model_label(label, source, model)
         seqs = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.tokens, args.cache_dir)
         if seqs.numel() < args.tokens:
             print(f"{label}: the validation split of {args.data} holds {seqs.numel():,} tokens in whole sequences of "
