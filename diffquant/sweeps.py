@@ -364,8 +364,14 @@ def run_sweep(models: dict[str, tuple], data: str, out: Path, *, sites: list[str
     from diffquant.data.windows import corpus_text, corpus_windows
     from diffquant.memory import check_fits
 
+    from diffquant.paths import atomic_write_json
+
     check_evals(evals)
     out.mkdir(parents=True, exist_ok=True)
+    held = {label: m._diffquant_source_quantization for label, (m, _) in models.items()
+            if getattr(m, "_diffquant_source_quantization", None)}
+    if held:  # compressed-tensors checkpoints: what they held (weights dequantized: the "16-bit" cells run them)
+        atomic_write_json(out / "source_quantization.json", held)
     # the needle haystack, and the text the per-layer kurtosis profile reads
     val = corpus_text(data, "validation", cache) if "needle" in evals or kurtosis_tokens else ""
     mc = {e[3:]: load_task(e[3:], mc_limit, cache=cache) for e in evals if e.startswith("mc:")}

@@ -390,6 +390,8 @@ def test_a_checkpoint_llmcompressor_wrote_loads_profiles_and_sweeps(tmp_path):
     assert "llmcompressor-micro-llama-gptq-w4g32 (compressed-tensors int4 group 32 → fp32)" in \
         (tmp_path / "p" / "table5.md").read_text()
     assert main(["sweep", *common, "--bits", "16,4", "--no-plots", "--out", str(tmp_path / "s")]) == 0
+    held = json.loads((tmp_path / "s" / "source_quantization.json").read_text())  # dq.sweep writes it too
+    assert [h["groups"][0]["weights"] for h in held.values()] == ["int4, symmetric, group 32, static"]
     assert main(["quantize", *common, "--scheme", "w8a16", "--calib-batches", "1", "--out", str(tmp_path / "q")]) == 0
     held = json.loads((tmp_path / "q" / "quantize.json").read_text())["source_quantization"]
     assert held["compression"] == "pack-quantized" and held["ignore"] == ["lm_head"]

@@ -23,10 +23,7 @@ def run_cli(args) -> None:
               if k not in ("func", "resume", "force", "no_plots", "debug", "compile", "verbose")}
     split = lambda text: [x.strip() for x in (text or "").split(",") if x.strip()]  # noqa: E731
     models = load_models(args)
-    held = {label: m._diffquant_source_quantization for label, (m, _) in models.items()
-            if getattr(m, "_diffquant_source_quantization", None)}
-    # compressed-tensors checkpoints: what they held (their weights are dequantized, see quant/compressed.py)
-    atomic_write_json(out / "sweep_config.json", {**config, **({"source_quantization": held} if held else {})})
+    atomic_write_json(out / "sweep_config.json", config)
     rows = run_sweep(models, args.data, out, sites=site_points(args.sites), bits=parse_bits(args.bits),
                      granularities=split(args.granularity), schemes=split(args.scheme), fixes=split(args.mitigate),
                      weights=split(args.weights), wa_grid=parse_bits(args.wa_grid) if args.wa_grid else None,
