@@ -99,4 +99,4 @@ def test_every_load_skips_hub_kernels(tmp_path, micro_pair):
                and re.search(r"(=|return)\s*AutoModelForCausalLM\.from_pretrained\(", p.read_text())]
     # export_parity and llmcompressor_check load as a user of plain transformers would, in another environment
     assert sorted(callers) == ["benchmarks/export_parity.py", "benchmarks/llmcompressor_check.py",
-                               "diffquant/models/load.py"]
+                               "diffquant/models/pretrained.py"]
