@@ -198,6 +198,22 @@ def regime_part() -> list[str]:
     return lines
 
 
+def headnorm_part() -> list[str]:
+    """Is it the differential map or the head norm? (experiments/headnorm.py: docs/headnorm/results.md, or how many
+    of the plan's cells are in while it runs)."""
+    plan = ROOT / "docs/headnorm/plan.yaml"
+    if not plan.is_file():
+        return []
+    title = "### Is it the differential map or the head norm? (`python -m experiments.headnorm`)"
+    results = ROOT / "docs/headnorm/results.md"
+    if not results.is_file():
+        done = len(list((ROOT / "docs/headnorm/cells").glob("*/lr*/s*.json")))
+        return [title, "", f"In progress: {done} of the plan's 24 cells are measured (docs/headnorm/cells; plan "
+                           "docs/headnorm/plan.yaml, committed before the first); nothing is reported before every "
+                           "primary cell is in.", ""]
+    body = results.read_text().split("\n", 1)[1].strip().replace("\n## ", "\n#### ")  # its own title dropped
+    return [title, "", body, ""]
+
 def rivals_part() -> list[str]:
     lines = []
     for which, title in (("demo", "the demo setting"), ("regime", "the setting the emergence search chose")):
@@ -738,7 +754,7 @@ def peers_part() -> list[str]:
 
 
 def results_block() -> str:
-    parts = (demo_part() + emergence_part() + regime_part() + rivals_part() + mitigations_part() + weights_part() + fig8_real_part()
+    parts = (demo_part() + emergence_part() + regime_part() + headnorm_part() + rivals_part() + mitigations_part() + weights_part() + fig8_real_part()
              + kv_cache_part() + benchmark_part() + gpu_part() + peers_part())
     return "\n".join(parts).strip()
 
@@ -901,6 +917,7 @@ def findings_part() -> str:
                    f"tokens, {len(regime['seeds'])} seeds, ± the 95% t-interval over seeds): DIFF's hidden top-1/median is "
                    f"{a['mean']:.1f} ± {a['half']:.1f} against the Transformer's {b['mean']:.1f} ± {b['half']:.1f} "
                    "([emergence](docs/RESULTS.md#searching-for-the-outlier-regime)).")
+    out += _headnorm_finding()
     fair = _load("docs/rivals/fair-guo/results.json")
     if fair is not None:
         primary = [r for r in fair["tests"] if r["family"] == "planned" and r["metric"] in
@@ -927,6 +944,35 @@ def findings_part() -> str:
                        "([weight solvers](docs/RESULTS.md#weight-solvers)).")
     return "\n".join(out)
 
+
+def _headnorm_finding() -> list[str]:
+    """One sentence from experiments/headnorm.py's results: how many primary metrics show a DIFF − Transformer
+    difference, and which part the plan's decision rule gives each."""
+    doc = _load("docs/headnorm/results.json")
+    if doc is None:
+        return []
+    dec = doc["decomposition"]
+    found = {k: v for k, v in dec.items() if not v.startswith("no DIFF")}
+    n = min(r["n"] for r in doc["tests"])
+    mde = doc["tests"][0]["mde_sd"]
+    counts = {}
+    for v in found.values():
+        key = v.split(" (")[0]
+        counts[key] = counts.get(key, 0) + 1
+    parts = ", ".join(f"{key} {c}" for key, c in sorted(counts.items(), key=lambda kv: -kv[1]))
+    scale = doc["setting"]["scale"].split(", 2-core CPU")[0]
+    per_contrast = {}
+    for r in doc["tests"]:
+        per_contrast.setdefault(r["contrast"], 0)
+        per_contrast[r["contrast"]] += bool(r.get("p_holm") is not None and r["p_holm"] < 0.05)
+    text = (f"- **Differential map or head norm?** ({scale}; {n} seeds per arm, plan fixed before the runs; "
+            f"{len(dec)} primary metrics at the Linear inputs and the static W8A8/W4A4 costs, Holm over "
+            f"{doc['family_size']} tests): ")
+    text += (f"DIFF differs from the Transformer in {len(found)}; which part carries each, by the plan's rule: {parts}"
+             if found else "no DIFF − Transformer difference detected in any (a difference of "
+             f"{mde:.2f} SD would be detected at 80% power)")
+    text += "; differences detected per contrast: " + ", ".join(f"{c} {k}" for c, k in per_contrast.items())
+    return [text + " ([head norm](docs/RESULTS.md#is-it-the-differential-map-or-the-head-norm))."]
 
 def export_part() -> str:
     """The export's parity on SmolLM2 (docs/export/parity-smollm2-135m.md, written by benchmarks/export_parity.py)."""

@@ -84,6 +84,25 @@ def test_gpu_breakdown_runs_here_and_renders(tmp_path, monkeypatch):
     assert "index_add_ 1.25 ms (41 calls)" in text and "DIFF 1.5 ms, baseline 1.0 ms): cat +0.25 ms" in text
     assert f"{results['profiler']['hidden_and_linear_inputs_ratio']:.2f}×" in text
 
+
+def test_headnorm_finding_counts_what_the_results_say(tmp_path, monkeypatch):
+    rr = _module("docs/readme_results.py", "readme_results_under_test_hn")
+    (tmp_path / "docs/headnorm").mkdir(parents=True)
+    rows = [{"contrast": c, "metric": m, "n": 5, "mde_sd": 4.46, "p_holm": p}
+            for c, m, p in [("DIFF − Transformer", "a", 0.01), ("DIFF − Transformer", "b", 0.02),
+                            ("DIFF − Transformer", "c", 0.5), ("head norm − Transformer", "a", 0.03),
+                            ("head norm − Transformer", "b", 0.04), ("head norm − Transformer", "c", None)]]
+    doc = {"decomposition": {"a": "the head norm", "b": "both (each alone moves the Transformer the way DIFF does)",
+                             "c": "no DIFF − Transformer difference detected"},
+           "tests": rows, "family_size": 5, "setting": {"scale": "mini preset, 2-core CPU"}}
+    (tmp_path / "docs/headnorm/results.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(rr, "ROOT", tmp_path)
+    text = rr._headnorm_finding()[0]
+    assert "(mini preset; 5 seeds per arm" in text and "3 primary metrics" in text and "Holm over 5 tests" in text
+    assert "DIFF differs from the Transformer in 2; which part carries each, by the plan's rule: " in text
+    assert "the head norm 1" in text and "both 1" in text
+    assert "differences detected per contrast: DIFF − Transformer 2, head norm − Transformer 2" in text
+
 def test_emergence_text_says_when_no_setting_reached_the_regime(tmp_path, monkeypatch):
     rr = _module("docs/readme_results.py", "readme_results_under_test")
     (tmp_path / "docs/emergence").mkdir(parents=True)
