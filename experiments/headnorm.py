@@ -427,6 +427,9 @@ def main(argv=None) -> dict | None:
     p.add_argument("--runs", default=None, help="checkpoints (default runs/headnorm; --quick: OUT/runs)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when there is one)")
     p.add_argument("--worker", default=None, metavar="K/N", help="train only every N-th cell, starting at K")
+    p.add_argument("--report-only", action="store_true",
+                   help="write results.json/.md from the cells in OUT, training nothing (every cell at the plan's rate "
+                        "must be in; the rate-sensitivity cells as far as they are)")
     a = p.parse_args(argv)
     plan = load_plan(Path(a.plan), a.quick)
     print(describe(plan), flush=True)
@@ -434,10 +437,22 @@ def main(argv=None) -> dict | None:
         return None
     worker = parse_worker(a.worker)
     out = Path(a.out or "docs/headnorm")
+    if a.report_only:
+        missing = [f"{arm} s{seed}" for arm in plan["arms"] for seed in plan["seeds"]
+                   if not cell_path(out, arm, plan["lr"], seed).is_file()]
+        if missing:
+            raise DiffquantError(f"{len(missing)} cells at lr {plan['lr']:g} are not in {out}/cells yet "
+                                 f"({', '.join(missing)}): nothing is reported before every one is")
+        doc = analyse(plan, out)
+        print(doc["summary"])
+        return doc
     runs = Path(a.runs) if a.runs else (out / "runs" if a.quick else Path("runs/headnorm"))
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return run(plan, out, runs, device, worker)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DiffquantError as err:  # one line, not a traceback
+        raise SystemExit(f"headnorm: {err}") from None

@@ -117,6 +117,8 @@ def test_quick_run_end_to_end_with_tests_recomputed(tmp_path):
     assert (c["copy_loss"] * c["copy_tokens"] + c["noncopy_loss"] * (c["tokens"] - c["copy_tokens"])) / c["tokens"] \
         == pytest.approx(c["loss"], rel=1e-9)
     assert "not a result" in (tmp_path / "hn/results.md").read_text()
+    again = main(["--quick", "--out", str(tmp_path / "hn"), "--report-only"])  # from the cells alone, the same
+    assert [r.get("p") for r in again["tests"]] == [r.get("p") for r in doc["tests"]]
     # a cell measured under another plan is refused, never mixed in
     path = tmp_path / "hn/cells/diff/lr0.003/s0.json"
     path.write_text(json.dumps({**c, "plan_sha256": "0" * 64}))
@@ -124,4 +126,7 @@ def test_quick_run_end_to_end_with_tests_recomputed(tmp_path):
 
     with pytest.raises(DiffquantError, match="another plan"):
         main(["--quick", "--out", str(tmp_path / "hn")])
+    path.unlink()
+    with pytest.raises(DiffquantError, match=r"1 cells at lr 0.003 are not in .*\(diff s0\)"):
+        main(["--quick", "--out", str(tmp_path / "hn"), "--report-only"])
     assert math.isfinite(doc["aggregate"]["diff"]["loss"]["mean"])
