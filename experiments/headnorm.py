@@ -10,6 +10,7 @@ cell records its sha256 so no cell measured under another plan enters the analys
     python -m experiments.headnorm --plan-only               # the cells and the family's size and power
     nice -n 19 python -m experiments.headnorm --worker 0/2   # and 1/2: two processes share the cells
     python -m experiments.headnorm                           # every cell (resuming), then the report
+    python -m experiments.headnorm --report-only             # the report from the committed cells, no training
     python -m experiments.headnorm --quick --out /tmp/hn     # the whole pipeline on a micro setting (seconds)
 
 Every cell (arm, rate, seed) trains with resume (checkpoints under --runs) and writes its measurements
