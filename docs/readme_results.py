@@ -946,32 +946,47 @@ def findings_part() -> str:
 
 
 def _headnorm_finding() -> list[str]:
-    """One sentence from experiments/headnorm.py's results: how many primary metrics show a DIFF − Transformer
-    difference, and which part the plan's decision rule gives each."""
+    """One sentence from experiments/headnorm.py's results: each primary metric where DIFF differs from the
+    Transformer, with the part the plan's decision rule gives it, and whether any contrast moved the static W8A8 /
+    W4A4 costs."""
     doc = _load("docs/headnorm/results.json")
     if doc is None:
         return []
-    dec = doc["decomposition"]
-    found = {k: v for k, v in dec.items() if not v.startswith("no DIFF")}
-    n = min(r["n"] for r in doc["tests"])
-    mde = doc["tests"][0]["mde_sd"]
-    counts = {}
-    for v in found.values():
-        key = v.split(" (")[0]
-        counts[key] = counts.get(key, 0) + 1
-    parts = ", ".join(f"{key} {c}" for key, c in sorted(counts.items(), key=lambda kv: -kv[1]))
-    scale = doc["setting"]["scale"].split(", 2-core CPU")[0]
-    per_contrast = {}
-    for r in doc["tests"]:
-        per_contrast.setdefault(r["contrast"], 0)
-        per_contrast[r["contrast"]] += bool(r.get("p_holm") is not None and r["p_holm"] < 0.05)
-    text = (f"- **Differential map or head norm?** ({scale}; {n} seeds per arm, plan fixed before the runs; "
-            f"{len(dec)} primary metrics at the Linear inputs and the static W8A8/W4A4 costs, Holm over "
+    from experiments.headnorm import _units, load_plan, metric_label
+
+    plan = load_plan(ROOT / "docs/headnorm/plan.yaml")
+    label = {m["key"]: metric_label(plan, m) for m in plan["metrics"]}
+    by = {(r["contrast"], r["metric"]): r for r in doc["tests"]}
+    total = plan["contrasts"][0]["name"]
+    n, mde = min(r["n"] for r in doc["tests"]), doc["tests"][0]["mde_sd"]
+    parts = {"the head norm": [(plan["contrasts"][1]["name"], "the Transformer with it"),
+                               (plan["contrasts"][4]["name"], "DIFF without it")],
+             "the differential map": [(plan["contrasts"][2]["name"], "DIFF without the norm against the Transformer")]}
+
+    def factor(contrast, key):
+        return _units(by[(contrast, key)]["diff"], by[(contrast, key)]["transform"])
+
+    found = []
+    for k, v in doc["decomposition"].items():
+        if v.startswith("no DIFF"):
+            continue
+        part = v.split(" (")[0]
+        how = ", ".join(f"{what} {factor(c, k)}" for c, what in parts.get(part, []))
+        carried = "no part alone detectably" if part.startswith("neither") else f"carried by {part}"
+        found.append(f"{label[k]} {factor(total, k)} ({carried}{': ' + how if how else ''})")
+    costs = [r for r in doc["tests"] if r["metric"] in ("w8a8_static_cost", "w4a4_static_cost")
+             and r.get("p_holm") is not None and r["p_holm"] < 0.05]
+    text = (f"- **Differential map or head norm?** ({plan['setting']['scale'].split(' (')[0]}, "
+            f"{doc['scale']['baseline']['parameters']:,} parameters in the Transformer, "
+            f"{doc['scale']['baseline']['train_tokens']:,} "
+            f"Bigram-Backcopy tokens per model, {n} seeds per arm, a plan fixed before the runs, Holm over "
             f"{doc['family_size']} tests): ")
-    text += (f"DIFF differs from the Transformer in {len(found)}; which part carries each, by the plan's rule: {parts}"
-             if found else "no DIFF − Transformer difference detected in any (a difference of "
-             f"{mde:.2f} SD would be detected at 80% power)")
-    text += "; differences detected per contrast: " + ", ".join(f"{c} {k}" for c, k in per_contrast.items())
+    text += (f"DIFF differs from the Transformer in {len(found)} of {len(doc['decomposition'])} primary metrics: "
+             + "; ".join(found) if found else
+             f"no DIFF − Transformer difference detected in any of {len(doc['decomposition'])} primary metrics")
+    text += ("; " + (f"{len(costs)} contrasts moved the static W8A8/W4A4 costs" if costs else
+                     f"no contrast moved the static W8A8/W4A4 costs detectably (n = {n}: only differences of "
+                     f"{mde:.2f} SD or more would be detected at 80% power)"))
     return [text + " ([head norm](docs/RESULTS.md#is-it-the-differential-map-or-the-head-norm))."]
 
 def export_part() -> str:

@@ -85,23 +85,34 @@ def test_gpu_breakdown_runs_here_and_renders(tmp_path, monkeypatch):
     assert f"{results['profiler']['hidden_and_linear_inputs_ratio']:.2f}×" in text
 
 
-def test_headnorm_finding_counts_what_the_results_say(tmp_path, monkeypatch):
+def test_headnorm_finding_says_what_the_results_say(tmp_path, monkeypatch):
+    """The README sentence from a hand-made results file: each metric where DIFF − Transformer is a Holm difference,
+    its factor (exp of the log difference) and the part the decision rule gave it, with that part's contrasts."""
+    import math
+    import shutil
+
     rr = _module("docs/readme_results.py", "readme_results_under_test_hn")
     (tmp_path / "docs/headnorm").mkdir(parents=True)
-    rows = [{"contrast": c, "metric": m, "n": 5, "mde_sd": 4.46, "p_holm": p}
-            for c, m, p in [("DIFF − Transformer", "a", 0.01), ("DIFF − Transformer", "b", 0.02),
-                            ("DIFF − Transformer", "c", 0.5), ("head norm − Transformer", "a", 0.03),
-                            ("head norm − Transformer", "b", 0.04), ("head norm − Transformer", "c", None)]]
-    doc = {"decomposition": {"a": "the head norm", "b": "both (each alone moves the Transformer the way DIFF does)",
-                             "c": "no DIFF − Transformer difference detected"},
-           "tests": rows, "family_size": 5, "setting": {"scale": "mini preset, 2-core CPU"}}
+    shutil.copy(rr.ROOT / "docs/headnorm/plan.yaml", tmp_path / "docs/headnorm/plan.yaml")
+    names = ["DIFF − Transformer", "head norm − Transformer", "DIFF without norm − Transformer", "DIFF − head norm",
+             "DIFF without norm − DIFF"]
+    diffs = {("down_in_ratio", 0): math.log(0.1), ("down_in_ratio", 1): math.log(0.125),
+             ("down_in_ratio", 4): math.log(8.0), ("attn_in_kurtosis", 0): math.log(0.9)}
+    rows = [{"contrast": c, "metric": m, "transform": "log", "n": 5, "mde_sd": 4.46, "diff": diffs.get((m, i), 0.0),
+             "p_holm": 0.01 if (m, i) in diffs else 0.9} for i, c in enumerate(names)
+            for m in ("down_in_ratio", "attn_in_kurtosis", "w8a8_static_cost")]
+    doc = {"decomposition": {"down_in_ratio": "the head norm", "attn_in_kurtosis": "neither alone (no component …)",
+                             "w8a8_static_cost": "no DIFF − Transformer difference detected"},
+           "tests": rows, "family_size": 15, "scale": {"baseline": {"parameters": 1000, "train_tokens": 2000}}}
     (tmp_path / "docs/headnorm/results.json").write_text(json.dumps(doc))
     monkeypatch.setattr(rr, "ROOT", tmp_path)
     text = rr._headnorm_finding()[0]
-    assert "(mini preset; 5 seeds per arm" in text and "3 primary metrics" in text and "Holm over 5 tests" in text
-    assert "DIFF differs from the Transformer in 2; which part carries each, by the plan's rule: " in text
-    assert "the head norm 1" in text and "both 1" in text
-    assert "differences detected per contrast: DIFF − Transformer 2, head norm − Transformer 2" in text
+    assert "(mini preset, 1,000 parameters in the Transformer, 2,000 Bigram-Backcopy tokens per model, 5 seeds" in text
+    assert "Holm over 15 tests): DIFF differs from the Transformer in 2 of 3 primary metrics: " in text
+    assert ("down_proj input: top-1 / median (largest layer) ×0.1 (carried by the head norm: the Transformer with it "
+            "×0.125, DIFF without it ×8)") in text
+    assert "q/k/v input: kurtosis (mean over layers) ×0.9 (no part alone detectably)" in text
+    assert "no contrast moved the static W8A8/W4A4 costs detectably (n = 5: only differences of 4.46 SD" in text
 
 def test_emergence_text_says_when_no_setting_reached_the_regime(tmp_path, monkeypatch):
     rr = _module("docs/readme_results.py", "readme_results_under_test")
