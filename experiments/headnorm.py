@@ -224,7 +224,11 @@ def verdict(r: dict, mde: float, alpha: float) -> str:
     if r.get("constant"):
         return "constant (no test)"
     if r["p_holm"] < alpha:
-        return f"{'higher' if r['diff'] > 0 else 'lower'} ({_units(r['diff'], r['transform'])})"
+        found = f"{'higher' if r['diff'] > 0 else 'lower'} ({_units(r['diff'], r['transform'])})"
+        if r["p_tost_holm"] < alpha:  # detected, and still inside the plan's margin: a small difference
+            margin = f"×{math.exp(r['margin']):.3g}" if r["transform"] == "log" else f"±{r['margin']:g}"
+            found += f"; also within {margin} (TOST)"
+        return found
     if r["p_tost_holm"] < alpha:
         margin = f"×{math.exp(r['margin']):.3g}" if r["transform"] == "log" else f"±{r['margin']:g}"
         return f"equivalent within {margin} (TOST)"
@@ -300,6 +304,9 @@ def analyse(plan: dict, out: Path) -> dict:
            "held_out": {"sequences": per_arm[plan["arms"][0]][0]["sequences"],
                         "tokens": per_arm[plan["arms"][0]][0]["tokens"],
                         "copy_tokens": per_arm[plan["arms"][0]][0]["copy_tokens"]}}
+    doc["lambda"] = {a: [min(v for c in cs for v in c["lambda"]), max(v for c in cs for v in c["lambda"])]
+                     for a, cs in per_arm.items() if cs[0].get("lambda")}
+    doc["rate_sensitive"] = rate_sensitive(plan, doc)
     doc["summary"] = summary(plan, doc)
     atomic_write_json(out / "results.json", doc)
     atomic_write_text(out / "results.md", render(plan, doc))
@@ -310,6 +317,21 @@ EXPLORATORY = ["hidden_ratio", "massive_ratio", "hidden_kurtosis", "logit_ratio"
                "first_share_mean", "noncopy_loss"]
 
 
+def rate_sensitive(plan: dict, doc: dict) -> list[str]:
+    """The plan's sensitivity rule: a primary metric whose verdict rests on a contrast (DIFF − Transformer, and the
+    component the rule credits) whose seed-0 difference at the sensitivity rate has the other sign is flagged
+    "rate-sensitive (one seed)"."""
+    names = [c["name"] for c in plan["contrasts"]]
+    rests = {"the head norm": [names[1]], "the differential map": [names[2]], "both": [names[1], names[2]]}
+    flips = {(r["contrast"], r["metric"]) for r in doc["sensitivity"] if not r["same_sign"]}
+    out = []
+    for key, v in doc["decomposition"].items():
+        if v.startswith("no DIFF"):
+            continue
+        if any((c, key) in flips for c in [names[0], *rests.get(v.split(" (")[0], [])]):
+            out.append(key)
+    return out
+
 def summary(plan: dict, doc: dict) -> str:
     """One sentence per finding, read off the Holm-adjusted tests and the decision rule only."""
     from diffquant.report.style import display
@@ -317,19 +339,23 @@ def summary(plan: dict, doc: dict) -> str:
     n = len(plan["seeds"])
     dec = doc["decomposition"]
     label = {m["key"]: metric_label(plan, m) for m in plan["metrics"]}
-    carried = {}
+    carried, quiet = {}, []
     for key, v in dec.items():
-        carried.setdefault(v, []).append(label[key])
+        if v.startswith("no DIFF"):
+            quiet.append(key)
+            continue
+        flag = " (rate-sensitive, one seed)" if key in doc.get("rate_sensitive", []) else ""
+        carried.setdefault(v.split(" (")[0], []).append(label[key] + flag)
     parts = [f"{v}: {', '.join(keys)}" for v, keys in carried.items()]
-    flips = sorted({f"{r['contrast']} on {r['metric']}" for r in doc["sensitivity"] if not r["same_sign"]})
     text = (f"{plan['setting']['scale']}; {n} seeds per arm at lr {plan['lr']:g}; Welch over seeds, Holm over "
-            f"the planned family of {doc['family_size']} tests. Which part carries DIFF's difference from the "
-            f"Transformer ({display('diff')} vs {display('baseline')}), per primary metric: " + "; ".join(parts) + ".")
-    if flips:
-        text += (f" At lr {plan['sensitivity']['lr']:g} (seed 0 only, descriptive) the difference has the other "
-                 f"sign for {len(flips)} of {len(doc['sensitivity'])} contrast × metric pairs.")
+            f"the planned family of {doc['family_size']} tests. {display('diff')} differs from the "
+            f"{display('baseline')} in {len(dec) - len(quiet)} of {len(dec)} primary metrics; which part carries "
+            "each, by the plan's rule: " + ("; ".join(parts) if parts else "none") + f". In the other {len(quiet)} no "
+            "DIFF − Transformer difference is detected (the table gives each one's minimum detectable effect or its "
+            "TOST equivalence).")
+    if not doc["sensitivity_cells"]:
+        text += f" The rate-sensitivity cells (lr {plan['sensitivity']['lr']:g}, seed 0) are not in yet."
     return text
-
 
 def render(plan: dict, doc: dict) -> str:
     from diffquant.report.style import display
@@ -342,12 +368,12 @@ def render(plan: dict, doc: dict) -> str:
              f"Plan: `docs/headnorm/plan.yaml` (sha256 {doc['plan_sha256'][:12]}…), committed before the first "
              f"cell. Scale: {plan['setting']['scale']}. Held-out: {ho['sequences']} sequences, {ho['tokens']:,} "
              f"predicted tokens ({ho['copy_tokens']:,} copies); calibration: {plan['calibration_sequences']} "
-             "training-split sequences.\n", doc["summary"] + "\n",
+             "training-split sequences.\n", arms_text(doc) + "\n", doc["summary"] + "\n",
              f"## Primary metrics, lr {plan['lr']:g}, mean ± 95% t over {len(plan['seeds'])} seeds\n"]
     label = {m["key"]: metric_label(plan, m) for m in plan["metrics"]}
     lines.append(markdown(["metric", *[display(a) for a in arms], "which part carries DIFF − Transformer"],
                           [[label[k], *[fmt_pm(doc["aggregate"][a][k]["mean"], doc["aggregate"][a][k]["half"], 4)
-                                        for a in arms], doc["decomposition"][k]] for k in label]))
+                                        for a in arms], _carried(plan, doc, k)] for k in label]))
     lines.append(f"\n## Exploratory (measured, not in the family), lr {plan['lr']:g}\n")
     lines.append(markdown(["metric", *[display(a) for a in arms]],
                           [[k, *[fmt_pm(doc["aggregate"][a][k]["mean"], doc["aggregate"][a][k]["half"], 4)
@@ -370,6 +396,31 @@ def render(plan: dict, doc: dict) -> str:
                      + ".\n")
     return "\n".join(lines)
 
+
+def _carried(plan: dict, doc: dict, key: str) -> str:
+    """The decision rule's verdict for a metric; where DIFF − Transformer is no difference, that test's own verdict
+    (its minimum detectable effect, or TOST equivalence) beside it; the rate-sensitivity flag where it applies."""
+    v = doc["decomposition"][key]
+    if v.startswith("no DIFF"):
+        total = next(r for r in doc["tests"] if r["contrast"] == plan["contrasts"][0]["name"] and r["metric"] == key)
+        v = f"no DIFF − Transformer difference: {total['verdict']}"
+    return v + ("; rate-sensitive (one seed)" if key in doc.get("rate_sensitive", []) else "")
+
+
+def arms_text(doc: dict) -> str:
+    """What each arm is, exactly (the ablations are not a perfect split of DIFF's norm: said here)."""
+    p = {a: v["parameters"] for a, v in doc["scale"].items()}
+    lam = doc.get("lambda", {})
+    lam_text = "; ".join(f"{a} learned λ from {lo:.2f} to {hi:.2f} (every layer and seed)" for a, (lo, hi) in lam.items())
+    return (f"Arms, exactly: the Transformer is transformers' Llama ({p.get('baseline', 0):,} parameters, "
+            "rms_norm_eps 1e-6); + head norm adds to it a parameter-free RMSNorm over each softmax head's d = 32 "
+            f"channels times (1 − λ_init) ({p.get('baseline-headnorm', 0):,} parameters, eps 1e-6); DIFF is "
+            "transformers' DiffLlama (the paper's reference code gives its norm a learnable gain; here it has none): "
+            "a parameter-free RMSNorm over each differential head's 2d = 64 channels times (1 − λ_init), "
+            f"rms_norm_eps 1e-5 ({p.get('diff', 0):,} parameters); DIFF without norm drops that RMSNorm and keeps the "
+            f"(1 − λ_init) factor ({p.get('diff-nonorm', 0):,} parameters). So the head-norm arm's groups are half "
+            "DIFF's, every norm in the DIFF arms has eps 1e-5 against 1e-6 in the Transformer arms, and the factor "
+            "stays in DIFF without norm. " + (lam_text + "." if lam_text else ""))
 
 def metric_label(plan: dict, m: dict) -> str:
     """"o_proj input: ∞-norm (max over layers)", "W8A8 static: Δppl %", "a4 static at down_proj input: Δppl %"."""

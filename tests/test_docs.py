@@ -87,7 +87,8 @@ def test_gpu_breakdown_runs_here_and_renders(tmp_path, monkeypatch):
 
 def test_headnorm_finding_says_what_the_results_say(tmp_path, monkeypatch):
     """The README sentence from a hand-made results file: each metric where DIFF − Transformer is a Holm difference,
-    its factor (exp of the log difference) and the part the decision rule gave it, with that part's contrasts."""
+    its factor (exp of the log difference), a top-1/median's ∞-norm where that rose, the part the decision rule
+    gave it with that part's contrasts, what the cost tests could detect (MDE × pooled SD), and the scope."""
     import math
     import shutil
 
@@ -96,23 +97,33 @@ def test_headnorm_finding_says_what_the_results_say(tmp_path, monkeypatch):
     shutil.copy(rr.ROOT / "docs/headnorm/plan.yaml", tmp_path / "docs/headnorm/plan.yaml")
     names = ["DIFF − Transformer", "head norm − Transformer", "DIFF without norm − Transformer", "DIFF − head norm",
              "DIFF without norm − DIFF"]
-    diffs = {("down_in_ratio", 0): math.log(0.1), ("down_in_ratio", 1): math.log(0.125),
-             ("down_in_ratio", 4): math.log(8.0), ("attn_in_kurtosis", 0): math.log(0.9)}
-    rows = [{"contrast": c, "metric": m, "transform": "log", "n": 5, "mde_sd": 4.46, "diff": diffs.get((m, i), 0.0),
-             "p_holm": 0.01 if (m, i) in diffs else 0.9} for i, c in enumerate(names)
-            for m in ("down_in_ratio", "attn_in_kurtosis", "w8a8_static_cost")]
-    doc = {"decomposition": {"down_in_ratio": "the head norm", "attn_in_kurtosis": "neither alone (no component …)",
-                             "w8a8_static_cost": "no DIFF − Transformer difference detected"},
-           "tests": rows, "family_size": 15, "scale": {"baseline": {"parameters": 1000, "train_tokens": 2000}}}
+    logs = {("down_in_ratio", 0): math.log(0.1), ("down_in_ratio", 1): math.log(0.125),
+            ("down_in_ratio", 4): math.log(8.0), ("down_in_inf_norm", 0): math.log(1.25),
+            ("attn_in_kurtosis", 0): math.log(0.9)}
+    rows = [{"contrast": c, "metric": m, "transform": "raw" if m.endswith("cost") else "log", "n": 5, "mde_sd": 4.0,
+             "sd": 3.0 if m.endswith("cost") else 0.1, "diff": logs.get((m, i), 0.0),
+             "p_holm": 0.01 if (m, i) in logs and m != "down_in_inf_norm" else 0.9,
+             "p_tost_holm": 0.001 if m == "attn_in_kurtosis" else 0.9}
+            for i, c in enumerate(names)
+            for m in ("down_in_ratio", "down_in_inf_norm", "attn_in_kurtosis", "w8a8_static_cost", "w4a4_static_cost")]
+    dec = {"down_in_ratio": "the head norm", "attn_in_kurtosis": "neither alone (no component …)",
+           "down_in_inf_norm": "no DIFF − Transformer difference detected"}
+    cost = lambda mean: {"w8a8_static_cost": {"mean": mean}, "w4a4_static_cost": {"mean": 2 * mean}}  # noqa: E731
+    doc = {"decomposition": dec, "tests": rows, "family_size": 25, "lambda": {"diff": [-0.5, 0.25]},
+           "scale": {"baseline": {"parameters": 1000, "train_tokens": 2000}, "diff": {"parameters": 1010}},
+           "aggregate": {"baseline": {**cost(6.0), "sink_rate": {"mean": 0.0}, "hidden_ratio": {"mean": 16.2}},
+                         "diff": cost(0.5)}}
     (tmp_path / "docs/headnorm/results.json").write_text(json.dumps(doc))
     monkeypatch.setattr(rr, "ROOT", tmp_path)
     text = rr._headnorm_finding()[0]
-    assert "(mini preset, 1,000 parameters in the Transformer, 2,000 Bigram-Backcopy tokens per model, 5 seeds" in text
-    assert "Holm over 15 tests): DIFF differs from the Transformer in 2 of 3 primary metrics: " in text
-    assert ("down_proj input: top-1 / median (largest layer) ×0.1 (carried by the head norm: the Transformer with it "
-            "×0.125, DIFF without it ×8)") in text
-    assert "q/k/v input: kurtosis (mean over layers) ×0.9 (no part alone detectably)" in text
-    assert "no contrast moved the static W8A8/W4A4 costs detectably (n = 5: only differences of 4.46 SD" in text
+    assert "mini preset: 1,000 / 1,010 parameters, 2,000 Bigram-Backcopy tokens each, 5 seeds per arm" in text
+    assert "Holm over 25 tests): of 3 primary metrics DIFF differs from the Transformer in 2 — " in text
+    assert ("the down_proj input top-1 / median ×0.1 (not smaller outliers: its ∞-norm ×1.25), carried by the head "
+            "norm (the Transformer with it ×0.125; removing it from DIFF ×8, back to the Transformer's level)") in text
+    assert "the q/k/v input kurtosis ×0.9 (inside the plan's equivalence margin)" in text
+    assert "no difference the tests could detect (only 12 / 12 points or more were detectable; W8A8: Transformer " \
+           "6.0% vs DIFF 0.5%)" in text
+    assert "(sink rate 0, hidden top-1/median 16) and DIFF learned λ between -0.50 and 0.25" in text
 
 def test_emergence_text_says_when_no_setting_reached_the_regime(tmp_path, monkeypatch):
     rr = _module("docs/readme_results.py", "readme_results_under_test")
