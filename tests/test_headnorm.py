@@ -130,3 +130,20 @@ def test_quick_run_end_to_end_with_tests_recomputed(tmp_path):
     with pytest.raises(DiffquantError, match=r"1 cells at lr 0.003 are not in .*\(diff s0\)"):
         main(["--quick", "--out", str(tmp_path / "hn"), "--report-only"])
     assert math.isfinite(doc["aggregate"]["diff"]["loss"]["mean"])
+
+
+def test_rate_sensitivity_flags_the_verdicts_whose_contrasts_flip():
+    """The plan's rule: a metric's verdict is flagged when DIFF − Transformer, or the contrast of the part it is
+    credited to, has the other sign at the sensitivity rate (seed 0); metrics without a verdict are never flagged."""
+    from experiments.headnorm import load_plan, rate_sensitive
+
+    plan = load_plan(ROOT / "docs/headnorm/plan.yaml")
+    total, norm, dmap = (c["name"] for c in plan["contrasts"][:3])
+    doc = {"decomposition": {"a": "the head norm", "b": "the differential map", "c": "the head norm",
+                             "d": "no DIFF − Transformer difference detected", "e": "both (…)"},
+           "sensitivity": [{"contrast": norm, "metric": "a", "same_sign": False},  # a's part flips: flagged
+                           {"contrast": norm, "metric": "b", "same_sign": False},  # not b's part: not flagged
+                           {"contrast": total, "metric": "c", "same_sign": True},
+                           {"contrast": total, "metric": "d", "same_sign": False},  # no verdict to flag
+                           {"contrast": dmap, "metric": "e", "same_sign": False}]}  # one of both's parts flips
+    assert rate_sensitive(plan, doc) == ["a", "e"]
