@@ -978,6 +978,8 @@ def _headnorm_finding() -> list[str]:
             text += f" (not smaller outliers: its ∞-norm {factor(total, companion)})"
         if by[(total, k)].get("p_tost_holm", 1) < alpha:
             text += " (inside the plan's equivalence margin)"
+        if k in doc.get("rate_sensitive", []):
+            text += f" (rate-sensitive: the other sign at lr {plan['sensitivity']['lr']:g}, one seed)"
         part = v.split(" (")[0]
         if part == "the head norm":
             text += (f", carried by the head norm (the Transformer with it {factor(norm, k)}; removing it from DIFF "

@@ -110,6 +110,7 @@ def test_headnorm_finding_says_what_the_results_say(tmp_path, monkeypatch):
            "down_in_inf_norm": "no DIFF − Transformer difference detected"}
     cost = lambda mean: {"w8a8_static_cost": {"mean": mean}, "w4a4_static_cost": {"mean": 2 * mean}}  # noqa: E731
     doc = {"decomposition": dec, "tests": rows, "family_size": 25, "lambda": {"diff": [-0.5, 0.25]},
+           "rate_sensitive": ["attn_in_kurtosis"],
            "scale": {"baseline": {"parameters": 1000, "train_tokens": 2000}, "diff": {"parameters": 1010}},
            "aggregate": {"baseline": {**cost(6.0), "sink_rate": {"mean": 0.0}, "hidden_ratio": {"mean": 16.2}},
                          "diff": cost(0.5)}}
@@ -120,7 +121,8 @@ def test_headnorm_finding_says_what_the_results_say(tmp_path, monkeypatch):
     assert "Holm over 25 tests): of 3 primary metrics DIFF differs from the Transformer in 2 — " in text
     assert ("the down_proj input top-1 / median ×0.1 (not smaller outliers: its ∞-norm ×1.25), carried by the head "
             "norm (the Transformer with it ×0.125; removing it from DIFF ×8, back to the Transformer's level)") in text
-    assert "the q/k/v input kurtosis ×0.9 (inside the plan's equivalence margin)" in text
+    assert ("the q/k/v input kurtosis ×0.9 (inside the plan's equivalence margin) (rate-sensitive: the other sign "
+            "at lr 0.001, one seed)") in text
     assert "no difference the tests could detect (only 12 / 12 points or more were detectable; W8A8: Transformer " \
            "6.0% vs DIFF 0.5%)" in text
     assert "(sink rate 0, hidden top-1/median 16) and DIFF learned λ between -0.50 and 0.25" in text
