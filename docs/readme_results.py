@@ -606,12 +606,13 @@ def benchmark_part() -> list[str]:
                          "; ".join(parts), "bounded"])
     if not rows:
         return []
+    load = b.get("profiler", {}).get("load_average", b.get("load_average"))  # the ratios' own run, where recorded
     lines = ["### Benchmarks (`python -m benchmarks.run`)", "",
              f"Ratios measured within one run on {b.get('device') or 'this CPU'} ({b.get('threads')} thread(s), "
              f"{b.get('clock', 'wall time')}), "
              f"`{b.get('preset')}` preset, batch {b.get('batch')}; medians over {b.get('rounds')} interleaved rounds"
-             + (f" (load average {b['load_average']:.1f} from other work when the last run started)"
-                if b.get("load_average") is not None else "") + "; "
+             + (f" (load average {load:.1f} from other work when the run of the ratios below started; a "
+                "section measured in another run gives its own)" if load is not None else "") + "; "
              "in brackets the range over the last full runs that measured it "
              "([benchmarks/history-cpu.jsonl](benchmarks/history-cpu.jsonl)). "
              "[benchmarks/results-cpu.json](benchmarks/results-cpu.json) holds every figure.", "",
