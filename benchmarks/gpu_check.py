@@ -99,6 +99,7 @@ def _tail(text: str, n: int = 1500) -> str:
     """The end of a step's output without progress bars (each line as its last carriage return left it)."""
     return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines())[-n:]
 
+
 def step_benchmarks(device: str, smoke: bool, out: Path) -> dict:
     """The device sections, then (a second process, so a failure there keeps the first's figures) where the time
     goes: torch.profiler per operator for the statistics and for DIFF against the baseline."""

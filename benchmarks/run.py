@@ -127,22 +127,24 @@ def bench_profiler(model, ids, device, rounds: int) -> dict:
     }
 
 
-def bench_launches(model, ids) -> dict:
+def bench_launches(model, ids, logits: bool = True) -> dict:
     """Operators that launch a kernel on an accelerator (diffquant.syncs.Launches), in one forward: plain, with
-    statistics on every hidden state and Linear input, with attention-logit statistics (and the eager attention
-    they replace), as the statistics run on an accelerator; with the sites counted, the launches per site update.
-    A count, the same on every device: where kernels are small each launch's host time sets the pace (the H100
-    run of 2026-12-05: about 12 µs per launch added)."""
+    statistics on every hidden state and Linear input, and (`logits`) with attention-logit statistics beside the
+    eager attention they replace, as the statistics run on an accelerator; with the sites counted, the launches
+    per site update. The token sites' count is the same on every device; the logits' follows the device's query
+    blocks."""
     from diffquant.stats import site_stats
     from diffquant.syncs import Launches
 
+    contexts = {"plain": contextlib.nullcontext,
+                "token_sites": lambda: tapped(model, {p: StatsObserver() for p in ["*.hidden", *LINEAR_INPUT_SITES]})}
+    if logits:
+        contexts.update(eager_attention=lambda: attention(model, "eager"),
+                        attn_logits=lambda: tapped(model, {"*.attn_logits": StatsObserver()}))
     out = {}
     saved, site_stats.CHECK_SUM_FIRST = site_stats.CHECK_SUM_FIRST, frozenset()
     try:
-        for label, context in (("plain", contextlib.nullcontext), ("eager_attention", lambda: attention(model, "eager")),
-                               ("token_sites", lambda: tapped(model, {p: StatsObserver() for p in
-                                                                      ["*.hidden", *LINEAR_INPUT_SITES]})),
-                               ("attn_logits", lambda: tapped(model, {"*.attn_logits": StatsObserver()}))):
+        for label, context in contexts.items():
             with context() as taps, torch.inference_mode(), Launches() as counted:
                 model(ids, use_cache=False)
             out[label] = counted.total
@@ -151,34 +153,18 @@ def bench_launches(model, ids) -> dict:
     finally:
         site_stats.CHECK_SUM_FIRST = saved
     out["per_token_site_update"] = (out["token_sites"] - out["plain"]) / out["token_sites_sites"]
-    out["per_attn_logit_layer"] = (out["attn_logits"] - out["eager_attention"]) / out["attn_logits_sites"]
+    if logits:
+        out["per_attn_logit_layer"] = (out["attn_logits"] - out["eager_attention"]) / out["attn_logits_sites"]
     return out
 
 
 def bench_launches_small() -> dict:
     """`bench_launches`' token-site counts on the GPU benchmark's model and batch (`small`, 16 × 512), counted here:
-    the figures that go beside results-cuda.json's times (the logits' count follows the device's query blocks, so
-    it is left to the GPU run)."""
-    from diffquant.stats import site_stats
-    from diffquant.syncs import Launches
-
+    the figures that go beside results-cuda.json's times."""
     torch.manual_seed(0)
     model = build_pair(PRESETS["small"])[0].eval()
     ids = torch.randint(0, PRESETS["small"].vocab, (16, 512))
-    out = {"preset": "small", "batch": [16, 512]}
-    saved, site_stats.CHECK_SUM_FIRST = site_stats.CHECK_SUM_FIRST, frozenset()
-    try:
-        for label, context in (("plain", contextlib.nullcontext), ("token_sites", lambda: tapped(
-                model, {p: StatsObserver() for p in ["*.hidden", *LINEAR_INPUT_SITES]}))):
-            with context() as taps, torch.inference_mode(), Launches() as counted:
-                model(ids, use_cache=False)
-            out[label] = counted.total
-            if taps is not None:
-                out["token_sites_sites"] = len(taps.sites)
-    finally:
-        site_stats.CHECK_SUM_FIRST = saved
-    out["per_token_site_update"] = (out["token_sites"] - out["plain"]) / out["token_sites_sites"]
-    return out
+    return {"preset": "small", "batch": [16, 512], **bench_launches(model, ids, logits=False)}
 
 
 def host_syncs(model, ids) -> dict:
@@ -504,7 +490,8 @@ def bench_sweep(model, seqs, device, rounds: int) -> dict:
             "sweep": lambda: sweep(False), "sweep_compiled": lambda: sweep(True)}
     t, _ = interleaved({name: (contextlib.nullcontext, fn) for name, fn in runs.items()}, device, rounds)
     return {"plain_eval_s": t["four_plain"] / 4, "four_bit_sweep_s": t["sweep"],
-            "ratio_vs_four_plain": t["sweep"] / t["four_plain"], "ratio_spread": t.spread("sweep", "four_plain"),
+            "ratio_vs_four_plain": t["sweep"] / t["four_plain"],
+            "ratio_vs_four_plain_spread": t.spread("sweep", "four_plain"),
             "ratio_vs_four_plain_compiled": t["sweep_compiled"] / t["four_plain"], "target": 1.15}
 
 

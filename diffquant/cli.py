@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_models)
 
     p = sub.add_parser("sites", help="list site names (for a model, or the point table)")
-    p.add_argument("--model", help="preset (tiny:diff), zoo name, directory (a save_pretrained folder, or a compressed-tensors one such as llm-compressor writes: its weights dequantized) or .gguf")
+    p.add_argument("--model", help="preset (tiny:diff), zoo name, directory (a save_pretrained folder, or a "
+                                   "compressed-tensors one such as llm-compressor writes: its weights dequantized) or .gguf")
     p.add_argument("--select", nargs="+", help="glob(s) such as '*.attn_logits'")
     p.add_argument("--hub", action="store_true", help="allow a hub id (needs network)")
     p.set_defaults(func=_cmd_sites)

@@ -363,7 +363,6 @@ def run_sweep(models: dict[str, tuple], data: str, out: Path, *, sites: list[str
     from diffquant.data.tasks import load_task
     from diffquant.data.windows import corpus_text, corpus_windows
     from diffquant.memory import check_fits
-
     from diffquant.paths import atomic_write_json
 
     check_evals(evals)

@@ -82,8 +82,8 @@ VIEWS = frozenset({"view", "_unsafe_view", "as_strided", "reshape", "_reshape_al
 class Launches(TorchDispatchMode):
     """Counts, by name, the operators run inside it that launch a kernel on an accelerator (every dispatched
     operator but views). On a GPU eager PyTorch spends some microseconds of host time on each, so where the
-    kernels are small (a 25M-parameter model's statistics) their number, not their arithmetic, sets the time;
-    counted here on any device."""
+    kernels are small their number can set the time as much as their arithmetic does; counted here on any
+    device."""
 
     def __init__(self):
         super().__init__()

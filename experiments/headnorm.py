@@ -332,6 +332,7 @@ def rate_sensitive(plan: dict, doc: dict) -> list[str]:
             out.append(key)
     return out
 
+
 def summary(plan: dict, doc: dict) -> str:
     """One sentence per finding, read off the Holm-adjusted tests and the decision rule only."""
     from diffquant.report.style import display
@@ -357,6 +358,7 @@ def summary(plan: dict, doc: dict) -> str:
         text += f" The rate-sensitivity cells (lr {plan['sensitivity']['lr']:g}, seed 0) are not in yet."
     return text
 
+
 def render(plan: dict, doc: dict) -> str:
     from diffquant.report.style import display
     from diffquant.report.tables import markdown
@@ -368,7 +370,7 @@ def render(plan: dict, doc: dict) -> str:
              f"Plan: `docs/headnorm/plan.yaml` (sha256 {doc['plan_sha256'][:12]}…), committed before the first "
              f"cell. Scale: {plan['setting']['scale']}. Held-out: {ho['sequences']} sequences, {ho['tokens']:,} "
              f"predicted tokens ({ho['copy_tokens']:,} copies); calibration: {plan['calibration_sequences']} "
-             "training-split sequences.\n", arms_text(doc) + "\n", doc["summary"] + "\n",
+             "training-split sequences.\n", arms_text(plan, doc) + "\n", doc["summary"] + "\n",
              f"## Primary metrics, lr {plan['lr']:g}, mean ± 95% t over {len(plan['seeds'])} seeds\n"]
     label = {m["key"]: metric_label(plan, m) for m in plan["metrics"]}
     lines.append(markdown(["metric", *[display(a) for a in arms], "which part carries DIFF − Transformer"],
@@ -407,20 +409,28 @@ def _carried(plan: dict, doc: dict, key: str) -> str:
     return v + ("; rate-sensitive (one seed)" if key in doc.get("rate_sensitive", []) else "")
 
 
-def arms_text(doc: dict) -> str:
-    """What each arm is, exactly (the ablations are not a perfect split of DIFF's norm: said here)."""
+def arms_text(plan: dict, doc: dict) -> str:
+    """What each arm is, exactly, read off the arms' own configs (the ablations are not a perfect split of DIFF's
+    norm: said here)."""
+    from diffquant.models.presets import build, get_preset
+
+    spec = get_preset(plan["setting"]["train"]["preset"])
+    with torch.device("meta"):
+        eps = {a: build(spec, a).config.rms_norm_eps for a in plan["arms"]}
+    d = spec.hidden // spec.heads
     p = {a: v["parameters"] for a, v in doc["scale"].items()}
     lam = doc.get("lambda", {})
     lam_text = "; ".join(f"{a} learned λ from {lo:.2f} to {hi:.2f} (every layer and seed)" for a, (lo, hi) in lam.items())
-    return (f"Arms, exactly: the Transformer is transformers' Llama ({p.get('baseline', 0):,} parameters, "
-            "rms_norm_eps 1e-6); + head norm adds to it a parameter-free RMSNorm over each softmax head's d = 32 "
-            f"channels times (1 − λ_init) ({p.get('baseline-headnorm', 0):,} parameters, eps 1e-6); DIFF is "
-            "transformers' DiffLlama (the paper's reference code gives its norm a learnable gain; here it has none): "
-            "a parameter-free RMSNorm over each differential head's 2d = 64 channels times (1 − λ_init), "
-            f"rms_norm_eps 1e-5 ({p.get('diff', 0):,} parameters); DIFF without norm drops that RMSNorm and keeps the "
-            f"(1 − λ_init) factor ({p.get('diff-nonorm', 0):,} parameters). So the head-norm arm's groups are half "
-            "DIFF's, every norm in the DIFF arms has eps 1e-5 against 1e-6 in the Transformer arms, and the factor "
-            "stays in DIFF without norm. " + (lam_text + "." if lam_text else ""))
+    return (f"Arms, exactly: the Transformer is transformers' Llama ({p['baseline']:,} parameters, rms_norm_eps "
+            f"{eps['baseline']:g}); + head norm adds to it a parameter-free RMSNorm over each softmax head's d = {d} "
+            f"channels times (1 − λ_init) ({p['baseline-headnorm']:,} parameters, eps {eps['baseline-headnorm']:g}); "
+            "DIFF is transformers' DiffLlama (the paper's reference code gives its norm a learnable gain; here it has "
+            f"none): a parameter-free RMSNorm over each differential head's 2d = {2 * d} channels times (1 − λ_init), "
+            f"rms_norm_eps {eps['diff']:g} ({p['diff']:,} parameters); DIFF without norm drops that RMSNorm and keeps "
+            f"the (1 − λ_init) factor ({p['diff-nonorm']:,} parameters, eps {eps['diff-nonorm']:g}). So the head-norm "
+            "arm's groups are half DIFF's, the factor stays in DIFF without norm"
+            + (", and the two DIFF arms' norms have another eps than the Transformer arms'"
+               if eps["diff"] != eps["baseline"] else "") + ". " + (lam_text + "." if lam_text else ""))
 
 def metric_label(plan: dict, m: dict) -> str:
     """"o_proj input: ∞-norm (max over layers)", "W8A8 static: Δppl %", "a4 static at down_proj input: Δppl %"."""

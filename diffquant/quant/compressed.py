@@ -70,12 +70,11 @@ def label(held: dict, dtype) -> str:
     """How reports name a model loaded from such a checkpoint, as a GGUF one is named: "(compressed-tensors int4
     group 32 → fp32)"."""
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    parts = []
-    for g in held["groups"][:1]:
-        w = (g["weights"] or "").split(", ")
-        parts.append(" ".join(x for x in (w[0], w[2] if len(w) > 2 else "") if x))
-        if g.get("input_activations"):
-            parts.append("inputs " + g["input_activations"].split(", ")[0])
+    first = (held["groups"] or [{"weights": None}])[0]  # the first config group: llm-compressor writes one
+    w = (first["weights"] or "").split(", ")  # "int4, symmetric, group 32, static" (`_args`)
+    parts = [" ".join(x for x in (w[0], w[2] if len(w) > 2 else "") if x)]
+    if first.get("input_activations"):
+        parts.append("inputs " + first["input_activations"].split(", ")[0])
     dt = str(dtype).replace("torch.", "")
     return f"({FORMAT} {', '.join(parts)} → {short.get(dt, dt)})"
 
