@@ -142,7 +142,7 @@ def bench_launches(model, ids, logits: bool = True) -> dict:
         contexts.update(eager_attention=lambda: attention(model, "eager"),
                         attn_logits=lambda: tapped(model, {"*.attn_logits": StatsObserver()}))
     out = {}
-    saved, site_stats.CHECK_SUM_FIRST = site_stats.CHECK_SUM_FIRST, frozenset()
+    saved, site_stats.FREE_READS = site_stats.FREE_READS, frozenset()
     try:
         for label, context in contexts.items():
             with context() as taps, torch.inference_mode(), Launches() as counted:
@@ -151,7 +151,7 @@ def bench_launches(model, ids, logits: bool = True) -> dict:
             if label in ("token_sites", "attn_logits"):
                 out[f"{label}_sites"] = len(taps.sites)
     finally:
-        site_stats.CHECK_SUM_FIRST = saved
+        site_stats.FREE_READS = saved
     out["per_token_site_update"] = (out["token_sites"] - out["plain"]) / out["token_sites_sites"]
     if logits:
         out["per_attn_logit_layer"] = (out["attn_logits"] - out["eager_attention"]) / out["attn_logits_sites"]
@@ -179,15 +179,15 @@ def host_syncs(model, ids) -> dict:
     with torch.inference_mode(), HostSyncs() as syncs:  # the model's own (transformers' mask code reads one back)
         model(ids, use_cache=False)
     out = {"plain_forward": {"total": syncs.total, **dict(syncs.counts)}}
-    for device_kind, check_first in (("accelerator_path", frozenset()), ("cpu_path", frozenset({"cpu"}))):
-        saved, site_stats.CHECK_SUM_FIRST = site_stats.CHECK_SUM_FIRST, check_first
+    for device_kind, free_reads in (("accelerator_path", frozenset()), ("cpu_path", frozenset({"cpu"}))):
+        saved, site_stats.FREE_READS = site_stats.FREE_READS, free_reads
         try:
             for label, sites in (("token_sites", ["*.hidden", *LINEAR_INPUT_SITES]), ("attn_logits", ["*.attn_logits"])):
                 with tapped(model, {p: StatsObserver() for p in sites}), torch.inference_mode(), HostSyncs() as syncs:
                     model(ids, use_cache=False)
                 out[f"{device_kind}_{label}"] = {"total": syncs.total, **dict(syncs.counts)}
         finally:
-            site_stats.CHECK_SUM_FIRST = saved
+            site_stats.FREE_READS = saved
     return out
 
 

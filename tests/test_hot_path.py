@@ -144,6 +144,28 @@ def test_topk_equals_a_full_sort_with_locations(k):
     assert top.rank(1) == float(values.abs().max()) and (top.rank(k) is None) == (k > len(values))
 
 
+def test_topk_searching_only_rows_that_can_enter_keeps_the_same_entries():
+    """Where reading back is free, a block searches only the rows whose maximum reaches the least kept |x| (none,
+    most of the time): over a stream of causal blocks the kept values and locations are those of the unfiltered
+    search and of a full sort, also when a later block holds a value equal to the least kept one."""
+    blocks = [_causal_block(2, 3, r0, r0 + 16, 160, 160) for r0 in range(0, 160, 16)]
+    x, valid, _ = blocks[-1]
+    blocks.append((x.clone(), valid, 0))  # the same block again: every candidate ties with a kept value
+    kept = {}
+    for read_back in (False, True):
+        top = TopK(20, 4)
+        for x, valid, _ in blocks:
+            rowmax = torch.where(valid, x.abs(), -1.0).amax(-1)
+            top.add(x, valid, LOGIT_DIMS, rowmax=rowmax, read_back=read_back)
+        kept[read_back] = top
+    everything = torch.cat([x[valid.expand_as(x)] for x, valid, _ in blocks])
+    want = everything.abs().sort(descending=True).values[:20]
+    for top in kept.values():
+        assert torch.equal(top.abs, want)
+    assert torch.equal(kept[True].values, kept[False].values)
+    assert torch.equal(kept[True].coords, kept[False].coords)
+
+
 def _profile_micro(arch, sites, monkeypatch, block="32", cut=True):
     monkeypatch.setenv("DIFFQUANT_ATTN_BLOCK", block)
     monkeypatch.setattr(StatsObserver, "cut_keys", cut)
@@ -202,14 +224,14 @@ def test_accelerator_path_equals_the_cpu_path(arch, monkeypatch):
     first: the same statistics (here on CPU, the accelerators' strategy forced)."""
     sites = ["*.attn_logits", "*.hidden", "*.mlp_in"]
     cpu = _profile_micro(arch, sites, monkeypatch)
-    monkeypatch.setattr(site_stats, "CHECK_SUM_FIRST", frozenset())
+    monkeypatch.setattr(site_stats, "FREE_READS", frozenset())
     accelerator = _profile_micro(arch, sites, monkeypatch)
     assert cpu[0] == accelerator[0] and cpu[1] == accelerator[1]
     x = _heavy((4, 32, 64), 8)
     x[1, 2, 3] = float("nan")
     summaries = []
-    for check_first in (frozenset({"cpu"}), frozenset()):
-        monkeypatch.setattr(site_stats, "CHECK_SUM_FIRST", check_first)
+    for free_reads in (frozenset({"cpu"}), frozenset()):
+        monkeypatch.setattr(site_stats, "FREE_READS", free_reads)
         s = SiteStats(TOKEN_DIMS)
         s.update(x)
         s.update(x * 2)
@@ -272,8 +294,10 @@ def test_launch_counter_counts_kernels_not_views():
 def test_profile_adds_no_host_sync_per_forward(arch, monkeypatch):
     """Per forward with the default sites (logits, hidden states), Linear inputs and the sink metrics, the
     profile's statistics add no call that would make the host wait for an accelerator (the accelerators' path,
-    forced on CPU); on CPU each update reads its sum back once (free there). transformers' own mask code reads one
-    value per forward either way."""
+    forced on CPU); on CPU each update reads its sum back once (free there), and each query block of logits with
+    more rows than k reads back how many of its rows can still enter the top-k once that holds k values (blocks 1-2
+    of the first forward, 0-2 of the second: block 3 has 4 × 4 rows). transformers' own mask code reads one value
+    per forward either way."""
     monkeypatch.setenv("DIFFQUANT_ATTN_BLOCK", "32")
     model = build(PRESETS["micro"], arch, seed=4).eval()
     ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(5))
@@ -289,14 +313,16 @@ def test_profile_adds_no_host_sync_per_forward(arch, monkeypatch):
     with torch.no_grad(), HostSyncs() as plain:
         model(ids[:1], use_cache=False)
     model.forward = counted
-    monkeypatch.setattr(site_stats, "CHECK_SUM_FIRST", frozenset())
+    monkeypatch.setattr(site_stats, "FREE_READS", frozenset())
     profile_model(model, ids, sites, batch_size=1, progress=False, sinks=True)
     assert counts == [plain.total] * 2
     counts.clear()
-    monkeypatch.setattr(site_stats, "CHECK_SUM_FIRST", frozenset({"cpu"}))
+    monkeypatch.setattr(site_stats, "FREE_READS", frozenset({"cpu"}))
     profile_model(model, ids, sites, batch_size=1, progress=False, sinks=True)
-    updates = model.config.num_hidden_layers * (5 + 4)  # 5 token sites, 4 query blocks of logits per layer
-    assert counts == [plain.total + updates] * 2
+    layers = model.config.num_hidden_layers
+    updates = layers * (5 + 4)  # 5 token sites, 4 query blocks of logits per layer
+    assert model.config.num_attention_heads * 32 > 100 >= model.config.num_attention_heads * 4  # rows vs k
+    assert counts == [plain.total + updates + layers * 2, plain.total + updates + layers * 3]
 
 
 def test_env_settings_are_read_when_used(monkeypatch):

@@ -95,12 +95,13 @@ def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: 
 
 
 _FOLD_EVERY = 64  # updates whose sums wait in SiteStats._batches before they are folded in
-# Devices where an update first passes over the values unchecked and reads their sum back to decide whether to pass
-# again leaving non-finite values out: on CPU the read costs nothing (the sum is in host memory) and the check's own
-# passes (isfinite, a full-size mask) would add about a third to an update's time. Elsewhere reading a value back
-# makes the host wait for the device, so every update leaves non-finite values out in one pass (`check`), which gives
-# the same statistics (tests/test_hot_path.py).
-CHECK_SUM_FIRST = frozenset({"cpu"})
+# Devices where reading a value back to the host costs nothing (on CPU it is in host memory already). There an
+# update first passes over the values unchecked and reads their sum back to decide whether to pass again leaving
+# non-finite values out (the check's own passes, isfinite and a full-size mask, would add about a third to an
+# update's time), and the top-k reads back how many rows can still enter it (`TopK.add`). Elsewhere reading a value
+# back makes the host wait for the device, so every update leaves non-finite values out in one pass (`check`) and
+# searches its top-k rows unfiltered, which gives the same statistics (tests/test_hot_path.py).
+FREE_READS = frozenset({"cpu"})
 
 
 _COMPILED_PASSES = CompiledOrEager(_passes)  # shared by all sites: one compile per argument pattern
@@ -133,12 +134,13 @@ class SiteStats:
         """Add one activation (values where `valid`, broadcastable to x, is True; non-finite ones counted
         apart). `block` (taps/context.py's `Block`) when x is one query block of an attention call: its positions
         are offset, and the blocks of one call make one pass of the per-pass statistics. Reads nothing back to the
-        host except on the devices in CHECK_SUM_FIRST."""
+        host except on the devices in FREE_READS."""
         x = x.detach()
         if x.dtype != torch.float32:
             x = x.float()
         dense = block.dense if isinstance(block, Block) else 0
-        if x.device.type in CHECK_SUM_FIRST:
+        free_reads = x.device.type in FREE_READS
+        if free_reads:
             out = self._passes(x, valid, False, dense)
             if not bool(torch.isfinite(out.s1)):  # on CPU a read of host memory, not a wait for a device
                 out = self._passes(x, valid, True, dense)  # inf or NaN among the values: leave them out
@@ -152,7 +154,7 @@ class SiteStats:
             self._fold()
         offset = 0 if block is None else block[0]
         self.topk.add(x, out.ok, self.dims, input_ids, row_offset, out.rowmax, offset,
-                      None if block is None else block[2])
+                      None if block is None else block[2], read_back=free_reads)
         self.hist.add_bins(out.bins, zeros_left_out=out.left_out)
         self.channel_absmax = _elementwise_max(self.channel_absmax, out.chan)
         pos = out.pos

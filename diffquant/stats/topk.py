@@ -39,24 +39,32 @@ class TopK:
 
     def add(self, x: torch.Tensor, ok: torch.Tensor | None, dims: tuple[str, ...], input_ids=None,
             row_offset: int = 0, rowmax: torch.Tensor | None = None, pos_offset: int = 0,
-            pos_total: int | None = None) -> None:
+            pos_total: int | None = None, read_back: bool = False) -> None:
         """Offer the values of x (shaped by `dims`) where `ok` (broadcastable) is True (None: all of them).
         `pos_offset` is added to the position coordinate when x holds positions pos_offset.. of `pos_total`.
 
-        With `rowmax` (|x| maxima along the last dim, -1 for rows without a valid value), only the k rows
+        With `rowmax` (|x| maxima along the last dim, 0 or -1 for rows without a valid value), only the k rows
         with the largest maxima are searched: every element of the top k lies in one of them (a row
-        outside them has k larger elements elsewhere)."""
+        outside them has k larger elements elsewhere). With `read_back` (where reading a value back costs
+        nothing: SiteStats' FREE_READS), once k values are kept only the rows whose maximum reaches the least of
+        them are searched, and an update with none returns at once: no value elsewhere can enter, and most
+        updates of a long stream (every query block of the attention logits but the first few) have none."""
         k = min(self.k, x.numel())
         if k == 0:
             return
         if rowmax is not None and x.dim() >= 2 and rowmax.numel() > k:
             width = x.shape[-1]
-            _, rows = torch.topk(rowmax.reshape(-1), k)
+            rows_needed = k
+            if read_back and self._abs.numel() == self.k:
+                rows_needed = min(k, int((rowmax >= self._abs[-1]).sum()))
+                if rows_needed == 0:
+                    return
+            _, rows = torch.topk(rowmax.reshape(-1), rows_needed)
             cand = x.reshape(-1, width)[rows].abs()
             if ok is not None:  # index the (maybe broadcast) mask by row coordinates: no full-size copy
                 lead = torch.unravel_index(rows, x.shape[:-1])
                 cand = torch.where(ok.expand(x.shape)[lead], cand, -1.0)
-            top, col = torch.topk(cand.reshape(-1), k)
+            top, col = torch.topk(cand.reshape(-1), min(k, cand.numel()))
             idx = rows[col // width] * width + col % width
         else:
             a = x.abs() if ok is None else torch.where(ok, x.abs(), -1.0)
