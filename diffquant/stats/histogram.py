@@ -60,13 +60,14 @@ class AbsHistogram:
         counted = torch.isfinite(x) if ok is None else torch.isfinite(x) & ok
         self.add_bins(torch.where(counted, magnitude_bins(x), 0), zeros_left_out=(~counted).sum())
 
-    def add_bins(self, bins: torch.Tensor, zeros_left_out: torch.Tensor | int = 0) -> None:
+    def add_bins(self, bins: torch.Tensor, zeros_left_out: torch.Tensor | int | None = None) -> None:
         """Count precomputed `magnitude_bins` (every one below NBINS), less `zeros_left_out` of the zeros (values
-        that were masked out by setting them to 0: cheaper than a mask on the bins). An index_add_ rather than a
+        that were masked out by setting them to 0: cheaper than a mask on the bins; None when none were). An index_add_ rather than a
         bincount, which reads the bins' minimum (and on CUDA their maximum) back to the host: as fast on CPU."""
         flat = bins.reshape(-1)
         self.counts.index_add_(0, flat, self._ones(flat.numel()))
-        self.counts[0] -= zeros_left_out
+        if zeros_left_out is not None:
+            self.counts[0] -= zeros_left_out
 
     def _ones(self, n: int) -> torch.Tensor:
         return torch.ones(1, dtype=self.counts.dtype, device=self.counts.device).expand(n)

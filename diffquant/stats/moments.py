@@ -20,19 +20,24 @@ class Moments:
         z = lambda: torch.zeros((), dtype=torch.float64, device=device)  # noqa: E731
         self.n, self.mean, self.m2, self.m3, self.m4 = z(), z(), z(), z(), z()
 
+    @classmethod
+    def _of(cls, n, mean, m2, m3, m4) -> "Moments":
+        """Moments holding these tensors, without the five zeros `__init__` makes (each a kernel launch on a GPU;
+        pooling runs once per query block)."""
+        m = cls.__new__(cls)
+        m.n, m.mean, m.m2, m.m3, m.m4 = n, mean, m2, m3, m4
+        return m
+
     @staticmethod
     def pool(n: torch.Tensor, s1: torch.Tensor, m2: torch.Tensor, m3: torch.Tensor, m4: torch.Tensor) -> "Moments":
         """Moments of several batches at once, from each one's count, sum and central power sums (vectors):
         each batch's sums are moved to the pooled mean (Σ(d + δ)^p expanded, Σd = 0), then added."""
-        m = Moments(n.device)
-        m.n = n.sum()
-        m.mean = s1.sum() / m.n.clamp_min(1)
-        delta = torch.where(n > 0, s1 / n.clamp_min(1) - m.mean, 0.0)
+        total = n.sum()
+        mean = s1.sum() / total.clamp_min(1)
+        delta = torch.where(n > 0, s1 / n.clamp_min(1) - mean, 0.0)
         d2 = delta * delta
-        m.m2 = (m2 + n * d2).sum()
-        m.m3 = (m3 + 3 * delta * m2 + n * d2 * delta).sum()
-        m.m4 = (m4 + 4 * delta * m3 + 6 * d2 * m2 + n * d2 * d2).sum()
-        return m
+        return Moments._of(total, mean, (m2 + n * d2).sum(), (m3 + 3 * delta * m2 + n * d2 * delta).sum(),
+                           (m4 + 4 * delta * m3 + 6 * d2 * m2 + n * d2 * d2).sum())
 
     @staticmethod
     def of(x: torch.Tensor, mask: torch.Tensor | None) -> "Moments":
@@ -56,21 +61,18 @@ class Moments:
 
     def merge(self, other: "Moments") -> "Moments":
         """Combine two disjoint sets of values (exact up to float64 rounding)."""
-        out = Moments(self.n.device)
         na, nb = self.n, other.n.to(self.n.device)
         n = na + nb
         safe = n.clamp_min(1)
         delta = other.mean.to(self.n.device) - self.mean
         ob = {k: getattr(other, k).to(self.n.device) for k in ("m2", "m3", "m4")}
-        out.n = n
-        out.mean = self.mean + delta * nb / safe
-        out.m2 = self.m2 + ob["m2"] + delta**2 * na * nb / safe
-        out.m3 = (self.m3 + ob["m3"] + delta**3 * na * nb * (na - nb) / safe**2
-                  + 3 * delta * (na * ob["m2"] - nb * self.m2) / safe)
-        out.m4 = (self.m4 + ob["m4"] + delta**4 * na * nb * (na * na - na * nb + nb * nb) / safe**3
-                  + 6 * delta**2 * (na * na * ob["m2"] + nb * nb * self.m2) / safe**2
-                  + 4 * delta * (na * ob["m3"] - nb * self.m3) / safe)
-        return out
+        return Moments._of(
+            n, self.mean + delta * nb / safe, self.m2 + ob["m2"] + delta**2 * na * nb / safe,
+            (self.m3 + ob["m3"] + delta**3 * na * nb * (na - nb) / safe**2
+             + 3 * delta * (na * ob["m2"] - nb * self.m2) / safe),
+            (self.m4 + ob["m4"] + delta**4 * na * nb * (na * na - na * nb + nb * nb) / safe**3
+             + 6 * delta**2 * (na * na * ob["m2"] + nb * nb * self.m2) / safe**2
+             + 4 * delta * (na * ob["m3"] - nb * self.m3) / safe))
 
     def summary(self) -> dict:
         n = float(self.n)

@@ -34,6 +34,7 @@ class Passes(NamedTuple):
     pos: torch.Tensor | None
     hits: torch.Tensor | None  # LLM.int8 hit counts per channel ([batch, pos, channel] sites)
     nonfinite: torch.Tensor  # non-finite values among the valid ones (counted only with `check`)
+    checked: bool  # `check` was on (else nonfinite is 0)
 
 
 def _zero_where_not(t: torch.Tensor, ok: torch.Tensor, dense: int) -> torch.Tensor:
@@ -52,18 +53,22 @@ def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: 
     position dims, LLM.int8 hit counts per channel. Values outside `valid` (broadcastable) are left out;
     with `check`, non-finite values too (and counted). `dense`: `valid` is True in every column before it (see
     `_zero_where_not`; 0 when not known). x is not written to."""
-    nonfinite = torch.zeros((), dtype=torch.int64, device=x.device)
-    ok = valid
+    ok, left_out = valid, None
     if check:
         finite = torch.isfinite(x)
         ok = finite if valid is None else finite & valid
         nonfinite = (~ok).sum() if valid is None else (valid & ~finite).sum()
+        if valid is None:
+            left_out = nonfinite  # the same count: no second pass over the mask
         dense = 0  # a non-finite value may sit in any column
+    else:
+        nonfinite = torch.zeros((), dtype=torch.int64, device=x.device)
     if ok is None:
         left_out = torch.zeros((), dtype=torch.int64, device=x.device)
         xz = x
     else:  # left-out values become 0 (harmless in maxima; uncounted from histogram bin 0 by the caller)
-        left_out = x.numel() - ok.sum() * (x.numel() // ok.numel())  # a broadcast mask repeats
+        if left_out is None:
+            left_out = x.numel() - ok.sum() * (x.numel() // ok.numel())  # a broadcast mask repeats
         xz = _zero_where_not(x.clone() if dense else x, ok, dense)
     n = (x.numel() - left_out).double()
     s1 = sum64(xz)
@@ -91,7 +96,7 @@ def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: 
         below = torch.sub(a, threshold, out=d).view(torch.int32).bitwise_right_shift_(31)
         hits = (x.shape[0] * x.shape[1] + below.sum(dim=(0, 1), dtype=torch.int32)).long()
     bins = abs_magnitude_bins(a, in_place=True)  # a is not read again
-    return Passes(ok, bins, left_out, n, s1, m2, m3, m4, rowmax, chan, pos, hits, nonfinite)
+    return Passes(ok, bins, left_out, n, s1, m2, m3, m4, rowmax, chan, pos, hits, nonfinite, check)
 
 
 _FOLD_EVERY = 64  # updates whose sums wait in SiteStats._batches before they are folded in
@@ -155,7 +160,7 @@ class SiteStats:
         offset = 0 if block is None else block[0]
         self.topk.add(x, out.ok, self.dims, input_ids, row_offset, out.rowmax, offset,
                       None if block is None else block[2], read_back=free_reads)
-        self.hist.add_bins(out.bins, zeros_left_out=out.left_out)
+        self.hist.add_bins(out.bins, zeros_left_out=None if out.ok is None else out.left_out)
         self.channel_absmax = _elementwise_max(self.channel_absmax, out.chan)
         pos = out.pos
         if pos is not None and offset:
@@ -164,7 +169,8 @@ class SiteStats:
         if out.hits is not None:
             self.channel_hits = out.hits if self.channel_hits is None else self.channel_hits + out.hits
             self.positions += x.shape[0] * x.shape[1] if out.ok is None else out.ok.any(dim=-1).sum()
-        self.nonfinite += out.nonfinite
+        if out.checked:
+            self.nonfinite += out.nonfinite
 
     def _passes(self, x: torch.Tensor, valid: torch.Tensor | None, check: bool, dense: int) -> Passes:
         chan_dim = next((i for i, d in enumerate(self.dims) if d in _CHANNEL_DIMS), None)
