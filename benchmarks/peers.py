@@ -422,8 +422,8 @@ NOT_COVERED = (
     "Where the peers cannot run, diffquant alone: SmolLM2 at 65,536 and 262,144 tokens (the peers' caches would hold "
     "28 and 112 GiB) and SmolLM2's attention window of 8,192 (34 GiB); the memory rule refuses the peers there. Not run: "
     "the bare forward at 65,536 and 262,144 SmolLM2 tokens (its rate at 8,192 stands for it: it does not depend on the "
-    "count). The tiny-preset rows (random weights; KJV as bytes) come from an earlier run, with the peers on "
-    "transformers 5.24; they show how cost and memory grow with tokens and context where every workflow fits.",
+    "count). The tiny-preset rows (random weights; KJV as bytes) show how cost and memory grow with tokens and "
+    "context where every workflow fits.",
     "The demo pair (DIFF and its baseline) is not in these tables: its checkpoints are not on the machine these "
     "figures come from, and TransformerLens 4.3 has no DiffLlama adapter (none among "
     "transformer_lens/model_bridge/supported_architectures), so only nnsight could be compared on it.",
