@@ -144,10 +144,10 @@ def test_topk_equals_a_full_sort_with_locations(k):
     assert top.rank(1) == float(values.abs().max()) and (top.rank(k) is None) == (k > len(values))
 
 
-def test_topk_searching_only_rows_that_can_enter_keeps_the_same_entries():
-    """Where reading back is free, a block searches only the rows whose maximum reaches the least kept |x| (none,
-    most of the time): over a stream of causal blocks the kept values and locations are those of the unfiltered
-    search and of a full sort, also when a later block holds a value equal to the least kept one."""
+def test_topk_skipping_updates_that_cannot_enter_keeps_the_same_entries():
+    """Where reading back is free, an update none of whose rows reaches the least kept |x| is skipped: over a
+    stream of causal blocks the kept values and locations are those of the unskipped search and of a full sort,
+    also with ties, whose order the stable merge keeps (kept entries first, then in the order offered)."""
     blocks = [_causal_block(2, 3, r0, r0 + 16, 160, 160) for r0 in range(0, 160, 16)]
     x, valid, _ = blocks[-1]
     blocks.append((x.clone(), valid, 0))  # the same block again: every candidate ties with a kept value
@@ -162,8 +162,23 @@ def test_topk_searching_only_rows_that_can_enter_keeps_the_same_entries():
     want = everything.abs().sort(descending=True).values[:20]
     for top in kept.values():
         assert torch.equal(top.abs, want)
-    assert torch.equal(kept[True].values, kept[False].values)
-    assert torch.equal(kept[True].coords, kept[False].coords)
+    assert torch.equal(kept[True].values, kept[False].values) and torch.equal(kept[True].coords, kept[False].coords)
+
+
+@pytest.mark.parametrize("later", [[1.0, 1.0, 0.5], [1.0, 0.5, 3.0]])
+def test_topk_ties_keep_their_order_whether_or_not_an_update_is_skipped(later):
+    """k = 2 with tied |x| (a reviewer's cases): 3 at positions 0 and 1 (signs +, −), then an update below them
+    (skipped where reading back is free) or one holding another 3 (searched either way). Ties are kept in the
+    order seen: positions 0 then 1, the later 3 never displacing an earlier one."""
+    first = torch.tensor([[[3.0], [-3.0], [0.0]]])
+    second = torch.tensor([later]).unsqueeze(-1)
+    rows = []
+    for read_back in (False, True):
+        top = TopK(2, 3)
+        for x in (first, second):
+            top.add(x, None, TOKEN_DIMS, rowmax=x.abs().amax(-1), read_back=read_back)
+        rows.append((top.values.tolist(), top.coords[:, 1].tolist()))
+    assert rows[0] == rows[1] == ([3.0, -3.0], [0, 1])
 
 
 def _profile_micro(arch, sites, monkeypatch, block="32", cut=True):

@@ -11,9 +11,9 @@ class TopK:
     `coords` holds one column per site dim plus the token id at the query/token position (-1 when
     unknown); the batch coordinate is global (row offset added).
 
-    Nothing is read back to the host while values are offered: where fewer than k valid values were offered, the
-    kept entries include left-out ones, whose |x| is -1, so they sort below every value; `abs`, `values` and
-    `coords` hold only the valid entries.
+    Nothing is read back to the host while values are offered (except with `add`'s `read_back`, where reading is
+    free): where fewer than k valid values were offered, the kept entries include left-out ones, whose |x| is -1,
+    so they sort below every value; `abs`, `values` and `coords` hold only the valid entries.
     """
 
     def __init__(self, k: int, ndim: int, device=None):
@@ -46,25 +46,22 @@ class TopK:
         With `rowmax` (|x| maxima along the last dim, 0 or -1 for rows without a valid value), only the k rows
         with the largest maxima are searched: every element of the top k lies in one of them (a row
         outside them has k larger elements elsewhere). With `read_back` (where reading a value back costs
-        nothing: SiteStats' FREE_READS), once k values are kept only the rows whose maximum reaches the least of
-        them are searched, and an update with none returns at once: no value elsewhere can enter, and most
-        updates of a long stream (every query block of the attention logits but the first few) have none."""
+        nothing: SiteStats' FREE_READS), an update none of whose rows reaches the least of k kept values returns
+        at once: merged, its values would all sort after the kept ones, which the stable merge keeps as they are.
+        Most updates of a long stream (every query block of the attention logits but the first few) are such."""
         k = min(self.k, x.numel())
         if k == 0:
             return
         if rowmax is not None and x.dim() >= 2 and rowmax.numel() > k:
+            if read_back and self._abs.numel() == self.k and not bool((rowmax >= self._abs[-1]).any()):
+                return
             width = x.shape[-1]
-            rows_needed = k
-            if read_back and self._abs.numel() == self.k:
-                rows_needed = min(k, int((rowmax >= self._abs[-1]).sum()))
-                if rows_needed == 0:
-                    return
-            _, rows = torch.topk(rowmax.reshape(-1), rows_needed)
+            _, rows = torch.topk(rowmax.reshape(-1), k)
             cand = x.reshape(-1, width)[rows].abs()
             if ok is not None:  # index the (maybe broadcast) mask by row coordinates: no full-size copy
                 lead = torch.unravel_index(rows, x.shape[:-1])
                 cand = torch.where(ok.expand(x.shape)[lead], cand, -1.0)
-            top, col = torch.topk(cand.reshape(-1), min(k, cand.numel()))
+            top, col = torch.topk(cand.reshape(-1), k)
             idx = rows[col // width] * width + col % width
         else:
             a = x.abs() if ok is None else torch.where(ok, x.abs(), -1.0)
@@ -84,12 +81,16 @@ class TopK:
         self._merge_raw(top, x.reshape(-1)[idx].float(), torch.cat([coords, token], dim=1))
 
     def _merge_raw(self, a, v, c) -> None:
+        """Keep the k largest of the kept entries and these, by a stable sort: of equal |x|, those kept before
+        stay first and in their order (torch.topk orders ties by its own algorithm, which depends on the array's
+        length: with it, an update skipped for having nothing to add could reorder the kept ties)."""
         device = self._abs.device
         a = torch.cat([self._abs, a.to(device)])
         v = torch.cat([self._values, v.to(device)])
         c = torch.cat([self._coords, c.to(device)])
         k = min(self.k, a.numel())
-        top, idx = torch.topk(a, k)
+        top, idx = torch.sort(a, descending=True, stable=True)
+        top, idx = top[:k], idx[:k]
         self._abs, self._values, self._coords = top, v[idx], c[idx]
 
     def merge(self, other: "TopK") -> "TopK":
