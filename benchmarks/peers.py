@@ -618,6 +618,24 @@ def breakdown_lines(b: dict | None) -> list[str]:
             "ebaa11f (same values, bit for bit): " + "; ".join(was) + ".", ""]
 
 
+def logit_breakdown_lines(b: dict | None) -> list[str]:
+    """Where the attention-logit profile's CPU time goes (benchmarks/peers_breakdown.py --logits): end to end
+    against the plain forwards, and the operators that grew most."""
+    if not b:
+        return []
+    e, ops = b["end_to_end_cpu_s"], b["added_by_op"]
+    eager = e["plain forward (eager attention)"]
+    cases = "; ".join(f"{name} {v:.2f}" + ("" if v == eager else f" ({v / eager:.2f}× eager)") for name, v in e.items())
+    grew = ", ".join(f"{name.removeprefix('aten::')} {d['share']:.0%} ({d['calls']:+,} calls)"
+                     for name, d in list(ops.items())[:8])
+    against = b.get("added_against", "plain forward (eager attention)")
+    return [f"Where the attention-logit profile's time goes (benchmarks/peers_breakdown.py --logits at {b['revision']}; "
+            f"{b['model']}, one window of {b['tokens']:,} tokens, {b['layers']} layers × {b['heads']} heads; CPU-seconds, "
+            f"the least of {b['rounds']} rounds, one thread, load average {b['load_average']:.1f}): {cases}. Per "
+            f"operator (torch.profiler self CPU time of the profile with the sink metrics less that of the {against}), "
+            "the largest shares of what the profile adds, with the calls it adds per forward: " + grew + ".", ""]
+
+
 def versions_text(results: dict) -> str:
     """Each side's package versions as the file records them, for the parity run and for the cost cases apart:
     the two were measured in different sessions, and the cost cases' diffquant and peers need not share a
@@ -676,6 +694,7 @@ def markdown_part(results: dict) -> list[str]:
     if said:
         lines += ["Per case, from the tokens per CPU-second above:", "", *said, ""]
     lines += breakdown_lines(results.get("breakdown"))
+    lines += logit_breakdown_lines(results.get("breakdown_logits"))
     for note in NOT_COVERED:
         lines += [note, ""]
     return lines
