@@ -16,12 +16,12 @@ Prints each round and the medians; nothing is written.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks import peers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,12 +54,10 @@ print("RESULT", json.dumps(out))
 def one(root: Path, args: dict) -> dict:
     """One process on `root`'s diffquant (the model and token files come from this checkout's benchmarks/.peers)."""
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    code = f"ARGS = {json.dumps(args)!r}\nimport json\nARGS = json.loads(ARGS)\n" + CHILD
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
-    line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"{root}: the profile failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return json.loads(line[len("RESULT "):])
+    out = peers.run_code(sys.executable, CHILD, args, env, root)
+    if "error" in out:
+        raise SystemExit(f"{root}: the profile failed: {out['error']}")
+    return out
 
 
 def main(argv=None) -> None:
@@ -69,8 +67,6 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if not (a.before / "diffquant" / "__init__.py").is_file():
         raise SystemExit(f"{a.before}: not a diffquant checkout (no diffquant/__init__.py)")
-    from benchmarks import peers
-
     folder, tokenizer = peers.export_model()
     args = {"model": str(folder), "window": str(peers.windows(tokenizer, 2048, 2048, part="all")),
             "batch": str(peers.windows(tokenizer, 256, 8192, part="all"))}

@@ -299,9 +299,14 @@ def run_child(workflow: str, args: dict, model: str = "smollm2-135m") -> dict:
         env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(ROOT)}  # for peer_stats
     env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(THREADS)
-    args = {**args, "model_dir": str(model_dir(model))}
+    return run_code(python, code, {**args, "model_dir": str(model_dir(model))}, env)
+
+
+def run_code(python: str, code: str, args: dict, env: dict, cwd=None) -> dict:
+    """`code` run by `python` in a fresh process with `ARGS` (a dict) defined before it: the JSON of its last
+    "RESULT " line, or {"error": ...} with the last line of its stderr."""
     out = subprocess.run([python, "-c", f"ARGS = {json.dumps(args)!r}\nimport json\nARGS = json.loads(ARGS)\n" + code],
-                         capture_output=True, text=True, env=env)
+                         capture_output=True, text=True, env=env, cwd=cwd)
     line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("RESULT ")), None)
     if out.returncode or line is None:
         lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]

@@ -62,8 +62,9 @@ class AbsHistogram:
 
     def add_bins(self, bins: torch.Tensor, zeros_left_out: torch.Tensor | int | None = None) -> None:
         """Count precomputed `magnitude_bins` (every one below NBINS), less `zeros_left_out` of the zeros (values
-        that were masked out by setting them to 0: cheaper than a mask on the bins; None when none were). An index_add_ rather than a
-        bincount, which reads the bins' minimum (and on CUDA their maximum) back to the host: as fast on CPU."""
+        that were masked out by setting them to 0: cheaper than a mask on the bins; None when none were). An
+        index_add_ rather than a bincount, which reads the bins' minimum (and on CUDA their maximum) back to the
+        host: as fast on CPU."""
         flat = bins.reshape(-1)
         self.counts.index_add_(0, flat, self._ones(flat.numel()))
         if zeros_left_out is not None:

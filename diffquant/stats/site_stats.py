@@ -103,9 +103,9 @@ _FOLD_EVERY = 64  # updates whose sums wait in SiteStats._batches before they ar
 # Devices where reading a value back to the host costs nothing (on CPU it is in host memory already). There an
 # update first passes over the values unchecked and reads their sum back to decide whether to pass again leaving
 # non-finite values out (the check's own passes, isfinite and a full-size mask, would add about a third to an
-# update's time), and the top-k reads back how many rows can still enter it (`TopK.add`). Elsewhere reading a value
-# back makes the host wait for the device, so every update leaves non-finite values out in one pass (`check`) and
-# searches its top-k rows unfiltered, which gives the same statistics (tests/test_hot_path.py).
+# update's time), and the top-k reads back whether any of its rows can still enter it (`TopK.add`). Elsewhere reading
+# a value back makes the host wait for the device, so every update leaves non-finite values out in one pass (`check`)
+# and searches its top-k candidates whatever they hold, which gives the same statistics (tests/test_hot_path.py).
 FREE_READS = frozenset({"cpu"})
 
 
