@@ -234,7 +234,7 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(spec.config(arch, vocab=data.vocab, seq_len=seq_len))
         state, start = None, 0
-    from diffquant.models.fused import fuse
+    from diffquant.models.fused import fuse, layer_lambdas
 
     fuse(model)  # DIFF: one softmax per layer
     model.to(device).train()
@@ -268,7 +268,11 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
         tokens_done += batch.numel() * world
         if step % 10 == 0 or step == total - 1:
             tps = tokens_done / max(1e-9, time.perf_counter() - t0)
-            metrics["curve"].append({"step": step, "loss": float(loss.detach()), "lr": lr_at(step, total, cfg)})
+            point = {"step": step, "loss": float(loss.detach()), "lr": lr_at(step, total, cfg)}
+            lams = layer_lambdas(model)  # DIFF's λ per layer after this step's update (differential designs)
+            if lams is not None:
+                point["lambda"] = lams
+            metrics["curve"].append(point)
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tok_s=f"{tps:,.0f}")
         bar.update(1)
         done = step + 1

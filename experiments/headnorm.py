@@ -164,8 +164,8 @@ def run_cell(plan: dict, arm: str, lr: float, seed: int, runs: Path, out: Path, 
     m = measure_cell(plan, model, seqs.to(device), copies, calib.to(device))
     cell = {**{k: v for k, v in m.items() if k != "sinks"}, "arm": arm, "lr": lr, "seed": seed,
             "plan_sha256": plan["sha256"], "train_tokens": info["emergence"][-1]["tokens"],
-            "parameters": info["parameters"], "train_seconds": train_s, "tokens_per_s": info.get("tokens_per_s"),
-            "curve": info.get("emergence", [])}
+            "parameters": info["parameters"], "rms_norm_eps": model.config.rms_norm_eps, "train_seconds": train_s,
+            "tokens_per_s": info.get("tokens_per_s"), "curve": info.get("emergence", [])}
     atomic_write_json(done, cell)
     return cell
 
@@ -299,8 +299,8 @@ def analyse(plan: dict, out: Path) -> dict:
            "aggregate": {a: {k: t_interval([c.get(k) for c in cs]) for k in keys} for a, cs in per_arm.items()},
            "tests": rows, "decomposition": decompose(plan, rows), "sensitivity": sensitivity(plan, per_arm, sens),
            "sensitivity_cells": {a: {k: c.get(k) for k in keys} for a, c in sens.items()},
-           "scale": {a: {"parameters": cs[0]["parameters"], "train_tokens": cs[0]["train_tokens"]}
-                     for a, cs in per_arm.items()},
+           "scale": {a: {"parameters": cs[0]["parameters"], "train_tokens": cs[0]["train_tokens"],
+                         "rms_norm_eps": cs[0].get("rms_norm_eps", TRAINED_EPS.get(a))} for a, cs in per_arm.items()},
            "held_out": {"sequences": per_arm[plan["arms"][0]][0]["sequences"],
                         "tokens": per_arm[plan["arms"][0]][0]["tokens"],
                         "copy_tokens": per_arm[plan["arms"][0]][0]["copy_tokens"]}}
@@ -409,14 +409,19 @@ def _carried(plan: dict, doc: dict, key: str) -> str:
     return v + ("; rate-sensitive (one seed)" if key in doc.get("rate_sensitive", []) else "")
 
 
+# rms_norm_eps of the committed cells, which were trained before presets set it for both sides of a pair (issue
+# 49) and did not record it: each arm took its config class's default, Llama's 1e-6 or DiffLlama's 1e-5. Cells
+# trained since record their own.
+TRAINED_EPS = {"baseline": 1e-6, "baseline-headnorm": 1e-6, "diff": 1e-5, "diff-nonorm": 1e-5}
+
+
 def arms_text(plan: dict, doc: dict) -> str:
-    """What each arm is, exactly, read off the arms' own configs (the ablations are not a perfect split of DIFF's
-    norm: said here)."""
-    from diffquant.models.presets import build, get_preset
+    """What each arm is, exactly, as it was trained (the ablations are not a perfect split of DIFF's norm: said
+    here)."""
+    from diffquant.models.presets import get_preset
 
     spec = get_preset(plan["setting"]["train"]["preset"])
-    with torch.device("meta"):
-        eps = {a: build(spec, a).config.rms_norm_eps for a in plan["arms"]}
+    eps = {a: doc["scale"][a].get("rms_norm_eps") or TRAINED_EPS[a] for a in plan["arms"]}
     d = spec.hidden // spec.heads
     p = {a: v["parameters"] for a, v in doc["scale"].items()}
     lam = doc.get("lambda", {})

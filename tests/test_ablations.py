@@ -216,3 +216,65 @@ def test_diff_nonorm_is_treated_as_diff_by_the_taps():
     from diffquant.taps.sites import is_diff
 
     assert is_diff(build(PRESETS["micro"], "diff-nonorm"))
+
+
+def test_diff_frozen_keeps_lambda_at_lambda_init_through_training_and_reloading(tmp_path):
+    """diff-frozen (issue 49): freeze_lambda=False is diff-gain exactly; frozen, every layer's λ is λ_init (0.8 −
+    0.6·exp(−0.3·l), computed here) at initialisation, after AdamW steps that move every parameter, and after a
+    save and reload."""
+    from transformers import AutoModelForCausalLM
+
+    from diffquant.designs import difffrozen
+    from diffquant.models.fused import layer_lambdas
+
+    gain = build(PRESETS["micro"], "diff-gain")
+    free = difffrozen.DiffFrozenForCausalLM(difffrozen.DiffFrozenConfig(freeze_lambda=False, **_common(gain))).eval()
+    assert free.load_state_dict(gain.state_dict(), strict=True)
+    ids = _ids()
+    assert (_o_proj_inputs(free, ids)[0] - _o_proj_inputs(gain, ids)[0]).abs().max().item() <= 1e-5
+    want = [0.8 - 0.6 * math.exp(-0.3 * layer) for layer in range(PRESETS["micro"].layers)]
+    model = build(PRESETS["micro"], "diff-frozen").train()
+    assert layer_lambdas(model) == pytest.approx(want, abs=1e-7)
+    assert layer_lambdas(gain) != pytest.approx(want, abs=1e-3)  # DIFF's λ starts elsewhere (random λ vectors)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())  # training moved everything else
+    assert not any("lambda" in n for n, _ in model.named_parameters())
+    assert layer_lambdas(model) == pytest.approx(want, abs=1e-7)
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(again).__name__ == "DiffFrozenForCausalLM" and layer_lambdas(again) == pytest.approx(want, abs=1e-7)
+    assert not any(p.requires_grad is False for p in again.parameters())  # nothing else frozen
+
+
+def test_baseline_diffnorm_is_diffs_norm_on_pairs_of_heads_with_a_gain():
+    """baseline-diffnorm (issue 49): with groups of one head and no gain it is baseline-headnorm; as registered,
+    layer 0's o_proj input is (1 − 0.2)·RMSNorm over adjacent pairs of heads (2d channels) times the gain,
+    computed here from the baseline's o_proj input."""
+    from diffquant.designs import headnorm
+
+    baseline = build(PRESETS["micro"], "baseline")
+    one = headnorm.HeadNormForCausalLM(headnorm.HeadNormConfig(head_norm_group=1, head_norm_gain=False,
+                                                               **_common(baseline))).eval()
+    hn = build(PRESETS["micro"], "baseline-headnorm")
+    assert one.load_state_dict(hn.state_dict(), strict=True)
+    ids = _ids()
+    assert (_o_proj_inputs(one, ids)[0] - _o_proj_inputs(hn, ids)[0]).abs().max().item() <= 1e-5
+    model = build(PRESETS["micro"], "baseline-diffnorm")
+    missing, unexpected = model.load_state_dict(baseline.state_dict(), strict=False)
+    assert not unexpected and missing and all("head_norm.weight" in k for k in missing)
+    d = baseline.config.hidden_size // baseline.config.num_attention_heads
+    g = torch.rand(2 * d, generator=torch.Generator().manual_seed(3)) + 0.5
+    with torch.no_grad():
+        model.model.layers[0].self_attn.head_norm.weight.copy_(g)
+    _, got = _o_proj_inputs(model, ids)
+    _, base = _o_proj_inputs(baseline, ids)
+    pairs = base[0].reshape(*base[0].shape[:-1], -1, 2 * d)  # heads 2j and 2j + 1: contiguous 2d channels
+    want = (1 - 0.2) * _rms(pairs, model.config.rms_norm_eps) * g
+    assert torch.allclose(got[0], want.reshape(base[0].shape), atol=1e-5)
+    with pytest.raises(ValueError, match="must divide"):
+        headnorm.HeadNormConfig(head_norm_group=3, **_common(baseline))

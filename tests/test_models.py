@@ -30,6 +30,40 @@ def test_presets_are_matched(name):
         assert getattr(diff.config, key) == getattr(baseline.config, key)
 
 
+# The fields a design may set apart from the baseline's config: its attention's own (the rest of a pair is shared).
+ATTENTION_FIELDS = {
+    "diff": {"lambda_std_dev"}, "diff-gain": {"lambda_std_dev"}, "diff-nonorm": {"lambda_std_dev", "head_norm"},
+    "gated": {"gate", "gate_bias"}, "gated-nobias": {"gate", "gate_bias"}, "clipsoftmax": {"clip_zeta", "clip_gamma"},
+    "sink": set(), "baseline-headnorm": {"head_norm", "head_norm_group", "head_norm_gain"}, "diff-frozen": {"lambda_std_dev", "freeze_lambda"},
+    "baseline-diffnorm": {"head_norm", "head_norm_group", "head_norm_gain"},
+}
+# Llama fields DiffLlama's config class does not have (DiffLlama's MLP has no bias and no tensor-parallel split).
+NOT_IN_DIFFLLAMA = {"mlp_bias", "pretraining_tp"}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_design_differs_from_the_baseline_only_in_attention_fields(name):
+    """A matched pair differs only where its design does: eps, RoPE, widths, vocabulary and the rest are equal
+    (transformers' defaults differ, e.g. rms_norm_eps 1e-6 for Llama and 1e-5 for DiffLlama, so presets set them)."""
+    from diffquant.designs import DESIGNS, get
+
+    spec = PRESETS[name]
+    base = spec.config("baseline").to_dict()
+    assert base["rms_norm_eps"] == spec.rms_norm_eps == 1e-5
+    for design in set(DESIGNS) - {"baseline"}:
+        cfg = spec.config(design).to_dict()
+        differ = {k for k in set(base) | set(cfg) if base.get(k) != cfg.get(k)} - {"model_type", "architectures"}
+        allowed = ATTENTION_FIELDS[design] | (NOT_IN_DIFFLLAMA if get(design).maps_per_head == 2 else set())
+        if get(design).narrow_mlp:
+            allowed |= {"intermediate_size"}  # gives back the parameters the design adds (parameter-matched)
+        if spec.one_head:
+            allowed |= {"num_attention_heads", "num_key_value_heads", "head_dim"}  # one head of full width per design
+        assert differ <= allowed, (design, {k: (base.get(k), cfg.get(k)) for k in differ - allowed})
+        assert cfg["rms_norm_eps"] == base["rms_norm_eps"], design
+        for key in NOT_IN_DIFFLLAMA & differ:
+            assert key not in cfg or cfg[key] is None, (design, key)
+
+
 def test_preset_sizes_in_range():
     with torch.device("meta"):
         sizes = {n: count_parameters(build_pair(PRESETS[n])[0]) for n in ("tiny", "small", "base")}

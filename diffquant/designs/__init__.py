@@ -73,6 +73,18 @@ def _headnorm(common: dict, seq_len: int):
     return headnorm.config(common)
 
 
+def _diffnorm(common: dict, seq_len: int):
+    from diffquant.designs import headnorm
+
+    return headnorm.config(common, paper=True)
+
+
+def _diff_frozen(common: dict, seq_len: int):
+    from diffquant.designs import difffrozen
+
+    return difffrozen.config(common)
+
+
 def _diff_gain(common: dict, seq_len: int):
     from diffquant.designs import diffgain
 
@@ -85,9 +97,15 @@ def _diff_nonorm(common: dict, seq_len: int):
     return diffnonorm.config(common)
 
 
+def _paper_norm_width(hidden: int, heads: int) -> int:
+    from diffquant.designs.headnorm import paper_norm_width
+
+    return paper_norm_width(hidden, heads)
+
+
 def register_auto_classes() -> None:
     """Register the rival designs with transformers' Auto classes (imports transformers)."""
-    from diffquant.designs import clipsoftmax, diffgain, diffnonorm, gated, headnorm, sink  # noqa: F401 - each registers itself
+    from diffquant.designs import clipsoftmax, difffrozen, diffgain, diffnonorm, gated, headnorm, sink  # noqa: F401 - each registers itself
 
 
 DESIGNS: dict[str, Design] = {}
@@ -130,3 +148,10 @@ register(Design("gated-nobias", "Gated without bias", "#bcbd22", _gated_nobias,
 register(Design("diff-nonorm", "DIFF without head norm", "#e377c2", _diff_nonorm,
                 "DiffLlama without its per-head RMSNorm: (1 − λ_init)·(A1 − λ·A2)·V straight into o_proj",
                 added=lambda h, heads: 4 * (h // heads), maps_per_head=2))
+# The second decomposition (issue 49): DIFF kept differential, and DIFF's norm as the paper builds it on the Transformer.
+register(Design("diff-frozen", "DIFF, λ frozen", "#7f7f7f", _diff_frozen,
+                "DIFF with the paper's norm (diff-gain) and λ frozen at λ_init: the λ vectors are zero buffers",
+                added=lambda h, heads: 2 * (h // heads), maps_per_head=2))
+register(Design("baseline-diffnorm", "Transformer + DIFF's norm", "#aec7e8", _diffnorm,
+                "Llama with DIFF's head norm as the paper builds it: RMSNorm over 2d-channel groups of two heads, "
+                "a learnable gain, (1 − λ_init)", added=lambda h, heads: _paper_norm_width(h, heads)))

@@ -48,10 +48,21 @@ def paired_values(value: torch.Tensor, heads: int) -> torch.Tensor:
     return torch.cat([v1, v2], dim=-1)[:, : heads // 2]
 
 
-def diff_lambda(module, dtype) -> torch.Tensor:
-    l1 = torch.exp(torch.sum(module.lambda_q1 * module.lambda_k1, dim=-1, dtype=torch.float32))
-    l2 = torch.exp(torch.sum(module.lambda_q2 * module.lambda_k2, dim=-1, dtype=torch.float32))
-    return (l1 - l2 + module.lambda_init).to(dtype)
+def diff_lambda(module, dtype=torch.float32) -> torch.Tensor:
+    """λ of a DiffLlama attention layer (taps/attention.py computes it as transformers does), in `dtype`."""
+    from diffquant.taps.attention import diff_lambda
+
+    return diff_lambda(module).to(dtype)
+
+
+def layer_lambdas(model) -> list[float] | None:
+    """Each DiffLlama attention layer's λ, in layer order (None for a model without differential attention):
+    read off the parameters, no forward, so training can record λ at every logged step."""
+    from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention
+
+    with torch.no_grad():
+        lams = [float(diff_lambda(m)) for m in model.modules() if isinstance(m, DiffLlamaAttention)]
+    return lams or None
 
 
 def fused_forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):

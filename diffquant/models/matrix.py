@@ -79,5 +79,8 @@ FAMILIES: dict[str, Family] = {
         Family("diff-gain", "", "diff-gain", note="diffquant ablation: DIFF with a learnable head-norm gain"),
         Family("gated-nobias", "", "gated-nobias", note="diffquant ablation: output gate σ(X·W_g), no bias"),
         Family("diff-nonorm", "", "diff-nonorm", note="diffquant ablation: DIFF without its per-head norm"),
+        Family("diff-frozen", "", "diff-frozen", note="diffquant ablation: DIFF (the paper's norm) with λ frozen at λ_init"),
+        Family("baseline-diffnorm", "", "baseline-diffnorm",
+               note="diffquant ablation: DIFF's head norm as the paper builds it (2d groups, gain) on softmax heads"),
     )
 }

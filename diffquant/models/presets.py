@@ -3,7 +3,8 @@
 A preset fixes width, depth, SwiGLU width, vocabulary and RoPE. The baseline is a `LlamaConfig` with
 `heads` softmax heads; the DIFF model is a `DiffLlamaConfig` whose `num_attention_heads` also counts
 softmax maps, so it has `heads / 2` differential heads of width 2d, as the paper prescribes. The two
-differ only by the 4·head_dim λ parameters per layer.
+differ only by the 4·head_dim λ parameters per layer; every other setting, RMSNorm's eps included, is set
+here for both (tests/test_models.py checks that a pair's configs differ only in attention fields).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ class ModelSpec:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     one_head: bool = False  # Guo et al.'s one head per layer (see `heads_of`); needs heads == 2
+    # Every RMSNorm's eps, the same for every design of a pair: transformers' defaults differ (LlamaConfig 1e-6,
+    # DiffLlamaConfig 1e-5), and inside a head norm eps sets how close to zero a head's output can get. 1e-5 is
+    # the paper's reference code's (unilm's `RMSNorm(2 * head_dim, eps=1e-5)`) and DiffLlama's.
+    rms_norm_eps: float = 1e-5
 
     def heads_of(self, arch: str) -> int:
         """Softmax maps per layer of design `arch` (its `num_attention_heads`). Normally `heads` for every
@@ -56,6 +61,7 @@ class ModelSpec:
             num_key_value_heads=heads,
             max_position_embeddings=self.context,
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rms_norm_eps=self.rms_norm_eps,
             tie_word_embeddings=self.tie_embeddings,
             bos_token_id=None,
             eos_token_id=None,

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     import torch
 
 SUPPORTED = ("llama", "diffllama", "qwen2", "qwen3", "mistral", "smollm3", "diffquant_gated", "diffquant_clipsoftmax",
-             "diffquant_headnorm", "diffquant_diff_gain", "diffquant_diff_nonorm", "diffquant_sink")
+             "diffquant_headnorm", "diffquant_diff_gain", "diffquant_diff_nonorm", "diffquant_diff_frozen",
+             "diffquant_sink")
 ATTN_READERS = ("q_proj", "k_proj", "v_proj", "gate")  # Linears that read the attention input
 
 

@@ -225,7 +225,7 @@ class Visible:
 
 
 def diff_lambda(module) -> torch.Tensor:
-    """λ of a DiffLlama attention layer, computed as transformers computes it."""
+    """λ of a DiffLlama attention layer as transformers computes it (float32): exp(λq1·λk1) − exp(λq2·λk2) + λ_init."""
     l1 = torch.exp(torch.sum(module.lambda_q1 * module.lambda_k1, dim=-1, dtype=torch.float32))
     l2 = torch.exp(torch.sum(module.lambda_q2 * module.lambda_k2, dim=-1, dtype=torch.float32))
     return l1 - l2 + module.lambda_init

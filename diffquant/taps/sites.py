@@ -147,7 +147,7 @@ def _decoder_layers(model):
     return best
 
 
-DIFF_MODEL_TYPES = ("diffllama", "diffquant_diff_gain", "diffquant_diff_nonorm")  # DiffLlama and its subclasses
+DIFF_MODEL_TYPES = ("diffllama", "diffquant_diff_gain", "diffquant_diff_nonorm", "diffquant_diff_frozen")  # DiffLlama and its subclasses
 
 
 def is_diff(model) -> bool:
