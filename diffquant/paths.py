@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -67,3 +68,30 @@ def fix_modes(folder: str | os.PathLike) -> None:
     for f in Path(folder).iterdir():
         if f.is_file() and (f.stat().st_mode & 0o777) == 0o600 and mode != 0o600:
             f.chmod(mode)
+
+
+# Files a command writes before its work starts: they describe a run, they are not results of one.
+RUN_DESCRIPTIONS = frozenset({"sweep_config.json", "train_config.json", "settings.json", "environment.json",
+                              "recipe.yaml", "recipe.json"})
+
+
+@contextmanager
+def removed_if_failed(out: str | os.PathLike | None):
+    """Run a command that writes into `out`; if it fails and `out` did not exist before, remove what it left there
+    when that holds no result (only run descriptions, RUN_DESCRIPTIONS): a failed command leaves no empty or
+    config-only folder behind, while one that failed after writing results (a resumable sweep's cells, a
+    training checkpoint) keeps them for --resume."""
+    import shutil
+
+    top = Path(out).absolute() if out else None  # the outermost folder the command will create (runs/ of runs/q)
+    while top is not None and not top.parent.exists():
+        top = top.parent
+    existed = top is None or top.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and top.is_dir():
+            kept = [p for p in top.rglob("*") if p.is_file() and p.name not in RUN_DESCRIPTIONS]
+            if not kept:
+                shutil.rmtree(top, ignore_errors=True)
+        raise

@@ -16,9 +16,11 @@ def _lazy(module: str, name: str):
     def run(args):
         validate(args)  # one-line errors at once, before torch and transformers load (seconds)
         from diffquant.designs import register_auto_classes
+        from diffquant.paths import removed_if_failed
 
         register_auto_classes()  # the command line starts without them (diffquant/__init__.py)
-        return getattr(importlib.import_module(module), name)(args)
+        with removed_if_failed(getattr(args, "out", None)):
+            return getattr(importlib.import_module(module), name)(args)
 
     return run
 

@@ -4,8 +4,9 @@ metadata. None where it cannot be known without loading (hub ids, zoo models not
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from diffquant.models.files import check_gguf, read_json
 
 CONFIG_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
@@ -25,16 +26,17 @@ def context_length(source: str, cache: str | None = None) -> tuple[int | None, s
         return (_gguf_context(cached), "its GGUF's context_length") if cached.is_file() else (None, "")
     path = Path(source)
     if path.suffix == ".gguf" and path.is_file():
+        check_gguf(path)
         return _gguf_context(path), "its GGUF's context_length"
     if (path / "config.json").is_file():
-        config = json.loads((path / "config.json").read_text())
+        config = read_json(path / "config.json", "a transformers config.json")
         config = config.get("text_config", config)
         for key in CONFIG_KEYS:
             if isinstance(config.get(key), int):
                 return config[key], f"config.json's {key}"
     scheme = path / "diffquant_scheme.json"
     if scheme.is_file():  # a simulated scheme saved without weights: the model it names
-        source = json.loads(scheme.read_text()).get("source")
+        source = read_json(scheme, "a scheme diffquant quantize saved").get("source")
         if isinstance(source, str):
             return context_length(source, cache)
     return None, ""

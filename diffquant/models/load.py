@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from diffquant.errors import DiffquantError
+from diffquant.models.files import check_folder, check_gguf, read_json
 from diffquant.models.presets import PRESETS
 from diffquant.models.pretrained import from_pretrained
 from diffquant.models.zoo import ALIASES, ZOO, zoo_file
@@ -64,27 +65,29 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
         if path.suffix == ".gguf":
             if not path.is_file():
                 raise DiffquantError(f"model file {source} does not exist")
+            check_gguf(path)
             model, tokenizer = _from_pretrained(path.parent, kwargs, gguf_file=path.name)
         elif path.is_dir():
             scheme_file = path / "diffquant_scheme.json"
-            if not (path / "config.json").is_file() and scheme_file.is_file():
-                import json
-
+            if not (path / "config.json").is_file():
+                if not scheme_file.is_file():
+                    raise DiffquantError(f"{source} is a directory without config.json; point at a save_pretrained "
+                                         "folder")
                 # a simulated scheme saved without weights: load the model it names, then apply the scheme
-                ref = json.loads(scheme_file.read_text()).get("source")
+                ref = read_json(scheme_file, "a scheme diffquant quantize saved").get("source")
                 if not ref:
                     raise DiffquantError(f"{scheme_file} names no source model and {source} holds no weights")
                 model, tokenizer = load_model(ref["model"], dtype=dtype, device=None, hub=ref.get("hub", False),
                                               cache=cache)
                 model._diffquant_quant = _apply_scheme(model, path)
-            elif not (path / "config.json").is_file():
-                raise DiffquantError(f"{source} is a directory without config.json; point at a save_pretrained folder")
             elif (path / "diffquant_backend.json").is_file():
                 from diffquant.quant.backends import load_saved_real
 
+                check_folder(path)
                 model, tokenizer = load_saved_real(path, device or "cpu"), _tokenizer(path)
                 device = None  # placed by the backend's loader (a bitsandbytes model refuses .to())
             else:
+                check_folder(path)
                 model, tokenizer = _from_pretrained(path, kwargs)
                 if scheme_file.is_file():
                     model._diffquant_quant = _apply_scheme(model, path)
