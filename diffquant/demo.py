@@ -61,6 +61,22 @@ def plan_lines(cfg: DemoConfig, quick: bool) -> list[str]:
             "  [5/5] write the report"]
 
 
+def _models_digest(tcfg) -> str:
+    """8 hex digits of the pair's model configs: a cached pair is reused only while the preset builds the same
+    models (a changed default, such as rms_norm_eps, trains a new pair instead of reusing a stale one)."""
+    import hashlib
+    import json
+
+    from diffquant.models.presets import get_preset
+
+    spec = get_preset(tcfg.preset)
+    configs = {}
+    for arch in tcfg.archs:
+        c = spec.config(arch).to_dict()
+        configs[arch] = {k: v for k, v in c.items() if k not in ("transformers_version", "architectures")}
+    return hashlib.sha256(json.dumps(configs, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
 def _pair(cfg: DemoConfig, cache: str | None, device: str) -> tuple[Path, dict]:
     from diffquant.training import TrainConfig, train_pair
 
@@ -68,7 +84,7 @@ def _pair(cfg: DemoConfig, cache: str | None, device: str) -> tuple[Path, dict]:
                        eval_every=max(50, cfg.train_tokens // (16 * SEQ * 4)), save_every=100,
                        eval_tokens=cfg.eval_tokens, track=True, track_points=cfg.track_points)
     folder = cache_dir(cache) / "demo" / (f"{cfg.preset}-{cfg.corpus}-{cfg.train_tokens}-e{cfg.eval_tokens}"
-                                          f"-t{cfg.track_points}-s{cfg.seed}")
+                                          f"-t{cfg.track_points}-s{cfg.seed}-m{_models_digest(tcfg)}")
     with folder_lock(folder):  # a second demo at once (another shell, a test worker) waits, then resumes it done
         results = train_pair(tcfg, folder, device, resume=(folder / "train_config.json").exists(), cache=cache)
     return folder, results

@@ -818,16 +818,18 @@ def run_demo(quick: bool = False) -> None:
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "diffquant_cli", "demo", "--force", "--out", str(out), "--cache-dir",
                         cache, *(["--quick"] if quick else [])], check=True)
-        finish_demo(out, cache, (time.perf_counter() - t) / 60, load)
+        minutes = (time.perf_counter() - t) / 60
+    finish_demo(out, cache, minutes, load, os.getloadavg()[0])
 
 
-def finish_demo(out: Path, cache: str, minutes: float, load: float) -> None:
+def finish_demo(out: Path, cache: str, minutes: float, load: float, load_end: float | None = None) -> None:
     """The summary says where a user's default cache is, not the temporary one, and how long the run took."""
     summary = out / "summary.json"
     s = json.loads(summary.read_text().replace(cache, "~/.cache/diffquant"))
     s["timing_note"] = (f"{minutes:.1f} min from an empty cache, fetching KJV and SmolLM2 included, measured by "
                         f"`python -m docs.readme_results --run-{'quick' if out.name == 'demo-quick' else 'demo'}` on "
-                        f"{os.cpu_count()} cores with a load average of {load:.1f} from other work when it started")
+                        f"{os.cpu_count()} cores with a load average of {load:.1f} from other work when it started"
+                        + (f" and {load_end:.1f} when it ended" if load_end is not None else ""))
     from diffquant.demo import render_report
     from diffquant.paths import atomic_write_json, atomic_write_text
 
@@ -958,7 +960,7 @@ def _headnorm_finding() -> list[str]:
     doc = _load("docs/headnorm/results.json")
     if doc is None:
         return []
-    from experiments.headnorm import _units, load_plan, metric_label
+    from experiments.headnorm import load_plan, metric_label, units as _units
 
     plan = load_plan(ROOT / "docs/headnorm/plan.yaml")
     label = {m["key"]: metric_label(plan, m) for m in plan["metrics"]}

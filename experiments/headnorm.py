@@ -20,19 +20,17 @@ atomically to OUT/cells/<arm>/lr<rate>/s<seed>.json, committed as they come: a s
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-import yaml
 
 from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json, atomic_write_text
 from diffquant.runs import parse_worker
+from experiments.planned import fmt_g, fmt_p, read_plan, tests, transform, units
 
 PLAN = Path("docs/headnorm/plan.yaml")
 # The quick run: the same pipeline on the micro preset, a few steps, two seeds (nothing here is a result).
@@ -47,14 +45,7 @@ QUICK = {"train": {"preset": "micro", "corpus": "synth:bb:vocab=32", "seq_len": 
 
 def load_plan(path: Path = PLAN, quick: bool = False) -> dict:
     """The committed plan, with its sha256 and its primary metrics expanded per kind of site."""
-    text = path.read_text()
-    plan = yaml.safe_load(text)
-    plan["sha256"] = hashlib.sha256(text.encode()).hexdigest()
-    metrics = []
-    for m in plan["primary"]:
-        kinds = plan["kinds"] if "{kind}" in m["key"] else [None]
-        metrics += [{**m, "key": m["key"].format(kind=k) if k else m["key"], "kind": k} for k in kinds]
-    plan["metrics"] = metrics
+    plan = read_plan(path)
     if quick:
         plan = {**plan, **{k: v for k, v in QUICK.items() if k != "train"},
                 "setting": {**plan["setting"], "train": QUICK["train"], "name": "quick",
@@ -177,66 +168,6 @@ def cell_path(out: Path, arm: str, lr: float, seed: int) -> Path:
 # ---------------------------------------------------------------- analysis
 
 
-def _transform(values: list, how: str) -> list:
-    if how == "raw":
-        return values
-    return [math.log(v) if v is not None and v > 0 else None for v in values]
-
-
-def tests(plan: dict, per_arm: dict[str, list[dict]]) -> list[dict]:
-    """Welch and TOST per (contrast, primary metric) on the transformed values; Holm over the whole family for
-    each; the verdict and the minimum detectable effect in the metric's units."""
-    from statistics import stdev
-
-    from diffquant.stats.intervals import holm_adjust, minimum_detectable_effect, tost, welch
-
-    rows = []
-    for c in plan["contrasts"]:
-        for m in plan["metrics"]:
-            a = _transform([x.get(m["key"]) for x in per_arm[c["a"]]], m["transform"])
-            b = _transform([x.get(m["key"]) for x in per_arm[c["b"]]], m["transform"])
-            row = {"contrast": c["name"], "a": c["a"], "b": c["b"], "metric": m["key"], "transform": m["transform"],
-                   "margin": m["margin"], "n": min(len([v for v in a if v is not None]),
-                                                   len([v for v in b if v is not None]))}
-            if len({v for v in a + b if v is not None}) <= 1:
-                rows.append({**row, "diff": 0.0, "p": None, "p_tost": None, "constant": True})
-                continue
-            w, e = welch(a, b), tost(a, b, m["margin"])
-            sd = math.sqrt((stdev([v for v in a if v is not None]) ** 2 + stdev([v for v in b if v is not None]) ** 2) / 2)
-            rows.append({**row, "diff": w["diff"], "p": w["p"], "p_tost": e["p"], "ci90": e["ci90"], "sd": sd})
-    tested = [r for r in rows if not r.get("constant")]
-    for r, p, q in zip(tested, holm_adjust([r["p"] for r in tested]), holm_adjust([r["p_tost"] for r in tested])):
-        r["p_holm"], r["p_tost_holm"] = p, q
-    mde = minimum_detectable_effect(min(len(v) for v in per_arm.values()), max(1, len(tested)), plan["alpha"],
-                                    plan["power"])
-    for r in rows:
-        r["mde_sd"] = mde
-        r["verdict"] = verdict(r, mde, plan["alpha"])
-    return rows
-
-
-def _units(value: float, transform: str) -> str:
-    """A difference in the metric's own units: a factor for log metrics, the value otherwise."""
-    return f"×{math.exp(value):.3g}" if transform == "log" else f"{value:+.3g}"
-
-
-def verdict(r: dict, mde: float, alpha: float) -> str:
-    if r.get("constant"):
-        return "constant (no test)"
-    if r["p_holm"] < alpha:
-        found = f"{'higher' if r['diff'] > 0 else 'lower'} ({_units(r['diff'], r['transform'])})"
-        if r["p_tost_holm"] < alpha:  # detected, and still inside the plan's margin: a small difference
-            margin = f"×{math.exp(r['margin']):.3g}" if r["transform"] == "log" else f"±{r['margin']:g}"
-            found += f"; also within {margin} (TOST)"
-        return found
-    if r["p_tost_holm"] < alpha:
-        margin = f"×{math.exp(r['margin']):.3g}" if r["transform"] == "log" else f"±{r['margin']:g}"
-        return f"equivalent within {margin} (TOST)"
-    detectable = mde * r["sd"]
-    size = f"×{math.exp(detectable):.3g}" if r["transform"] == "log" else f"{detectable:.3g}"
-    return f"no difference detected (n = {r['n']}, minimum detectable effect {mde:.2f} SD = {size})"
-
-
 def decompose(plan: dict, rows: list[dict]) -> dict[str, str]:
     """The plan's decision rule, per primary metric: which of the head norm and the differential map carries
     DIFF's difference from the Transformer."""
@@ -271,9 +202,9 @@ def sensitivity(plan: dict, main: dict[str, list[dict]], sens: dict[str, dict]) 
             if c["a"] not in sens or c["b"] not in sens:
                 continue
             t = m["transform"]
-            at = _transform([sens[c["a"]].get(m["key"])], t)[0], _transform([sens[c["b"]].get(m["key"])], t)[0]
-            ma = _transform([x.get(m["key"]) for x in main[c["a"]]], t)
-            mb = _transform([x.get(m["key"]) for x in main[c["b"]]], t)
+            at = transform([sens[c["a"]].get(m["key"])], t)[0], transform([sens[c["b"]].get(m["key"])], t)[0]
+            ma = transform([x.get(m["key"]) for x in main[c["a"]]], t)
+            mb = transform([x.get(m["key"]) for x in main[c["b"]]], t)
             if None in at or None in ma or None in mb:
                 continue
             d_sens, d_main = at[0] - at[1], sum(ma) / len(ma) - sum(mb) / len(mb)
@@ -383,13 +314,13 @@ def render(plan: dict, doc: dict) -> str:
     lines.append(f"\n## The tests: Welch over seeds, Holm over all {doc['family_size']} (log metrics compared "
                  "as logs: differences are factors); TOST within the plan's margins where no difference is found\n")
     lines.append(markdown(["contrast", "metric", "difference", "p", "p (Holm)", "TOST p (Holm)", "verdict"],
-                          [[r["contrast"], label[r["metric"]], "-" if r.get("constant") else _units(r["diff"], r["transform"]),
-                            _p(r.get("p")), _p(r.get("p_holm")), _p(r.get("p_tost_holm")), r["verdict"]]
+                          [[r["contrast"], label[r["metric"]], "-" if r.get("constant") else units(r["diff"], r["transform"]),
+                            fmt_p(r.get("p")), fmt_p(r.get("p_holm")), fmt_p(r.get("p_tost_holm")), r["verdict"]]
                            for r in doc["tests"]]))
     if doc["sensitivity_cells"]:
         lines.append(f"\n## Rate sensitivity: seed 0 at lr {plan['sensitivity']['lr']:g} (descriptive, one seed)\n")
         lines.append(markdown(["metric", *[display(a) for a in arms if a in doc["sensitivity_cells"]]],
-                              [[k, *[_g(doc["sensitivity_cells"][a].get(k)) for a in arms
+                              [[k, *[fmt_g(doc["sensitivity_cells"][a].get(k)) for a in arms
                                      if a in doc["sensitivity_cells"]]] for k in label]))
         flips = [r for r in doc["sensitivity"] if not r["same_sign"]]
         lines.append(f"\n{len(flips)} of {len(doc['sensitivity'])} contrast × metric differences change sign at "
@@ -451,14 +382,6 @@ def metric_label(plan: dict, m: dict) -> str:
         return f"{key[:2].upper()} static at {where} alone: Δppl %"
     return {"w8a8_static_cost": "W8A8 static: Δppl %", "w4a4_static_cost": "W4A4 static: Δppl %",
             "loss": "held-out loss (nats)", "copy_loss": "loss at copy positions (nats)"}.get(key, key)
-
-
-def _p(p: float | None) -> str:
-    return "-" if p is None else f"{p:.3g}"
-
-
-def _g(v) -> str:
-    return "-" if v is None else f"{v:.4g}"
 
 
 # ---------------------------------------------------------------- driver

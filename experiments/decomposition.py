@@ -1,0 +1,475 @@
+"""Outliers measured as magnitudes, DIFF kept differential: the second pre-registered decomposition (issue 49).
+
+The first (experiments/headnorm.py, docs/headnorm) tested a top-1 / median ratio that follows the median, used
+transformers' DiffLlama (a head norm without the paper's gain) whose learned λ fell below λ_init, and paired models
+with different RMSNorm eps. This one, in the same setting (emergence's bb-mini-lr3e-3-wd0), has five arms with every
+eps at 1e-5: the Transformer; DIFF as the paper builds it (its head norm with a learnable gain: `diff-gain`); DIFF
+without the norm; DIFF with λ frozen at λ_init (kept differential); the Transformer with DIFF's norm as the paper
+builds it (2d-channel groups, gain). Its primary metrics are magnitudes at the inputs static W8A8 quantizes and what
+a static grid costs there; the plan, docs/decomposition/plan.yaml, was committed before the first cell and every
+cell records its sha256. Every cell keeps its checkpoint (OUT/checkpoints/<arm>/s<seed>: config.json and
+model.safetensors), so every metric recomputes without training (`--remeasure`).
+
+    python -m experiments.decomposition --plan-only               # the cells, the family and its power
+    nice -n 10 python -m experiments.decomposition --worker 0/2   # and 1/2: two processes share the cells
+    python -m experiments.decomposition                           # every cell (resuming), then the report
+    python -m experiments.decomposition --report-only             # the report from the committed cells
+    python -m experiments.decomposition --quick --out /tmp/dec    # the whole pipeline on a micro setting
+
+A cell's measurements go atomically to OUT/cells/<arm>/s<seed>.json as it finishes: a stop loses no finished cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from diffquant.errors import DiffquantError
+from diffquant.paths import atomic_write_json, atomic_write_text
+from diffquant.runs import parse_worker
+from experiments.planned import fmt_g, fmt_p, read_plan, tests, units
+
+PLAN = Path("docs/decomposition/plan.yaml")
+KINDS = ("attn_in", "attn_out", "mlp_in", "down_in")
+# The quick run: the same pipeline on the micro preset, a few steps, two seeds (nothing here is a result).
+QUICK = {"train": {"preset": "micro", "corpus": "synth:bb:vocab=32", "seq_len": 32, "batch_size": 8,
+                   "weight_decay": 0.0, "tokens": 8 * 32 * 6, "eval_every": 10**9, "save_every": 10**9},
+         "seeds": [0, 1], "held_out_sequences": 8, "calibration_sequences": 8}
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def load_plan(path: Path = PLAN, quick: bool = False) -> dict:
+    plan = read_plan(path)
+    if quick:
+        plan = {**plan, **{k: v for k, v in QUICK.items() if k != "train"},
+                "setting": {**plan["setting"], "train": QUICK["train"], "name": "quick",
+                            "scale": "quick pipeline check (micro preset, 6 steps; not a result)"}}
+    return plan
+
+
+def cells(plan: dict) -> list[tuple[str, int]]:
+    """Every (arm, seed), seed by seed over the arms (the order workers split)."""
+    return [(arm, seed) for seed in plan["seeds"] for arm in plan["arms"]]
+
+
+def family_size(plan: dict) -> int:
+    return len(plan["metrics"]) * len(plan["contrasts"])
+
+
+def describe(plan: dict) -> str:
+    from diffquant.stats.intervals import minimum_detectable_effect
+
+    n, m = len(plan["seeds"]), family_size(plan)
+    return (f"{len(cells(plan))} cells: {len(plan['arms'])} arms × {n} seeds at lr {plan['lr']:g}; "
+            f"{plan['setting']['train']['tokens']:,} training tokens per model; family: {len(plan['metrics'])} "
+            f"primary metrics × {len(plan['contrasts'])} contrasts = {m} tests; minimum detectable effect at "
+            f"n = {n}: {minimum_detectable_effect(n, m, plan['alpha'], plan['power']):.2f} SD")
+
+
+# ---------------------------------------------------------------- one cell
+
+
+def train_config(plan: dict, arm: str, seed: int):
+    from diffquant.training import TrainConfig
+
+    seq_len = plan["setting"]["train"]["seq_len"]
+    return TrainConfig(**{**plan["setting"]["train"], "lr": plan["lr"], "seed": seed, "archs": (arm,),
+                          "eval_tokens": plan["held_out_sequences"] * seq_len})
+
+
+def data(plan: dict, folder: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Held-out sequences (validation split), their copy positions, and the calibration draw (training split)."""
+    from dataclasses import replace
+
+    from diffquant.data.synthetic import copy_targets, parse
+    from diffquant.training import prepare_data
+
+    seq_len = plan["setting"]["train"]["seq_len"]
+    cfg = replace(train_config(plan, plan["arms"][0], 0), tokens=plan["calibration_sequences"] * seq_len)
+    d = prepare_data(cfg, folder)
+    seqs = d.val[:plan["held_out_sequences"]]
+    return seqs, copy_targets(seqs, parse(cfg.corpus)), d.train[:plan["calibration_sequences"]]
+
+
+def kind_schemes() -> list:
+    """Static per-tensor int8 / int4 activations at one kind of Linear input alone, weights in float."""
+    from diffquant.quant import granularity as G
+    from diffquant.quant.config import int_config
+    from diffquant.quant.scheme import QuantScheme
+
+    return [QuantScheme(f"a{bits}-static:{kind}", ((f"*.{kind}", int_config(bits, G.PerTensor(), dynamic=False)),),
+                        description=f"int{bits} static per-tensor activations at {kind} only, weights in float")
+            for bits in (8, 4) for kind in KINDS]
+
+
+def magnitudes(model, seqs: torch.Tensor) -> dict:
+    """Per kind of Linear input: each layer's top-1, top-10, top-100 and median |x| (SiteStats: exact top-k,
+    histogram median), and the largest layer's (by top-1) beside the smallest and largest layer median."""
+    from diffquant.profiler import profile_model
+
+    prof = profile_model(model, seqs, [f"*.{k}" for k in KINDS], progress=False, k=100)
+    out = {}
+    for name, stats in prof.sites.items():
+        s = stats.summary(full=False)
+        out.setdefault(prof.kind_of[name], {})[str(prof.layer_of[name])] = {
+            "top1": s["top"]["top1"], "top10": s["top"]["top10"], "top100": s["top"]["top100"],
+            "median": s["quantiles"]["median"]}
+    return out
+
+
+def set_eps(model, eps: float) -> float:
+    """Every RMSNorm of `model` (and the heads' norms) to `eps` at inference; returns the eps it had."""
+    old = None
+    for module in model.modules():
+        for attr in ("variance_epsilon", "eps"):
+            if isinstance(getattr(module, attr, None), float) and "Norm" in type(module).__name__:
+                old = getattr(module, attr) if old is None else old
+                setattr(module, attr, eps)
+    return old
+
+
+def measure_cell(plan: dict, model, seqs, copies, calib) -> dict:
+    """Every metric of the plan and the exploratory ones for one trained model."""
+    from diffquant.models.fused import layer_lambdas
+    from diffquant.quant.grid_error import static_grid_errors
+    from experiments.measure import measure
+
+    m = measure(model, seqs, ("w8a8-static", "w4a4-static", "logits-int4", *kind_schemes()), calib,
+                metric_sets=("bondarenko2023-linear",), positions=copies)
+    kinds = m.pop("metric_sets")["bondarenko2023-linear"]["kinds"]
+    m.pop("sinks", None)
+    for kind, v in kinds.items():
+        m[f"{kind}_inf_norm"], m[f"{kind}_kurtosis"] = v["max_inf_norm"], v["avg_kurtosis"]
+    m["copy_loss"], m["copy_tokens"] = m.pop("positions_loss"), m.pop("positions_tokens")
+    mags = magnitudes(model, seqs)
+    m["magnitudes"] = mags
+    for kind, layers in mags.items():
+        top = max(layers.values(), key=lambda v: v["top1"])
+        m[f"{kind}_top1"], m[f"{kind}_top10"], m[f"{kind}_top100"] = top["top1"], top["top10"], top["top100"]
+        medians = [v["median"] for v in layers.values()]
+        m[f"{kind}_median_min"], m[f"{kind}_median_max"] = min(medians), max(medians)
+    grid = static_grid_errors(model, seqs, calib)
+    m["grid"] = grid["kinds"]
+    for kind, by_bits in grid["kinds"].items():
+        for key, v in by_bits.items():
+            m[f"{key}_{kind}_zero_share"] = v["pooled"]["zero_share"]
+            m[f"{key}_{kind}_snr_db"] = v["pooled"]["snr_db"]
+            m[f"{key}_{kind}_output_error"] = v["pooled"]["output_error"]
+    m["lambda"] = layer_lambdas(model)
+    m["eps_swap"] = eps_swap(plan, model, seqs, calib)
+    return m
+
+
+def eps_swap(plan: dict, model, seqs, calib) -> dict:
+    """The same checkpoint with every RMSNorm's eps set to the other value at inference (1e-5 ↔ 1e-6, the two the
+    older pairs mixed), remeasured: loss, the ∞-norms and costs of the family. Bounds what the eps mismatch of the
+    older results can have moved (exploratory)."""
+    from experiments.measure import measure
+
+    old = set_eps(model, plan["eps_swap"])
+    try:
+        m = measure(model, seqs, ("w8a8-static", *[s for s in kind_schemes() if s.name == "a8-static:down_in"]),
+                    calib, metric_sets=("bondarenko2023-linear",))
+    finally:
+        set_eps(model, old)
+    kinds = m["metric_sets"]["bondarenko2023-linear"]["kinds"]
+    return {"eps": plan["eps_swap"], "loss": m["loss"], "w8a8_static_cost": m["w8a8_static_cost"],
+            "a8_static_down_in_cost": m["a8_static_down_in_cost"],
+            **{f"{k}_inf_norm": kinds[k]["max_inf_norm"] for k in ("attn_out", "down_in") if k in kinds}}
+
+
+def keep_checkpoint(src: Path, dest: Path) -> None:
+    """The trained model's config and weights (no optimiser state), copied whole before the cell is written."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(src / name, tmp / name)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def cell_path(out: Path, arm: str, seed: int) -> Path:
+    return out / "cells" / arm / f"s{seed}.json"
+
+
+def checkpoint_path(out: Path, arm: str, seed: int) -> Path:
+    return out / "checkpoints" / arm / f"s{seed}"
+
+
+def _read_cell(plan: dict, path: Path) -> dict:
+    cell = json.loads(path.read_text())
+    if cell["plan_sha256"] != plan["sha256"]:
+        raise DiffquantError(f"{path} was measured under another plan ({cell['plan_sha256'][:12]}); the plan is fixed "
+                             "before the runs: restore it, or label any new analysis exploratory")
+    return cell
+
+
+def load_checkpoint(folder: Path, device: str):
+    from diffquant.models.fused import fuse
+    from diffquant.models.pretrained import from_pretrained
+
+    model = from_pretrained(folder).to(device).eval()
+    fuse(model)
+    return model
+
+
+def run_cell(plan: dict, arm: str, seed: int, runs: Path, out: Path, device: str, seqs, copies, calib) -> dict:
+    """Train (resuming), keep the checkpoint and measure one cell, or read it when it is done under this plan."""
+    from diffquant.training import train_pair
+
+    done = cell_path(out, arm, seed)
+    if done.is_file():
+        return _read_cell(plan, done)
+    folder = runs / arm / f"s{seed}"
+    t0 = time.perf_counter()
+    train_pair(train_config(plan, arm, seed), folder, device=device,
+               resume=(folder / "train_config.json").exists(), progress=False, figures=False)
+    train_s = time.perf_counter() - t0
+    info = json.loads((folder / "metrics.json").read_text())["models"][arm]
+    ckpt = checkpoint_path(out, arm, seed)
+    keep_checkpoint(folder / arm, ckpt)
+    model = load_checkpoint(ckpt, device)
+    m = measure_cell(plan, model, seqs.to(device), copies, calib.to(device))
+    curve = [{"step": p["step"], "lambda": p["lambda"]} for p in info["curve"] if "lambda" in p]
+    cell = {**m, "arm": arm, "lr": plan["lr"], "seed": seed, "plan_sha256": plan["sha256"],
+            "train_tokens": info["steps"] * plan["setting"]["train"]["batch_size"] * plan["setting"]["train"]["seq_len"],
+            "parameters": info["parameters"], "rms_norm_eps": model.config.rms_norm_eps, "train_seconds": train_s,
+            "tokens_per_s": info.get("tokens_per_s"), "lambda_curve": curve[::max(1, len(curve) // 50)]}
+    atomic_write_json(done, cell)
+    return cell
+
+
+def remeasure(plan: dict, out: Path, device: str, seqs, copies, calib) -> None:
+    """Every kept checkpoint measured again into OUT/remeasured/<arm>/s<seed>.json (no training): the cells'
+    numbers reproduce, or a new metric is computed on them (labelled exploratory)."""
+    for arm, seed in cells(plan):
+        ckpt = checkpoint_path(out, arm, seed)
+        if not ckpt.is_dir():
+            continue
+        m = measure_cell(plan, load_checkpoint(ckpt, device), seqs.to(device), copies, calib.to(device))
+        atomic_write_json(out / "remeasured" / arm / f"s{seed}.json", {**m, "arm": arm, "seed": seed})
+
+
+# ---------------------------------------------------------------- analysis
+
+EXPLORATORY = [f"{k}_{what}" for k in KINDS for what in ("top1", "top10", "top100", "median_min", "median_max")] + [
+    f"a{b}_{k}_{what}" for b in (8, 4) for k in KINDS for what in ("zero_share", "snr_db", "output_error")] + [
+    f"a{b}_static_{k}_cost" for b in (8, 4) for k in KINDS] + [
+    "w4a4_static_cost", "logits_int4_cost", "attn_in_inf_norm", "mlp_in_inf_norm", "hidden_ratio", "massive_ratio",
+    "hidden_kurtosis", "logit_ratio", "sink_rate", "first_share_mean", "loss", "copy_loss"]
+
+
+def decompose(plan: dict, rows: list[dict]) -> dict[str, str]:
+    """The plan's decision rule, per primary metric (contrasts by their role in the plan)."""
+    alpha = plan["alpha"]
+    by = {(r["contrast"], r["metric"]): r for r in rows}
+    role = {c["role"]: c["name"] for c in plan["contrasts"]}
+
+    def sign(role_name: str, metric: str) -> int:
+        r = by[(role[role_name], metric)]
+        return 0 if r.get("constant") or r["p_holm"] >= alpha else (1 if r["diff"] > 0 else -1)
+
+    out = {}
+    for m in plan["metrics"]:
+        s = sign("total", m["key"])
+        if not s:
+            out[m["key"]] = "no DIFF − Transformer difference detected"
+            continue
+        n, d = sign("norm", m["key"]) == s, sign("map", m["key"]) == s
+        out[m["key"]] = ("both (each alone moves the Transformer the way DIFF does)" if n and d else
+                         "the head norm" if n else "the differential map" if d else
+                         "neither alone (no component difference detected)")
+    return out
+
+
+def analyse(plan: dict, out: Path) -> dict:
+    from diffquant.stats.intervals import t_interval
+
+    per_arm = {a: [_read_cell(plan, cell_path(out, a, s)) for s in plan["seeds"]] for a in plan["arms"]}
+    rows = tests(plan, per_arm)
+    keys = [m["key"] for m in plan["metrics"]] + EXPLORATORY
+    doc = {"plan_sha256": plan["sha256"], "setting": plan["setting"],
+           "family_size": len([r for r in rows if not r.get("constant")]),
+           "aggregate": {a: {k: t_interval([c.get(k) for c in cs]) for k in keys} for a, cs in per_arm.items()},
+           "tests": rows, "decomposition": decompose(plan, rows),
+           "scale": {a: {"parameters": cs[0]["parameters"], "train_tokens": cs[0]["train_tokens"],
+                         "rms_norm_eps": cs[0]["rms_norm_eps"]} for a, cs in per_arm.items()},
+           "held_out": {"sequences": per_arm[plan["arms"][0]][0]["sequences"],
+                        "tokens": per_arm[plan["arms"][0]][0]["tokens"],
+                        "copy_tokens": per_arm[plan["arms"][0]][0]["copy_tokens"]},
+           "lambda": {a: [min(v for c in cs for v in c["lambda"]), max(v for c in cs for v in c["lambda"])]
+                      for a, cs in per_arm.items() if cs[0].get("lambda")},
+           "floored": {m["key"]: sum(1 for cs in per_arm.values() for c in cs
+                                     if c.get(m["key"]) is not None and c[m["key"]] <= m["floor"])
+                       for m in plan["metrics"] if m["transform"] == "logcost"},
+           "eps_swap": eps_summary(plan, per_arm)}
+    doc["summary"] = summary(plan, doc)
+    atomic_write_json(out / "results.json", doc)
+    atomic_write_text(out / "results.md", render(plan, doc))
+    return doc
+
+
+def eps_summary(plan: dict, per_arm: dict) -> dict:
+    """Per arm and swapped metric: the mean over seeds of the ratio swapped / as trained (costs: the difference)."""
+    out = {}
+    for arm, cs in per_arm.items():
+        row = {}
+        for key in ("loss", "w8a8_static_cost", "a8_static_down_in_cost", "attn_out_inf_norm", "down_in_inf_norm"):
+            pairs = [(c["eps_swap"].get(key), c.get(key)) for c in cs if c.get("eps_swap")]
+            pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+            if not pairs:
+                continue
+            if key.endswith("_cost") or key == "loss":
+                row[key] = sum(a - b for a, b in pairs) / len(pairs)
+            else:
+                row[key] = sum(a / b for a, b in pairs) / len(pairs)
+        out[arm] = row
+    return out
+
+
+LABELS = {"attn_in": "q/k/v input", "attn_out": "o_proj input", "mlp_in": "gate/up input", "down_in": "down_proj input"}
+
+
+def metric_label(key: str) -> str:
+    for kind, where in LABELS.items():
+        if key == f"{kind}_inf_norm":
+            return f"{where}: ∞-norm (largest layer's mean per sequence)"
+        if key == f"a8_static_{kind}_cost":
+            return f"A8 static at the {where} alone: Δppl %"
+        if key == f"a4_static_{kind}_cost":
+            return f"A4 static at the {where} alone: Δppl %"
+    return {"w8a8_static_cost": "W8A8 static: Δppl %", "w4a4_static_cost": "W4A4 static: Δppl %",
+            "loss": "held-out loss (nats)", "copy_loss": "loss at copy positions (nats)"}.get(key, key)
+
+
+def summary(plan: dict, doc: dict) -> str:
+    """One sentence per finding, read off the Holm-adjusted tests only, with the scale."""
+    display = plan["labels"].get
+    by = {(r["contrast"], r["metric"]): r for r in doc["tests"]}
+    found = []
+    for c in plan["contrasts"]:
+        hits = [f"{metric_label(m['key']).split(':')[0]} {units(by[(c['name'], m['key'])]['diff'], m['transform'])}"
+                for m in plan["metrics"] if not by[(c["name"], m["key"])].get("constant")
+                and by[(c["name"], m["key"])]["p_holm"] < plan["alpha"]]
+        if hits:
+            found.append(f"{c['name']}: {'; '.join(hits)}")
+    n = len(plan["seeds"])
+    lam = "; ".join(f"{display(a)} λ {lo:.2f}…{hi:.2f}" for a, (lo, hi) in doc["lambda"].items())
+    return (f"{plan['setting']['scale']}; {n} seeds per arm; Welch over seeds, Holm over the planned family of "
+            f"{doc['family_size']} tests. Differences detected: " + ("; ".join(found) if found else "none")
+            + f". Learned λ (every layer and seed): {lam}.")
+
+
+def render(plan: dict, doc: dict) -> str:
+    from diffquant.report.tables import markdown
+    from diffquant.stats.intervals import fmt_pm
+
+    arms, display = plan["arms"], plan["labels"].get
+    ho = doc["held_out"]
+    agg = doc["aggregate"]
+    cell = lambda a, k: fmt_pm(agg[a][k]["mean"], agg[a][k]["half"], 4) if agg[a].get(k) else "-"  # noqa: E731
+    lines = [f"# Outliers as magnitudes, DIFF kept differential ({plan['setting']['name']})\n",
+             f"Plan: `docs/decomposition/plan.yaml` (sha256 {doc['plan_sha256'][:12]}…), committed before the first "
+             f"cell. Scale: {plan['setting']['scale']}. Held-out: {ho['sequences']} sequences, {ho['tokens']:,} "
+             f"predicted tokens ({ho['copy_tokens']:,} copies); calibration: {plan['calibration_sequences']} "
+             "training-split sequences. Every arm has rms_norm_eps "
+             + ", ".join(sorted({f"{v['rms_norm_eps']:g}" for v in doc["scale"].values()})) + "; parameters: "
+             + ", ".join(f"{display(a)} {doc['scale'][a]['parameters']:,}" for a in arms) + ".\n",
+             doc["summary"] + "\n",
+             f"## Primary metrics, mean ± 95% t over {len(plan['seeds'])} seeds\n"]
+    keys = [m["key"] for m in plan["metrics"]]
+    lines.append(markdown(["metric", *[display(a) for a in arms], "which part carries DIFF − Transformer"],
+                          [[metric_label(k), *[cell(a, k) for a in arms], doc["decomposition"][k]] for k in keys]))
+    if any(doc["floored"].values()):
+        lines.append("\nCosts at or below the plan's floor (counted as the floor): "
+                     + ", ".join(f"{metric_label(k)} {v}" for k, v in doc["floored"].items() if v) + ".\n")
+    lines.append(f"\n## The tests: Welch over seeds, Holm over all {doc['family_size']} (log metrics compared as logs: "
+                 "differences are factors); TOST within the plan's margins where no difference is found\n")
+    lines.append(markdown(["contrast", "metric", "difference", "p", "p (Holm)", "TOST p (Holm)", "verdict"],
+                          [[r["contrast"], metric_label(r["metric"]),
+                            "-" if r.get("constant") else units(r["diff"], r["transform"]), fmt_p(r.get("p")),
+                            fmt_p(r.get("p_holm")), fmt_p(r.get("p_tost_holm")), r["verdict"]] for r in doc["tests"]]))
+    lines.append("\n## Exploratory (measured, not in the family): magnitudes, the static grid, other costs\n")
+    lines.append(markdown(["metric", *[display(a) for a in arms]],
+                          [[metric_label(k), *[cell(a, k) for a in arms]] for k in EXPLORATORY]))
+    lines.append(f"\n## The eps swap (exploratory): each checkpoint with every RMSNorm's eps set to {plan['eps_swap']:g} "
+                 "at inference; loss and cost: swapped − trained; ∞-norms: swapped / trained (mean over seeds)\n")
+    swap_keys = sorted({k for v in doc["eps_swap"].values() for k in v})
+    lines.append(markdown(["arm", *swap_keys], [[display(a), *[fmt_g(doc["eps_swap"][a].get(k)) for k in swap_keys]]
+                                                for a in arms]))
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run(plan: dict, out: Path, runs: Path, device: str, worker: tuple[int, int] | None = None) -> dict | None:
+    from diffquant.runs import start_run
+
+    out.mkdir(parents=True, exist_ok=True)
+    start_run(out, {"plan_sha256": plan["sha256"], "setting": plan["setting"], "worker": worker}, device)
+    seqs, copies, calib = data(plan, runs / "data")
+    missing = []
+    for i, (arm, seed) in enumerate(cells(plan)):
+        if worker is not None and i % worker[1] != worker[0] and not cell_path(out, arm, seed).is_file():
+            missing.append((arm, seed))
+            continue
+        print(f"cell {i + 1}/{len(cells(plan))}: {arm} seed {seed}", flush=True)
+        run_cell(plan, arm, seed, runs, out, device, seqs, copies, calib)
+    if missing:
+        print(f"worker {worker[0]}/{worker[1]}: its cells are done; {len(missing)} are the others'", flush=True)
+        return None
+    doc = analyse(plan, out)
+    print(doc["summary"])
+    return doc
+
+
+def main(argv=None) -> dict | None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the pipeline on a micro setting, two seeds (seconds)")
+    p.add_argument("--plan", default=str(PLAN), help="the committed plan (default docs/decomposition/plan.yaml)")
+    p.add_argument("--plan-only", action="store_true", help="print the cells and the family, run nothing")
+    p.add_argument("--out", default=None, help="results and checkpoints (default docs/decomposition)")
+    p.add_argument("--runs", default=None, help="training folders (default runs/decomposition; --quick: OUT/runs)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when there is one)")
+    p.add_argument("--worker", default=None, metavar="K/N", help="train only every N-th cell, starting at K")
+    p.add_argument("--report-only", action="store_true", help="the report from the cells in OUT, training nothing")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure every kept checkpoint again into OUT/remeasured (no training)")
+    a = p.parse_args(argv)
+    plan = load_plan(Path(a.plan), a.quick)
+    print(describe(plan), flush=True)
+    if a.plan_only:
+        return None
+    worker = parse_worker(a.worker)
+    out = Path(a.out or "docs/decomposition")
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    runs = Path(a.runs) if a.runs else (out / "runs" if a.quick else Path("runs/decomposition"))
+    if a.report_only or a.remeasure:
+        missing = [f"{arm} s{seed}" for arm, seed in cells(plan) if not cell_path(out, arm, seed).is_file()]
+        if a.report_only and missing:
+            raise DiffquantError(f"{len(missing)} cells are not in {out}/cells yet ({', '.join(missing)}): nothing "
+                                 "is reported before every one is")
+        if a.remeasure:
+            remeasure(plan, out, device, *data(plan, runs / "data"))
+            return None
+        doc = analyse(plan, out)
+        print(doc["summary"])
+        return doc
+    return run(plan, out, runs, device, worker)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DiffquantError as err:  # one line, not a traceback
+        raise SystemExit(f"decomposition: {err}") from None
