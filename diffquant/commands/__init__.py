@@ -267,7 +267,10 @@ def _sweep(sub) -> None:
     p.add_argument("--granularity", default="tensor", help=f"comma-separated: {choices('granularities')}")
     recipe_args(p, several=True)
     p.set_defaults(scheme="")
-    p.add_argument("--eval", default="ppl", help="comma-separated: ppl, needle, mc:TASK (BIG-bench name or .jsonl)")
+    p.add_argument("--eval", default="ppl",
+                   help="comma-separated: ppl, needle, mc:TASK. TASK: wordnet:nouns (built offline from Debian's "
+                        "WordNet), a BIG-bench name (fetched once, 358 MB), or your .jsonl file, one example a line: "
+                        '{"input": "Q: ...", "target_scores": {"right answer": 1, "wrong answer": 0}}')
     p.add_argument("--wa-grid", default=None, help="bit-widths for a weight × activation grid, e.g. 8,6,4")
     p.add_argument("--per-layer", type=int, default=None, help="BITS: quantize one layer at a time (sensitivity)")
     p.add_argument("--kurtosis-tokens", type=int, default=0,

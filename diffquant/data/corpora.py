@@ -85,7 +85,7 @@ def sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _download(packages: tuple[str, ...], where: Path) -> Path:
+def download_debian(packages: tuple[str, ...], where: Path) -> Path:
     """apt-get download + dpkg -x into `where/root`; clear errors when apt or its lists are missing."""
     if not shutil.which("apt-get") or not shutil.which("dpkg"):
         raise DiffquantError("fetching Debian corpora needs apt-get and dpkg; pass a local text file or folder instead")
@@ -113,7 +113,7 @@ def fetch(name: str, cache: str | None = None) -> Path:
         return cached
     corpus = CORPORA[name]
     with tempfile.TemporaryDirectory(prefix=f"diffquant-{name}-") as tmp:
-        text = corpus.extract(_download(corpus.packages, Path(tmp)))
+        text = corpus.extract(download_debian(corpus.packages, Path(tmp)))
     return _store(cache, name, text)
 
 
