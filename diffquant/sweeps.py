@@ -317,15 +317,16 @@ def cell_text(r: dict, metric: str) -> str:
     return text
 
 
-def summary_table(rows: list[dict]) -> str:
-    """Markdown: one line per (model, site, granularity), one column per bit-width, first metric with its 95%
-    interval over sequences and, for quantized cells, the paired change from the model's float evaluation."""
+def summary_table(rows: list[dict], metric: str | None = None) -> str:
+    """Markdown: one line per (model, site, granularity), one column per bit-width, `metric` (default: the first of
+    perplexity, needle, a task's accuracy) with its 95% interval and, for quantized cells, the paired change from the
+    model's float evaluation."""
     from diffquant.report.tables import markdown
 
-    act = [r for r in rows if r["kind"] == "act"]
+    act = [r for r in rows if r["kind"] == "act" and (metric is None or metric in r)]
     if not act:
         return ""
-    metric = next((k for k in ("ppl", "needle_choice") if k in act[0]), None) or \
+    metric = metric or next((k for k in ("ppl", "needle_choice") if k in act[0]), None) or \
         next(k for k in act[0] if k.endswith("_acc"))
     bits = sorted({r["bits"] for r in act}, reverse=True)
     groups: dict[tuple, dict] = {}
@@ -341,7 +342,8 @@ def summary_table(rows: list[dict]) -> str:
         return cell_text(r, metric) if r is not None else "-"
 
     body = [[m, s, g, *([fix] if fixes else []), *[cell(m, v, b) for b in bits]] for (m, s, g, fix), v in groups.items()]
-    n = next((r.get("tokens") or r.get(metric.replace("_acc", "_examples")) for r in act), None)
+    n = next((r.get(metric.replace("_acc", "_examples")) if metric.endswith("_acc") else r.get("tokens")
+              for r in act), None)
     if metric != "ppl" and act[0].get(f"{metric}_ci95"):
         how = "95% Wilson interval; in parentheses the paired change from 16-bit with the exact McNemar test"
     else:
@@ -350,6 +352,48 @@ def summary_table(rows: list[dict]) -> str:
         how = f"{what}; in parentheses the change from 16-bit with its 95% paired t-interval"
     return (f"{metric} by bit-width ({n:,} held-out {'tokens' if metric == 'ppl' else 'examples'} per cell; {how}):\n\n"
             + markdown(["model", "site", "granularity", *(["fix"] if fixes else []), *[f"{b}-bit" for b in bits]], body))
+
+
+def sweep_metrics(rows: list[dict]) -> list[str]:
+    """The metrics a sweep measured, in the order reports show them: perplexity, needle retrieval, each multiple-choice
+    task's accuracy (`acc`: its plain log-likelihood choice, the accuracy figure's metric)."""
+    keys = {k for r in rows for k in r}
+    return ([m for m in ("ppl", "needle_choice") if m in keys]
+            + sorted(k for k in keys if k.endswith("_acc") and k != "next_token_acc"))
+
+
+def _quantizes_weights(row: dict) -> bool:
+    """Whether a result row's cell quantized weights: a whole-model scheme with weight quantizers, a W×A grid cell."""
+    if row["kind"] == "scheme":
+        from diffquant.quant.scheme import get_scheme
+
+        return bool(get_scheme(row["site"]).weights)
+    return row.get("wbits", NATIVE) != NATIVE
+
+
+def sweep_report(rows: list[dict], caveats: dict[str, str] | None = None) -> str:
+    """What `diffquant sweep` prints: a bit-width table per metric, the whole-model schemes' rows (every metric a
+    column) and, where a model's weights were quantized before it was loaded, its caveat beside the schemes that
+    quantize weights."""
+    from diffquant.report.tables import markdown
+
+    metrics = sweep_metrics(rows)
+    parts = [t for t in (summary_table(rows, m) for m in metrics) if t]
+    other = [r for r in rows if r["kind"] != "act"]
+    if other:
+        cols = ["model", "scheme", "fix", "weights", *metrics]
+        body = [[r["model"], r["site"] if r["kind"] == "scheme" else r["scheme"], r.get("mitigate", "none"),
+                 r.get("weights", "rtn"), *[cell_text(r, m) for m in metrics]] for r in other]
+        parts.append("Whole-model schemes (in parentheses the paired change from the model's float evaluation):\n\n"
+                     + markdown(cols, body))
+    weighted = {r["model"] for r in other if _quantizes_weights(r)}
+    notes = [f"caveat: {text}" for model, text in (caveats or {}).items() if model in weighted]
+    return "\n\n".join(parts + notes)
+
+
+def source_caveats(models: dict[str, tuple]) -> dict[str, str]:
+    """{label: caveat} of the models whose weights were quantized before they were loaded (models/load.py)."""
+    return {label: m._diffquant_caveat for label, (m, _) in models.items() if getattr(m, "_diffquant_caveat", None)}
 
 
 def run_sweep(models: dict[str, tuple], data: str, out: Path, *, sites: list[str], bits: list[int],
@@ -371,6 +415,9 @@ def run_sweep(models: dict[str, tuple], data: str, out: Path, *, sites: list[str
             if getattr(m, "_diffquant_source_quantization", None)}
     if held:  # compressed-tensors checkpoints: what they held (weights dequantized: the "16-bit" cells run them)
         atomic_write_json(out / "source_quantization.json", held)
+    caveats = source_caveats(models)
+    if caveats:  # weights quantized before they were loaded: beside every weight-quantization row of the report
+        atomic_write_json(out / "source_caveats.json", caveats)
     # the needle haystack, and the text the per-layer kurtosis profile reads
     val = corpus_text(data, "validation", cache) if "needle" in evals or kurtosis_tokens else ""
     mc = {e[3:]: load_task(e[3:], mc_limit, cache=cache) for e in evals if e.startswith("mc:")}

@@ -316,6 +316,9 @@ def test_cli_export_loads_without_diffquant_and_profiles_as_model(ckpt, tmp_path
     result = json.loads((out / "quantize.json").read_text())
     assert result["export"]["safetensors_bytes"] < result["fp_bytes"]
     assert not (out / "diffquant_scheme.json").exists()
+    card = (out / "README.md").read_text()  # the folder says what it is, how it was made, what it measured
+    assert f"`{ckpt / 'm'}`" in card and "w4a16" in card and f"{result['simulated']['ppl']:.4g}" in card
+    assert "Caveat" not in card  # a float model: nothing to warn about
     from diffquant.data.corpora import split
     from diffquant.data.tokens import encode, sequences
     from diffquant.models.load import load_model
@@ -358,7 +361,7 @@ def test_cli_refuses_a_recipe_the_format_cannot_hold_before_any_work(ckpt, tmp_p
 LLMCOMPRESSOR = Path(__file__).parent / "data" / "llmcompressor-micro-llama-gptq-w4g32"
 
 
-def test_a_checkpoint_llmcompressor_wrote_loads_profiles_and_sweeps(tmp_path):
+def test_a_checkpoint_llmcompressor_wrote_loads_profiles_and_sweeps(tmp_path, capsys):
     """A checkpoint llm-compressor 0.14 itself wrote (tests/data, `python -m benchmarks.llmcompressor_check
     --fixture`: its GPTQ w4 g32 of a micro Llama, saved compressed): `--model DIR` loads it dequantized, every
     weight equal to llm-compressor's own `fake_quantize` of it, each evaluation window's loss equal to the loss
@@ -389,12 +392,22 @@ def test_a_checkpoint_llmcompressor_wrote_loads_profiles_and_sweeps(tmp_path):
     # named in every table as a GGUF model is: what the checkpoint held, and what it runs in
     assert "llmcompressor-micro-llama-gptq-w4g32 (compressed-tensors int4 group 32 → fp32)" in \
         (tmp_path / "p" / "table5.md").read_text()
-    assert main(["sweep", *common, "--bits", "16,4", "--no-plots", "--out", str(tmp_path / "s")]) == 0
+    # its weights were int4 before diffquant saw them: the caveat stands in the profile's report (issue 51)
+    caveat = "compressed-tensors checkpoint (compressed-tensors int4 group 32 → fp32), dequantized on load"
+    assert caveat in (tmp_path / "p" / "table5.md").read_text()
+    capsys.readouterr()
+    assert main(["sweep", *common, "--bits", "16,4", "--scheme", "w4a16", "--no-plots", "--out",
+                 str(tmp_path / "s")]) == 0
     held = json.loads((tmp_path / "s" / "source_quantization.json").read_text())  # dq.sweep writes it too
     assert [h["groups"][0]["weights"] for h in held.values()] == ["int4, symmetric, group 32, static"]
+    assert caveat in json.dumps(json.loads((tmp_path / "s" / "source_caveats.json").read_text()), ensure_ascii=False)
+    printed = capsys.readouterr().out
+    assert "Whole-model schemes" in printed and "| w4a16 |" in printed and f"caveat: {LLMCOMPRESSOR}: " in printed
     assert main(["quantize", *common, "--scheme", "w8a16", "--calib-batches", "1", "--out", str(tmp_path / "q")]) == 0
-    held = json.loads((tmp_path / "q" / "quantize.json").read_text())["source_quantization"]
+    result = json.loads((tmp_path / "q" / "quantize.json").read_text())
+    held = result["source_quantization"]
     assert held["compression"] == "pack-quantized" and held["ignore"] == ["lm_head"]
+    assert caveat in result["source_caveat"] and "caveat      " + result["source_caveat"] in capsys.readouterr().out
 
 @pytest.mark.slow
 def test_llmcompressor_check_compares_shipped_checkpoints(tmp_path, load_script):

@@ -134,3 +134,16 @@ def test_every_load_skips_hub_kernels(tmp_path, micro_pair):
     # export_parity and llmcompressor_check load as a user of plain transformers would, in another environment
     assert sorted(callers) == ["benchmarks/export_parity.py", "benchmarks/llmcompressor_check.py",
                                "diffquant/models/pretrained.py"]
+
+
+def test_a_zoo_model_carries_its_weight_caveat_into_reports(micro_pair):
+    """SmolLM2-135M-Instruct's weights were Q4_1 before dequantization: load_model tags the model with the caveat
+    every report states (describe(), quantize.json, a sweep's caveat lines, a profile's table5.md); a float model
+    gets none."""
+    from diffquant.models.describe import describe
+    from diffquant.models.load import source_caveat
+
+    text = source_caveat("smollm2-135m", micro_pair[0])
+    assert "SmolLM2-135M-Instruct (Q4_1 → fp32)" in text and "4-bit grid (Q4_1, groups of 32)" in text
+    assert source_caveat("micro:baseline", micro_pair[0]) is None
+    assert "caveat" not in describe(micro_pair[0])

@@ -7,7 +7,7 @@ from pathlib import Path
 from diffquant.commands.common import load_models, site_points
 from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json
-from diffquant.sweeps import parse_bits, run_sweep, summary_table
+from diffquant.sweeps import parse_bits, run_sweep, source_caveats, sweep_report
 
 
 def run_cli(args) -> None:
@@ -34,5 +34,5 @@ def run_cli(args) -> None:
         from diffquant.report.sweep_plots import plot_sweep
 
         plot_sweep(rows, out)
-    print(summary_table(rows))
+    print(sweep_report(rows, source_caveats(models)))
     print(f"results in {out / 'results.csv'}")

@@ -17,4 +17,5 @@ def describe(model) -> dict:
         "device": str(p.device),
         **({"quantization": model._diffquant_source_quantization}  # a compressed-tensors checkpoint's (dequantized)
            if getattr(model, "_diffquant_source_quantization", None) else {}),
+        **({"caveat": model._diffquant_caveat} if getattr(model, "_diffquant_caveat", None) else {}),
     }

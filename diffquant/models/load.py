@@ -98,12 +98,52 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
                 f"unknown model {source!r}: not a directory, a .gguf file, a zoo name ({', '.join(ZOO)}) or a preset "
                 f"PRESET:DESIGN ({'|'.join(PRESETS)}:{'|'.join(DESIGNS)}). For a hub id pass --hub (needs network)"
             )
+    caveat = source_caveat(source, model)
+    if caveat:
+        model._diffquant_caveat = caveat
     if device is not None and device_map is None:
         model = model.to(device)
     from diffquant.models.fused import fuse
 
     fuse(model)  # DIFF: one softmax per layer (same weights, same numbers)
     return model.eval(), tokenizer
+
+
+def source_caveat(source: str, model) -> str | None:
+    """What a report must say beside weight quantization of this model, when its weights were already quantized
+    before diffquant saw them: a zoo model's own caveat, a GGUF file of a quantized type, a compressed-tensors
+    checkpoint (all dequantized on load), so "W4" on it re-quantizes weights that sit on a grid already."""
+    from diffquant.models.zoo import zoo_entry
+
+    entry = zoo_entry(source)
+    if entry is not None and entry.weight_caveat:
+        return f"{entry.display}: {entry.weight_caveat}, dequantized on load; weight quantization re-quantizes them"
+    if source.endswith(".gguf"):
+        kind = gguf_file_type(Path(source))
+        if kind and not kind.endswith(("F32", "F16", "BF16")):
+            return (f"{Path(source).name}: weights were {kind} in the GGUF file, dequantized on load; weight "
+                    "quantization re-quantizes them")
+    held = getattr(model, "_diffquant_source_quantization", None)
+    if held:
+        from diffquant.quant.compressed import label
+
+        return (f"{source}: a compressed-tensors checkpoint {label(held, next(model.parameters()).dtype)}, dequantized "
+                "on load; weight quantization re-quantizes its weights")
+    return None
+
+
+def gguf_file_type(path: Path) -> str | None:
+    """The GGUF's general.file_type as gguf names it (MOSTLY_Q4_1, ALL_F32, ...), or None when it has none."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(path).get_field("general.file_type")
+    if field is None:
+        return None
+    value = int(field.parts[field.data[0]][0])
+    try:
+        return LlamaFileType(value).name
+    except ValueError:
+        return f"file type {value}"
 
 
 def _apply_scheme(model, folder: Path):

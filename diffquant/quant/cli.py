@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 from diffquant.errors import DiffquantError
-from diffquant.paths import atomic_write_json
+from diffquant.paths import atomic_write_json, atomic_write_text
 
 def list_text() -> str:
     """`quantize --list`: the recipe's registries (diffquant/catalog.py), and which backends work here."""
@@ -94,6 +94,8 @@ def run_cli(args) -> None:
               "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
     if getattr(model, "_diffquant_source_quantization", None):  # a compressed-tensors checkpoint, dequantized
         result["source_quantization"] = model._diffquant_source_quantization
+    if getattr(model, "_diffquant_caveat", None):  # weights quantized before diffquant saw them (models/load.py)
+        result["source_caveat"] = model._diffquant_caveat
     if real:  # refused here, before any evaluation, where the kernels cannot run this model
         for note in backends.check(args.backend, model, device):
             print(note, flush=True)
@@ -126,6 +128,8 @@ def run_cli(args) -> None:
         backends.save_real(qmodel, args.backend, out)
         tokenizer.save_pretrained(out)
     atomic_write_json(out / "quantize.json", result)
+    if export:
+        atomic_write_text(out / "README.md", model_card(result))
     print(summary_text(result))
     print(f"wrote {out}: {_sizes(out)}")
     if export:
@@ -137,6 +141,18 @@ def run_cli(args) -> None:
     print(f"use it as --model {out} in any diffquant command (profile, sweep, quantize, lm-eval), or "
           f"diffquant.models.load.load_model({str(out)!r}) in Python"
           + ("" if real or args.save_weights else f"; it applies the scheme to {args.model}, which must stay where it is"))
+
+
+def model_card(r: dict) -> str:
+    """README.md of an exported folder: what it is, how it was made and measured, and the source's caveat."""
+    lines = [f"# {r['model']}, {r['scheme']['name']} (compressed-tensors)", "",
+             f"Written by `diffquant quantize` from `{r['model']}`: recipe `{r['recipe']}`, calibrated on "
+             f"{r['calibration']['tokens']:,} tokens of {r['data']}'s training split.", "", "```", summary_text(r), "```",
+             "", "Load it with `transformers.AutoModelForCausalLM.from_pretrained(this folder)` (compressed-tensors "
+             "installed), or serve it with vLLM; quantize.json holds every number above."]
+    if r.get("source_caveat"):
+        lines += ["", f"**Caveat.** {r['source_caveat']}."]
+    return "\n".join(lines) + "\n"
 
 
 def _evaluate(model, evalset, what: str, batch_size: int) -> dict:
@@ -164,6 +180,8 @@ def summary_text(r: dict) -> str:
              "sequences (perplexity: the exponential of the loss interval)",
              f"  fp          {loss_ppl(r['fp'])}  size {r['fp_bytes']:,} B",
              f"  simulated   {loss_ppl(r['simulated'])}{change}"]
+    if r.get("source_caveat") and r["scheme"]["weights"]:
+        lines.append(f"  caveat      {r['source_caveat']}")
     if "export" in r:
         e = r["export"]
         lines.append(f"  exported    {e['format']} ({e['quantization_config']['format']}), {e['safetensors_bytes']:,} B of "

@@ -232,12 +232,20 @@ def sink_sections(models: list[dict]) -> str:
     return md + metric_set_sections(models)
 
 
+def caveat_lines(models: list[dict]) -> str:
+    """Where a model's weights were quantized before it was loaded (models/load.source_caveat), said under the tables:
+    its activations are those of the dequantized weights."""
+    lines = [f"- {m['model']['caveat']}" for m in models if m["model"].get("caveat")]
+    return ("\nSource caveats (activation statistics here are those of the dequantized model):\n\n"
+            + "\n".join(lines) + "\n") if lines else ""
+
+
 def write_report(profiles, out: Path, plots: bool = True) -> list[Path]:
     out = Path(out)
     rows = table5_rows(profiles)
     tokens = ", ".join(f"{p.label}: {p.provenance.get('tokens')} tokens" for p in profiles)
     models = [profile_json(p) for p in profiles]
-    md = table5_markdown(rows, tokens) + sink_sections(models)
+    md = table5_markdown(rows, tokens) + sink_sections(models) + caveat_lines(models)
     written = [out / "stats.json", out / "table5.md", out / "table5.csv"]
     atomic_write_json(out / "stats.json", {"models": models})
     atomic_write_text(out / "table5.md", md)
