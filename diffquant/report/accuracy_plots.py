@@ -41,7 +41,7 @@ def plot_accuracy(rows: list[dict], out: Path) -> list[Path]:
     fig.suptitle("Zero-shot multiple-choice accuracy (summed log-likelihood, lm-eval's acc) with only the named "
                  "site quantized (dynamic absmax); 16 = the model's own precision (cf. the paper's Fig. 8). "
                  "Bands and bars: 95% Wilson intervals; * : paired change from float with exact McNemar p < 0.05.",
-                 fontsize=8.5, wrap=True)
+                 fontsize=8.5)
     return _save(fig, out, "accuracy_vs_bits")
 
 
@@ -77,7 +77,7 @@ def _accuracy_panel(ax, rows: list[dict], task: str, model: str) -> None:
         ax.axhline(100 * chance, color="gray", ls=":", lw=1.2, label=f"chance ({100 * chance:.1f}%)")
     n = next((r.get(f"{task}_examples") for r in act), None)
     ax.set(xlabel="bits of the quantized site  |  whole-model schemes", ylabel="accuracy (%)",
-           title=f"{model}: {task} ({n} examples)")
+           title=f"{model}:\n{task} ({n} examples)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7.5)
 
@@ -96,7 +96,7 @@ def _kurtosis_panel(ax, series: dict, model: str, tokens: int) -> None:
             ax.plot([r["layer"] for r in rows], [r["kurtosis"] for r in rows], marker="o", ms=3, ls=ls,
                     label={"attn_logits": "attention logits", "hidden": "hidden states"}[kind])
     ax.axhline(3.0, color="gray", lw=0.8, ls=":", label="Gaussian (3)")
-    ax.set(title=f"{model}: kurtosis per layer (float, {tokens:,} tokens)", xlabel="layer",
+    ax.set(title=f"{model}:\nkurtosis per layer (float, {tokens:,} tokens)", xlabel="layer",
            ylabel="Pearson kurtosis (log)", yscale="log")
     integer_ticks(ax)
     ax.grid(alpha=0.3)

@@ -17,7 +17,66 @@ def _plt():
     return plt
 
 
+def fit_texts(fig) -> None:
+    """Wrap every axes title and axis label to its axes' size and the figure's title to the figure's width, so a
+    long model or task label takes more lines instead of running into its neighbour (constrained layout then makes
+    room)."""
+    import textwrap
+
+    renderer = fig.canvas.get_renderer()
+    boxes = []
+    for ax in fig.axes:
+        box = ax.get_window_extent(renderer)
+        boxes += [(ax.title, box.width, "width"), (ax.xaxis.label, box.width, "width"),
+                  (ax.yaxis.label, box.height, "height")]
+    if fig._suptitle is not None:
+        boxes.append((fig._suptitle, fig.bbox.width * 0.98, "width"))
+    fig.canvas.draw()
+    for ax in fig.axes:  # a log axis labels some minor ticks too (4×10⁻³, 6×10⁻³): where they crowd, major ones only
+        for axis in (ax.xaxis, ax.yaxis):
+            labels = [t.label1.get_window_extent(renderer) for t in axis._update_ticks()
+                      if t.label1.get_visible() and t.label1.get_text()]
+            if any(_overlap(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]):
+                from matplotlib.ticker import NullFormatter
+
+                axis.set_minor_formatter(NullFormatter())
+    for text, room, side in boxes:
+        words = " ".join(text.get_text().split())
+        width = len(words)
+        while width > 10 and getattr(text.get_window_extent(renderer), side) > room:
+            width = int(width * 0.9)
+            text.set_text(textwrap.fill(words, width))
+
+
+def drawn_texts(fig) -> list:
+    """The texts a drawn figure shows: its titles, every axes' title, axis labels, the tick labels inside the view,
+    legend entries and annotations."""
+    fig.canvas.draw()
+    texts = [t for t in (fig._suptitle, *fig.texts) if t is not None]
+    for ax in fig.axes:
+        texts += [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        for axis in (ax.xaxis, ax.yaxis):
+            texts += [t.label1 for t in axis._update_ticks() if t.label1.get_visible()]
+        if ax.get_legend() is not None:
+            texts += ax.get_legend().get_texts()
+    return list({id(t): t for t in texts if t.get_visible() and t.get_text().strip()}.values())
+
+
+def overlapping_texts(fig) -> list[tuple[str, str]]:
+    """Pairs of texts a figure shows whose boxes intersect by more than a pixel each way (a test's check that no
+    label prints over another)."""
+    renderer = fig.canvas.get_renderer()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in drawn_texts(fig)]
+    return [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1:] if _overlap(ba, bb)]
+
+
+def _overlap(a, b) -> bool:
+    """Two boxes intersect by more than a pixel each way."""
+    return min(a.x1, b.x1) - max(a.x0, b.x0) > 1 and min(a.y1, b.y1) - max(a.y0, b.y0) > 1
+
+
 def _save(fig, out: Path, stem: str) -> list[Path]:
+    fit_texts(fig)
     paths = []
     for ext in ("png", "svg"):
         path = out / f"{stem}.{ext}"

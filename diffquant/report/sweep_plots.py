@@ -15,8 +15,8 @@ METRIC_LABEL = {"ppl": "perplexity", "loss": "loss (nats)", "next_token_acc": "n
 
 def _metrics(rows: list[dict]) -> list[str]:
     keys = [k for k in ("ppl", "next_token_acc", "needle_choice") if any(k in r for r in rows)]
-    keys += sorted({k for r in rows for k in r if k.endswith("_acc_norm")})
-    return keys
+    keys += sorted({k for r in rows for k in r if k.endswith("_acc") and k != "next_token_acc"})  # the accuracy
+    return keys  # figure's metric (lm-eval's acc: the summed log-likelihood's choice)
 
 
 def plot_bits(rows: list[dict], out: Path) -> list[Path]:
@@ -46,30 +46,34 @@ def plot_bits(rows: list[dict], out: Path) -> list[Path]:
                                 label=label if fix == "none" else f"{label} + {fix}", color=color(label),
                                 ls=("-", "--", ":", "-.")[n % 4])
             ax.set_xticks(range(len(bits)), [f"{b}" + (" (fp)" if b == 16 else "") for b in bits])
-            ax.set(xlabel="bits", ylabel=METRIC_LABEL.get(metric, metric), title=f"{site}, per {gran}")
+            n = next((r.get(metric.replace("_acc", "_examples")) if metric.endswith("_acc") else r.get("tokens")
+                      for r in act if metric in r), None)
+            unit = "examples" if metric.endswith("_acc") else "tokens"
+            ax.set(xlabel="bits", ylabel=METRIC_LABEL.get(metric, f"{metric.removesuffix('_acc')}: accuracy"),
+                   title=f"{site}, per {gran}" + (f" ({n:,} {unit})" if n else ""))
             values = [r.get(metric) for r in act if r.get(metric)]
             if metric == "ppl" and values and max(values) / min(values) > 3:
                 ax.set_yscale("log")
-            _min_span(ax, MIN_SPAN.get(metric) or (0.05 if metric.endswith("_acc_norm") else None))
+            _min_span(ax, MIN_SPAN.get(metric) or (0.05 if metric.endswith("_acc") else None))
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    n = next((r.get("tokens") for r in act if r.get("tokens")), None)
-    fig.suptitle("Only this site quantized; 16 = the model's own precision (cf. paper Fig. 8)."
-                 + (f" Bars: 95% interval over sequences ({n:,} tokens)." if n else ""), fontsize=9, wrap=True)
+    fig.suptitle("Only this site quantized; 16 = the model's own precision (cf. paper Fig. 8). Bars: 95% intervals "
+                 "(perplexity: over sequences; accuracy: Wilson), each panel's sample in its title.", fontsize=9)
     return _save(fig, out, "metric_vs_bits")
 
 
 def _errors(rows: list[dict], metric: str):
-    """[[below], [above]] of each point's 95% t-interval over sequences (perplexity: exp(loss ± t SE))."""
+    """[[below], [above]] of each point's 95% interval: its own where the row holds one (perplexity: exp(loss ± t SE);
+    a multiple-choice accuracy: Wilson), else the t-interval of its standard error."""
     from diffquant.stats.intervals import half95
     from diffquant.sweeps import sample_size
 
     lo, hi = [], []
     for r in rows:
         v = r[metric]
-        if metric == "ppl" and r.get("ppl_ci95"):
-            lo.append(v - r["ppl_ci95"][0])
-            hi.append(r["ppl_ci95"][1] - v)
+        if r.get(f"{metric}_ci95"):  # perplexity's exp of the loss interval, an accuracy's Wilson interval
+            lo.append(max(0.0, v - r[f"{metric}_ci95"][0]))  # a Wilson bound at 0 or 1 can round past the value
+            hi.append(max(0.0, r[f"{metric}_ci95"][1] - v))
         else:
             half = half95(r.get(f"{metric}_se"), sample_size(r, metric)) or 0.0
             lo.append(half)
