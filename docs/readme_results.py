@@ -901,7 +901,24 @@ def quick_part() -> str:
             # the note names the command of its day; `python docs/readme_results.py` runs as a module now
             + f"\n\nOne seed, {s['eval']['tokens']:,} held-out tokens; "
             f"{s.get('timing_note', '').replace('python docs/readme_results.py', 'python -m docs.readme_results')}. "
-            "At this size neither model has outliers in the paper's sense, and the demo's report says so.")
+            "At this size neither model has outliers in the paper's sense, and the demo's report says so"
+            + unigram_note(s) + ".")
+
+
+def unigram_note(s: dict) -> str:
+    """Whether the quick pair learned more than token frequencies: their held-out loss against the entropy of the
+    training split's unigram distribution (the loss of a model that knows only how often each token occurs)."""
+    h = s.get("unigram_entropy")
+    if h is None:
+        return ""
+    worse = [m for m, v in s["train"].items() if v["loss"] > h]
+    losses = " and ".join(f"{v['loss']:.2f}" for v in s["train"].values())
+    if worse:
+        return (f"; at {s['config']['train_tokens']:,} training tokens both are worse than a model that knows only "
+                f"how often each token occurs (held-out loss {losses} nats against a unigram entropy of {h:.2f})"
+                if len(worse) == len(s["train"]) else
+                f"; {', '.join(worse)} is worse than a unigram model (loss {losses} against {h:.2f} nats)")
+    return f" (held-out loss {losses} nats, below the unigram entropy {h:.2f})"
 
 
 def profile_part() -> str:

@@ -195,3 +195,11 @@ def test_zoo_models_are_labelled_by_their_exact_name():
 
     assert parse_model_args(["smollm2-135m", "runs/pair/diff", "A=runs/x"]) == [
         ("SmolLM2-135M-Instruct (Q4_1 → fp32)", "smollm2-135m"), ("diff", "runs/pair/diff"), ("A", "runs/x")]
+
+
+def test_help_prints_only_help():
+    """`diffquant --help` and a command's --help: the usage text on stdout, nothing on stderr (no optional backend's
+    import-time lines, no deprecation notes)."""
+    for args in (["--help"], ["quantize", "--help"]):
+        run = subprocess.run([sys.executable, "-m", "diffquant_cli", *args], capture_output=True, text=True)
+        assert run.returncode == 0 and run.stdout.startswith("usage: diffquant") and run.stderr == "", run.stderr

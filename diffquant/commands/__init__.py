@@ -131,7 +131,8 @@ def model_args(p, *, several: bool = False, required: bool = True, batch_size: i
     if batch_size is not None:
         g.add_argument("--batch-size", type=int, default=batch_size,
                        help=f"sequences per forward pass (default {batch_size})")
-    g.add_argument("--cache-dir", default=None, help="where corpora and zoo models are cached (default ~/.cache)")
+    g.add_argument("--cache-dir", default=None, help="where corpora, tasks and zoo models are cached (default $DIFFQUANT_CACHE, else "
+                        "$XDG_CACHE_HOME/diffquant, else ~/.cache/diffquant)")
 
 
 def data_args(p, *, tokens: int, seq_len: int | None, what: str) -> None:
@@ -250,7 +251,8 @@ def _train(sub) -> None:
     p.add_argument("--needle-fraction", type=float, default=0.0, help="fraction of training text made of needles")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when this machine has it; "
                                                   "under torchrun each rank its LOCAL_RANK)")
-    p.add_argument("--cache-dir", default=None, help="where corpora are cached (default ~/.cache)")
+    p.add_argument("--cache-dir", default=None, help="where corpora are cached (default $DIFFQUANT_CACHE, else $XDG_CACHE_HOME/diffquant, "
+                        "else ~/.cache/diffquant)")
     out_args(p, resume=True)
     p.set_defaults(func=_lazy("diffquant.commands.train", "run_cli"))
 
