@@ -5,6 +5,7 @@
     python -m docs.readme_results --run-demo      # first run `diffquant demo` on a fresh, empty cache (timed),
                                                   # into docs/demo, then rewrite
     python -m docs.readme_results --run-quick     # the same for `diffquant demo --quick` (docs/demo-quick)
+    python -m docs.readme_results --run-notebook  # execute notebooks/walkthrough.ipynb and commit its outputs
 
 Sources: docs/demo/summary.json (the demo), docs/emergence/{search,results}.json, docs/regime/results.json, docs/rivals/*/results.json,
 docs/mitigations/results.json, docs/rivals/fair-guo/fixes/results.md, docs/weights/results.md, docs/fig8_real/results.md,
@@ -837,6 +838,46 @@ def finish_demo(out: Path, cache: str, minutes: float, load: float, load_end: fl
     atomic_write_text(out / "report.md", render_report(s))
 
 
+NOTEBOOK = ROOT / "notebooks/walkthrough.ipynb"
+NOTEBOOK_OUT = "runs/notebook"  # the notebook's own default output folder: what its committed outputs name
+
+
+def run_notebook() -> None:
+    """Execute notebooks/walkthrough.ipynb with DIFFQUANT_QUICK=1 (the suite's budgets: the suite compares a fresh
+    run's printed numbers with these) on one thread, on the pair tests/test_real.py trains (experiments.pairs'
+    tiny KJV pair, 20,000 tokens, seed 0), and commit it with its outputs: tables and figures inline."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from experiments.pairs import trained_pairs
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    with tempfile.TemporaryDirectory() as tmp:
+        pair = trained_pairs("tiny", "kjv", 20_000, [0], Path(tmp) / "pairs")[0]
+        (Path(tmp) / "pair").symlink_to(pair)
+        env = {"DIFFQUANT_QUICK": "1", "DIFFQUANT_NOTEBOOK_OUT": tmp, "OMP_NUM_THREADS": "1"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            NotebookClient(nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": tmp}}).execute()
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        for cell in nb.cells:  # the temporary folder is named as the notebook's default output folder
+            for out in cell.get("outputs", []):
+                if "text" in out:
+                    out["text"] = out["text"].replace(tmp, NOTEBOOK_OUT)
+    nb.metadata.pop("widgets", None)
+    nbformat.write(nb, NOTEBOOK)
+    print(f"executed {NOTEBOOK} with DIFFQUANT_QUICK=1 and wrote it with its outputs")
+
+
+def notebook_numbers(nb) -> list[float]:
+    """Every number the notebook's code cells printed, in order (what the suite compares run against run)."""
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    return [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", text.replace(",", ""))]
+
+
 FIGURE = ROOT / "docs/fig8_real/sweep"  # the README's figure: accuracy_vs_bits.png of this sweep
 
 
@@ -862,7 +903,11 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true")
     p.add_argument("--run-demo", action="store_true")
     p.add_argument("--run-quick", action="store_true", help="first run `diffquant demo --quick` into docs/demo-quick")
+    p.add_argument("--run-notebook", action="store_true",
+                   help="execute notebooks/walkthrough.ipynb (quick budgets) and commit it with its outputs")
     a = p.parse_args(argv)
+    if a.run_notebook:
+        run_notebook()
     if a.run_demo:
         run_demo()
     if a.run_quick:

@@ -40,7 +40,8 @@ KINDS = ("attn_in", "attn_out", "mlp_in", "down_in")
 # The quick run: the same pipeline on the micro preset, a few steps, two seeds (nothing here is a result).
 QUICK = {"train": {"preset": "micro", "corpus": "synth:bb:vocab=32", "seq_len": 32, "batch_size": 8,
                    "weight_decay": 0.0, "tokens": 8 * 32 * 6, "eval_every": 10**9, "save_every": 10**9},
-         "seeds": [0, 1], "held_out_sequences": 8, "calibration_sequences": 8}
+         "seeds": [0, 1], "held_out_sequences": 8, "calibration_sequences": 8,
+         "schemes": ["w8a8-static", "a8-static:down_in"]}  # the family's costs only: the suite runs it
 
 
 # ---------------------------------------------------------------- the plan
@@ -142,8 +143,9 @@ def measure_cell(plan: dict, model, seqs, copies, calib) -> dict:
     from diffquant.quant.grid_error import static_grid_errors
     from experiments.measure import measure
 
-    m = measure(model, seqs, ("w8a8-static", "w4a4-static", "logits-int4", *kind_schemes()), calib,
-                metric_sets=("bondarenko2023-linear",), positions=copies)
+    schemes = [s for s in ("w8a8-static", "w4a4-static", "logits-int4", *kind_schemes())
+               if "schemes" not in plan or (s if isinstance(s, str) else s.name) in plan["schemes"]]
+    m = measure(model, seqs, schemes, calib, metric_sets=("bondarenko2023-linear",), positions=copies)
     kinds = m.pop("metric_sets")["bondarenko2023-linear"]["kinds"]
     m.pop("sinks", None)
     for kind, v in kinds.items():
@@ -248,10 +250,11 @@ def run_cell(plan: dict, arm: str, seed: int, runs: Path, out: Path, device: str
     return cell
 
 
-def remeasure(plan: dict, out: Path, device: str, seqs, copies, calib) -> None:
-    """Every kept checkpoint measured again into OUT/remeasured/<arm>/s<seed>.json (no training): the cells'
-    numbers reproduce, or a new metric is computed on them (labelled exploratory)."""
-    for arm, seed in cells(plan):
+def remeasure(plan: dict, out: Path, device: str, seqs, copies, calib, only=None) -> None:
+    """Every kept checkpoint (or the (arm, seed) cells `only` names) measured again into
+    OUT/remeasured/<arm>/s<seed>.json, training nothing: the cells' numbers reproduce, or a new metric is computed on
+    them (labelled exploratory)."""
+    for arm, seed in only or cells(plan):
         ckpt = checkpoint_path(out, arm, seed)
         if not ckpt.is_dir():
             continue

@@ -67,7 +67,9 @@ def test_quick_run_end_to_end_with_tests_recomputed_and_checkpoints_remeasured(t
     assert cells[("diff-gain", 0)]["lambda"] != pytest.approx(frozen, abs=1e-4)
     # every checkpoint is kept, and measuring it again gives the cell's numbers
     assert all((out / "checkpoints" / arm / f"s{seed}" / "model.safetensors").is_file() for arm, seed in cells)
-    main(["--quick", "--out", str(out), "--remeasure"])
+    from experiments.decomposition import data, remeasure
+
+    remeasure(plan, out, "cpu", *data(plan, out / "runs" / "data"), only=[("diff-gain", 1)])
     again = json.loads((out / "remeasured/diff-gain/s1.json").read_text())
     for key in ("loss", "down_in_inf_norm", "attn_out_inf_norm", "w8a8_static_cost", "a4_down_in_output_error"):
         assert again[key] == cells[("diff-gain", 1)][key], key
