@@ -33,7 +33,9 @@ def __dir__():
     return sorted([*globals(), *__all__])
 
 
-if not getattr(sys, "_diffquant_command_line", False):
+# `python -m diffquant` imports this package before its __main__ starts the command line; runpy sets argv[0] to
+# "-m" while it does, so the command line's lazy start (diffquant_cli) holds there too
+if not getattr(sys, "_diffquant_command_line", False) and sys.argv[:1] != ["-m"]:
     from diffquant.designs import register_auto_classes
 
     register_auto_classes()

@@ -200,6 +200,7 @@ def test_zoo_models_are_labelled_by_their_exact_name():
 def test_help_prints_only_help():
     """`diffquant --help` and a command's --help: the usage text on stdout, nothing on stderr (no optional backend's
     import-time lines, no deprecation notes)."""
-    for args in (["--help"], ["quantize", "--help"]):
-        run = subprocess.run([sys.executable, "-m", "diffquant_cli", *args], capture_output=True, text=True)
+    for module, args in (("diffquant_cli", ["--help"]), ("diffquant_cli", ["quantize", "--help"]),
+                         ("diffquant", ["--help"])):  # python -m diffquant is the same command line
+        run = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True)
         assert run.returncode == 0 and run.stdout.startswith("usage: diffquant") and run.stderr == "", run.stderr
