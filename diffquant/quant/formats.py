@@ -33,10 +33,15 @@ class Format:
     symmetric: bool = True
     minmax: bool = False  # asymmetric int: the exact [min, max] range and a float offset (KIVI's and quanto's
     # KV-cache quantizers), rather than a range widened to contain 0 with an integer zero point
+    full: bool = False  # symmetric int on the full signed range, −2^(b−1)..2^(b−1)−1, scale absmax / ((2^b − 1)/2):
+    # compressed-tensors' grid (what transformers' loader computes: int8 −128..127 at absmax/127.5), where the
+    # default grid is ±(2^(b−1) − 1) at absmax/qmax (vLLM's int8 kernels, absmax/127)
 
     def __post_init__(self) -> None:
         if self.minmax and (self.name != "int" or self.symmetric):
             raise ValueError("min-max (float offset) quantization is an asymmetric integer format")
+        if self.full and (self.name != "int" or not self.symmetric):
+            raise ValueError("the full-range grid is a symmetric integer format")
         if self.name not in FORMATS:
             raise ValueError(f"unknown format {self.name!r}; choose one of: {', '.join(FORMATS)}")
         if self.name == "int":
@@ -62,11 +67,22 @@ class Format:
 
     @property
     def qmin(self) -> float:
-        """Smallest integer code: -qmax for symmetric formats, 0 for asymmetric ones."""
+        """Smallest integer code: -qmax for symmetric formats (−2^(b−1) on the full range), 0 for asymmetric ones."""
+        if self.full:
+            return -float(2 ** (self.bits - 1))
         return -self.qmax if self.symmetric else 0.0
 
+    @property
+    def half_span(self) -> float:
+        """What a symmetric scale divides max |x| by: qmax, or (2^b − 1)/2 on the full range (absmax lands half a
+        step past the largest code: +absmax rounds to qmax, −absmax to qmin)."""
+        return (2**self.bits - 1) / 2 if self.full else self.qmax
+
     def label(self) -> str:
-        return f"int{self.bits}{'' if self.symmetric else '-minmax' if self.minmax else '-asym'}" if self.is_int else self.name
+        if not self.is_int:
+            return self.name
+        return f"int{self.bits}" + ("-full" if self.full else "" if self.symmetric else "-minmax" if self.minmax
+                                    else "-asym")
 
 
 FORMATS = {"int": None, "fp8_e4m3": 8, "fp8_e5m2": 8, "fp4_e2m1": 4, "nf4": 4}
@@ -92,18 +108,20 @@ def grid(name: str) -> "torch.Tensor":
 
 
 def parse_format(text: str) -> Format:
-    """`int8`, `int4-asym`, `uint4`, `int4-minmax` (float offset, exact range), `fp8_e4m3`, `fp8` (= e4m3), `fp4`, `nf4`."""
+    """`int8`, `int8-full` (the full signed range, compressed-tensors' grid), `int4-asym`, `uint4`, `int4-minmax`
+    (float offset, exact range), `fp8_e4m3`, `fp8` (= e4m3), `fp4`, `nf4`."""
     t = text.strip().lower()
     aliases = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2", "fp4": "fp4_e2m1"}
     t = aliases.get(t, t)
     if t in FORMATS and t != "int":
         return Format(t)
-    minmax = t.endswith("-minmax")
+    minmax, full = t.endswith("-minmax"), t.endswith("-full")
     symmetric = not (t.endswith("-asym") or minmax or t.startswith("uint"))
-    digits = t.removesuffix("-asym").removesuffix("-minmax").removeprefix("uint").removeprefix("int")
+    digits = t.removesuffix("-asym").removesuffix("-minmax").removesuffix("-full").removeprefix("uint").removeprefix("int")
     if not digits.isdigit():
-        raise DiffquantError(f"unknown format {text!r}: use int2..int16, int4-asym, int4-minmax, fp8_e4m3, fp8_e5m2, fp4_e2m1 or nf4")
+        raise DiffquantError(f"unknown format {text!r}: use int2..int16, int8-full, int4-asym, int4-minmax, fp8_e4m3, "
+                             "fp8_e5m2, fp4_e2m1 or nf4")
     try:
-        return Format("int", int(digits), symmetric, minmax)
+        return Format("int", int(digits), symmetric, minmax, full)
     except ValueError as e:
         raise DiffquantError(str(e)) from None

@@ -12,7 +12,7 @@ read back here), on held-out tokens:
 - `output_error`: the relative error of the readers' outputs from the input's rounding alone (float weights),
   Σ‖(x − Q(x))·Wᵀ‖² / Σ‖x·Wᵀ‖² summed over the site's readers, as e·G·eᵀ / x·G·xᵀ with G = Σ WᵀW
   (quant/layout.reader_gram);
-- `scale`: the grid's step; `absmax`: the calibration's max |x| (scale × qmax).
+- `scale`: the grid's step; `absmax`: the calibration's max |x| (scale × the format's half span).
 
 Per kind of site: the same figures pooled over layers (sums of sums) and the worst layer's. Sums are float64.
 """
@@ -102,7 +102,7 @@ def static_grid_errors(model, held_out: torch.Tensor, calibration: torch.Tensor,
         key = f"a{b}"
         for name, tap in taps.items():
             out["sites"][name][key] = {**tap.figures(), "scale": float(scales[name].reshape(-1)[0]),
-                                       "absmax": float(scales[name].reshape(-1)[0]) * config.format.qmax}
+                                       "absmax": float(scales[name].reshape(-1)[0]) * config.format.half_span}
         for kind in kinds:
             mine = [taps[s.name] for s in sites if s.kind == kind]
             if not mine:

@@ -97,12 +97,13 @@ def _aminmax(x: torch.Tensor, reduce: tuple[int, ...]) -> tuple[torch.Tensor, to
 
 
 def qparams(lo: torch.Tensor, hi: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero_point) covering [lo, hi]: absmax / qmax for symmetric formats, min/max otherwise."""
+    """(scale, zero_point) covering [lo, hi]: absmax / qmax for symmetric formats (absmax / ((2^b − 1)/2) on the full
+    range: `Format.half_span`), min/max otherwise."""
     if fmt.minmax:  # "zero" is the float offset lo: x ≈ q·scale + lo
         scale = (hi - lo) / fmt.qmax
         return torch.where(scale > 0, scale, torch.ones_like(scale)), lo.clone()
     if fmt.symmetric:
-        scale = torch.maximum(lo.abs(), hi.abs()) / fmt.qmax
+        scale = torch.maximum(lo.abs(), hi.abs()) / fmt.half_span
         zero = torch.zeros_like(scale)
     else:
         scale = (hi - lo) / fmt.qmax
