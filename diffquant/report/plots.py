@@ -81,7 +81,10 @@ def _save(fig, out: Path, stem: str) -> list[Path]:
     for ext in ("png", "svg"):
         path = out / f"{stem}.{ext}"
         tmp = out / f".{stem}.tmp.{ext}"
-        fig.savefig(tmp, dpi=130, bbox_inches="tight")
+        # no date in the SVG and its element ids salted by the stem: redrawing the same numbers writes the same file
+        plt = _plt()
+        with plt.rc_context({"svg.hashsalt": stem}):
+            fig.savefig(tmp, dpi=130, bbox_inches="tight", metadata={"Date": None} if ext == "svg" else None)
         tmp.replace(path)
         paths.append(path)
     _plt().close(fig)
