@@ -83,3 +83,33 @@ def test_quick_run_end_to_end_with_tests_recomputed_and_checkpoints_remeasured(t
     path.unlink()
     with pytest.raises(DiffquantError, match=r"1 cells are not in .*\(diff-gain s0\)"):
         main(["--quick", "--out", str(out), "--report-only"])
+
+
+def test_gpu_jobs_come_most_wanted_first_and_fit_the_budget():
+    from experiments.decomposition import GPU_LONG, GPU_SEEDS, fit_jobs, gpu_jobs, load_plan
+
+    plan = load_plan(ROOT / "docs/decomposition/plan.yaml")
+    jobs = gpu_jobs(plan)
+    assert jobs[:2] == [("baseline", 0, 8_000_000), ("diff-gain", 0, 8_000_000)]
+    assert len(jobs) == len(plan["arms"]) * GPU_SEEDS + 2 * GPU_LONG[1] and jobs[-1][2] == GPU_LONG[0]
+    # 12 workers at 1.2M tokens/s together: each 8M-token job takes 80 s of a worker plus 10 s of overhead
+    assert fit_jobs(jobs, 300.0, 1.2e6, 12) == jobs[:300 * 12 // 90]  # 40 of the 60 main runs
+    # 600 s: all 60 main runs (5,400 worker-seconds of 7,200), then 40M-token runs at 410 s each: 4 more
+    assert fit_jobs(jobs, 600.0, 1.2e6, 12) == jobs[:64]
+    assert fit_jobs(jobs, 0.0, 1.2e6, 12) == []
+
+
+@pytest.mark.slow
+def test_gpu_mode_on_cpu_trains_what_fits_and_keeps_every_checkpoint(tmp_path):
+    from diffquant.models.load import load_model
+    from experiments.decomposition import gpu_jobs, load_plan, main
+
+    doc = main(["--quick", "--gpu", "--device", "cpu", "--minutes", "6", "--workers", "2", "--out", str(tmp_path)])
+    plan = load_plan(ROOT / "docs/decomposition/plan.yaml", quick=True)
+    assert doc["tokens_per_s_one"] > 0 and doc["tokens_per_s_together"] > 0
+    assert doc["planned"] == [list(j) for j in gpu_jobs(plan)[:len(doc["planned"])]] and doc["planned"]
+    assert sorted(map(tuple, ((d["arm"], d["seed"], d["tokens"]) for d in doc["done"]))) == \
+        sorted(map(tuple, doc["planned"]))
+    for d in doc["done"]:
+        model, _ = load_model(d["checkpoint"])
+        assert type(model).__name__.lower().startswith(("llama", "diff", "headnorm"))

@@ -147,3 +147,15 @@ def test_a_zoo_model_carries_its_weight_caveat_into_reports(micro_pair):
     assert "SmolLM2-135M-Instruct (Q4_1 → fp32)" in text and "4-bit grid (Q4_1, groups of 32)" in text
     assert source_caveat("micro:baseline", micro_pair[0]) is None
     assert "caveat" not in describe(micro_pair[0])
+
+
+def test_a_saved_design_checkpoint_loads_as_a_model(tmp_path):
+    """A design registered with the Auto classes (diff-gain here) loads through load_model, as --model DIR (it was
+    refused as "not a causal language model": the check read transformers' own names only)."""
+    from diffquant.data.tokens import byte_tokenizer
+    from diffquant.models.presets import build
+
+    build(PRESETS["micro"], "diff-gain").save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    model, tok = load_model(str(tmp_path))
+    assert type(model).__name__ == "DiffGainForCausalLM" and tok is not None

@@ -189,7 +189,7 @@ def _from_pretrained(path, kwargs: dict, local_files_only: bool = True, **extra)
     import warnings
 
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from diffquant.quant import compressed
 
@@ -199,7 +199,7 @@ def _from_pretrained(path, kwargs: dict, local_files_only: bool = True, **extra)
             config = AutoConfig.from_pretrained(path, local_files_only=local_files_only)
         except (OSError, ValueError) as e:
             raise DiffquantError(f"could not read the config of {path}: {str(e).splitlines()[0][:300]}") from None
-        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:  # transformers' own and registered ones (diffquant's designs)
             raise DiffquantError(f"{path} is a {config.model_type!r} model, not a causal language model")
         held = compressed.quantization_config(config)
         extra = {**extra, **compressed.load_kwargs(path, config)}  # compressed-tensors: dequantized on load
