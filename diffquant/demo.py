@@ -61,6 +61,11 @@ def plan_lines(cfg: DemoConfig, quick: bool) -> list[str]:
             "  [5/5] write the report"]
 
 
+def _eps(checkpoint: Path) -> float:
+    """The RMSNorm eps a trained model of the pair has (its config.json): reports say it beside the pair."""
+    return json.loads((checkpoint / "config.json").read_text())["rms_norm_eps"]
+
+
 def _models_digest(tcfg) -> str:
     """8 hex digits of the pair's model configs: a cached pair is reused only while the preset builds the same
     models (a changed default, such as rms_norm_eps, trains a new pair instead of reusing a stale one)."""
@@ -164,7 +169,8 @@ def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool =
                                       "ppl_ci95": fp[display(a)]["ppl_ci95"],
                                       "accuracy": fp[display(a)]["next_token_acc"],
                                       "accuracy_se": fp[display(a)]["next_token_acc_se"],
-                                      "final_val_loss": m["final_val"]["loss"]}
+                                      "final_val_loss": m["final_val"]["loss"],
+                                      "rms_norm_eps": _eps(pair_dir / a)}
                          for a, m in train["models"].items()},
                "unigram_entropy": train["data"]["unigram_entropy"], "table5": table5_rows(profiles),
                "profile_tokens": profiles[0].provenance["tokens"],

@@ -781,6 +781,15 @@ def _relinked(text: str) -> str:
     return re.sub(r"\]\(([^)\s]+)\)", fix, text)
 
 
+EPS_NOTE = ("RMSNorm eps: until issue 49 (December 2026) every matched pair took transformers' defaults, 1e-6 for Llama and "
+            "the Llama-based designs (the Transformer, gated, clipped softmax, sinks, the head-norm arm) and 1e-5 for "
+            "DiffLlama and its variants (DIFF, DIFF + gain, DIFF without norm): the demo pair, the emergence search "
+            "and regime, the rival comparisons, the mitigations' pairs, the head-norm decomposition and every "
+            "figure-8 run on trained pairs below were trained so. Pairs trained since set 1e-5 on both sides "
+            "(diffquant.models.presets), as do the quick demo and the second decomposition; the second "
+            "decomposition's eps swap measures what the difference moves.")
+
+
 def results_page() -> str:
     """docs/RESULTS.md: every result, each top section with an anchor and in the table of contents, headings
     one level up (the README's ### sections are the page's ## sections)."""
@@ -803,6 +812,8 @@ def results_page() -> str:
         "have 3B parameters and 350B training tokens; the models trained here have 0.1–5M parameters and 0.6–8M "
         "tokens, and the one real pretrained model is SmolLM2-135M-Instruct (Q4_1 → fp32). They measure small "
         "models, not the paper's claim at its scale. Each section states its scale and settings first.",
+        "",
+        EPS_NOTE,
         "",
         *toc,
         "",
@@ -991,26 +1002,24 @@ def findings_part() -> str:
     s = _load("docs/demo/summary.json")
     if s is not None and "train" in s:
         t, d = s["train"]["Transformer"], s["train"]["DIFF"]
+        eps = "" if "rms_norm_eps" in d else ("; trained before matched pairs shared rms_norm_eps: the "
+                                              "Transformer's 1e-6, DIFF's 1e-5")
         out.append(f"- **The demo pair** ({d['parameters'] / 1e6:.1f}M parameters, {s['config']['train_tokens']:,} KJV "
-                   f"tokens, one seed): DIFF's held-out perplexity {d['ppl']:.2f} vs the Transformer's {t['ppl']:.2f}; "
+                   f"tokens, one seed{eps}): DIFF's held-out perplexity {d['ppl']:.2f} vs the Transformer's {t['ppl']:.2f}; "
                    "no outliers in the paper's sense at this size, and the one run's largest values do not order the "
                    "two (float rounding in training moves them by several units) ([the demo](docs/RESULTS.md#the-demo)).")
     search = _load("docs/emergence/search.json")
     if search is not None:
         worst = max(v["hidden_ratio"] for v in search["results"].values())
         crit = search["criterion"]
-        out.append(f"- **No outlier regime here**: none of {len(search['results'])} small settings (0.1–5M parameters, "
-                   f"up to 8M tokens) brought the Transformer to hidden top-1/median ≥ {crit['hidden_ratio']:g} or a "
-                   f"sink rate ≥ {crit['sink_rate']:g} (largest {worst:.1f}; diffquant.stats.outlier_regime) "
+        out.append(f"- **No outlier regime here, as defined**: none of {len(search['results'])} small settings (0.1–5M "
+                   f"parameters, up to 8M tokens) brought the Transformer to hidden top-1/median ≥ {crit['hidden_ratio']:g} "
+                   f"or a sink rate ≥ {crit['sink_rate']:g} (largest ratio {worst:.1f}; diffquant.stats.outlier_regime), "
+                   "a criterion on a ratio that a large median pulls down "
                    "([emergence](docs/RESULTS.md#searching-for-the-outlier-regime)).")
     regime = _load("docs/emergence/results.json")
     if regime is not None and "aggregate" in regime:
-        a, b = regime["aggregate"]["DIFF"]["hidden_ratio"], regime["aggregate"]["Transformer"]["hidden_ratio"]
-        out.append(f"- **Contrary to the paper's Table 5** in the closest setting ({regime['setting']}, "
-                   f"{regime['scale']['DIFF']['parameters']:,} parameters, {regime['scale']['DIFF']['train_tokens']:,} "
-                   f"tokens, {len(regime['seeds'])} seeds, ± the 95% t-interval over seeds): DIFF's hidden top-1/median is "
-                   f"{a['mean']:.1f} ± {a['half']:.1f} against the Transformer's {b['mean']:.1f} ± {b['half']:.1f} "
-                   "([emergence](docs/RESULTS.md#searching-for-the-outlier-regime)).")
+        out.append(emergence_finding(regime))
     out += _headnorm_finding()
     fair = _load("docs/rivals/fair-guo/results.json")
     if fair is not None:
@@ -1039,76 +1048,98 @@ def findings_part() -> str:
     return "\n".join(out)
 
 
+def emergence_finding(regime: dict) -> str:
+    """The closest setting's hidden states in magnitudes: DIFF's and the Transformer's largest value and median,
+    then their ratio, and what the head-norm arm of the first decomposition (the Transformer with DIFF's norm) had
+    there: the ratio's difference is mostly the median's."""
+    a, b = regime["aggregate"]["DIFF"], regime["aggregate"]["Transformer"]
+    pm = lambda v, d=1: f"{v['mean']:.{d}f} ± {v['half']:.{d}f}"  # noqa: E731
+    text = (f"- **Hidden states in the closest setting** ({regime['setting']}, {regime['scale']['DIFF']['parameters']:,} "
+            f"parameters, {regime['scale']['DIFF']['train_tokens']:,} Bigram-Backcopy tokens, {len(regime['seeds'])} "
+            "seeds, ± the 95% t-interval over seeds; the paper's Table 5 is of 3B models after 350B tokens): DIFF's "
+            f"largest hidden value {pm(a['hidden_top1'])} against the Transformer's {pm(b['hidden_top1'])} "
+            f"(×{a['hidden_top1']['mean'] / b['hidden_top1']['mean']:.2f}), its median {pm(a['hidden_median'], 2)} "
+            f"against {pm(b['hidden_median'], 2)} (×{a['hidden_median']['mean'] / b['hidden_median']['mean']:.2f}): "
+            f"the top-1/median {a['hidden_ratio']['mean']:.1f} against {b['hidden_ratio']['mean']:.1f} is mostly the "
+            "median's")
+    hn = _load("docs/headnorm/results.json")
+    if hn is not None:
+        agg = hn["aggregate"]
+        text += (f", and the Transformer with DIFF's head norm has it too ({agg['baseline-headnorm']['hidden_ratio']['mean']:.1f}"
+                 f" against the Transformer's {agg['baseline']['hidden_ratio']['mean']:.1f} in the first decomposition)")
+    return text + " ([emergence](docs/RESULTS.md#searching-for-the-outlier-regime))."
+
+
 def _headnorm_finding() -> list[str]:
-    """The README's sentences from experiments/headnorm.py's results: each primary metric where DIFF differs from
-    the Transformer, with the part the plan's decision rule gives it (and, for a top-1/median, its ∞-norm: a ratio
-    can fall because the median grows), what the static W8A8/W4A4 tests could have detected, and the scope."""
+    """The README's sentence from experiments/headnorm.py's results, in magnitudes: where DIFF differs from the
+    Transformer (a top-1/median beside its ∞-norm and its median: a ratio falls when the median grows), what DIFF's
+    learned λ made of it, what DIFF without its norm did to the ∞-norms, every non-detection with what could have
+    been detected, and the scale and the arms' eps as trained."""
     doc = _load("docs/headnorm/results.json")
     if doc is None:
         return []
-    from experiments.headnorm import load_plan, metric_label, units as _units
+    from experiments.headnorm import TRAINED_EPS, load_plan, metric_label, units as _units
 
     plan = load_plan(ROOT / "docs/headnorm/plan.yaml")
-    label = {m["key"]: metric_label(plan, m) for m in plan["metrics"]}
+    label = {m["key"]: metric_label(plan, m).split(" (")[0].replace(": ", " ", 1) for m in plan["metrics"]}
     by = {(r["contrast"], r["metric"]): r for r in doc["tests"]}
     total, norm, dmap, _, unnorm = (c["name"] for c in plan["contrasts"])
     n, alpha = min(r["n"] for r in doc["tests"]), plan["alpha"]
 
     def factor(contrast, key):
-        r = by[(contrast, key)]
-        return _units(r["diff"], r["transform"])
+        return _units(by[(contrast, key)]["diff"], by[(contrast, key)]["transform"])
 
-    def detected(contrast, key):
+    def found(contrast, key):
         r = by[(contrast, key)]
         return r.get("p_holm") is not None and r["p_holm"] < alpha
 
-    found = []
-    for k, v in doc["decomposition"].items():
-        if v.startswith("no DIFF"):
-            continue
-        text = f"the {label[k].split(' (')[0].replace(': ', ' ', 1)} {factor(total, k)}"
-        companion = k.replace("_ratio", "_inf_norm")
-        if k.endswith("_ratio") and (total, companion) in by and by[(total, companion)]["diff"] >= 0:
-            text += f" (not smaller outliers: its ∞-norm {factor(total, companion)})"
+    def said(contrast, key):  # "×0.661, Holm p 0.0036" or "×1.11, no difference detected (..., minimum ... ×3.06)"
+        r = by[(contrast, key)]
+        if found(contrast, key):
+            return f"{factor(contrast, key)}, Holm p {r['p_holm']:.2g}"
+        return f"{factor(contrast, key)}, {r['verdict'].split(' (n = ')[0]} (minimum detectable " + \
+            r["verdict"].split("= ")[-1].rstrip(")") + ")"
+
+    parts = []
+    for k in [k for k in doc["decomposition"] if found(total, k)]:
+        text = f"the {label[k]} {factor(total, k)}"
+        inf = k.replace("_ratio", "_inf_norm")
+        if k.endswith("_ratio") and (total, inf) in by:
+            text += (f" — through its median: its ∞-norm {said(total, inf)}, so not smaller outliers; the Transformer "
+                     f"with the head norm moves the ratio alike ({factor(norm, k)}), DIFF without the norm against "
+                     f"DIFF {factor(unnorm, k)} and against the Transformer {said(dmap, k)}")
         if by[(total, k)].get("p_tost_holm", 1) < alpha:
-            text += " (inside the plan's equivalence margin)"
-        if k in doc.get("rate_sensitive", []):
-            text += f" (rate-sensitive: the other sign at lr {plan['sensitivity']['lr']:g}, one seed)"
-        part = v.split(" (")[0]
-        if part == "the head norm":
-            text += (f", carried by the head norm (the Transformer with it {factor(norm, k)}; removing it from DIFF "
-                     f"{factor(unnorm, k)}" + (", back to the Transformer's level" if not detected(dmap, k) else "")
-                     + ")")
-        elif part == "the differential map":
-            text += (f", carried by the differential map (DIFF without the norm {factor(dmap, k)}; the Transformer "
-                     f"with the norm {factor(norm, k)})")
-        elif part == "both":
-            text += ", moved by either part alone"
-        found.append(text)
-    agg = doc["aggregate"]
-    detectable = [f"{by[(total, k)]['mde_sd'] * by[(total, k)]['sd']:.3g}" for k in ("w8a8_static_cost", "w4a4_static_cost")]
-    moved = [r for r in doc["tests"] if r["metric"] in ("w8a8_static_cost", "w4a4_static_cost")
-             and r.get("p_holm") is not None and r["p_holm"] < alpha]
-    lam = doc.get("lambda", {}).get("diff")
-    head = (f"- **Differential map or head norm?** (Llama against transformers' DiffLlama and two ablations, "
+            text += " (inside the plan's equivalence margin"
+            text += (f"; the other sign at lr {plan['sensitivity']['lr']:g}, one seed)" if k in doc.get("rate_sensitive", [])
+                     else ")")
+        parts.append(text)
+    lam, lam_nonorm = doc.get("lambda", {}).get("diff"), doc.get("lambda", {}).get("diff-nonorm")
+    smaller = [k for k in doc["decomposition"] if k.endswith("_inf_norm") and found(dmap, k)
+               and by[(dmap, k)]["diff"] < 0]
+    costs = [by[(total, k)] for k in ("w8a8_static_cost", "w4a4_static_cost")]
+    base = doc["aggregate"]["baseline"]
+    text = (f"- **Differential map or head norm? (the first decomposition)** (Llama against transformers' DiffLlama, "
+            "whose head norm has no gain, and two ablations; "
             f"{plan['setting']['scale'].split(' (')[0]}: {doc['scale']['baseline']['parameters']:,} / "
             f"{doc['scale']['diff']['parameters']:,} parameters, {doc['scale']['baseline']['train_tokens']:,} "
-            f"Bigram-Backcopy tokens each, {n} seeds per arm, a plan fixed before the runs, Holm over "
-            f"{doc['family_size']} tests): of {len(doc['decomposition'])} primary metrics DIFF differs from the "
-            f"Transformer in {len(found)}" + (" — " + "; ".join(found) + " —" if found else ""))
-    head += (" while the static W8A8/W4A4 costs show " + (f"{len(moved)} Holm differences" if moved else
-             f"no difference the tests could detect (only {detectable[0]} / {detectable[1]} points or more were "
-             f"detectable; W8A8: Transformer {agg['baseline']['w8a8_static_cost']['mean']:.1f}% vs DIFF "
-             f"{agg['diff']['w8a8_static_cost']['mean']:.1f}%)"))
-    base = agg["baseline"]
-    from diffquant.stats.outlier_regime import reached
+            f"Bigram-Backcopy tokens each, {n} seeds per arm, Holm over {doc['family_size']} tests; rms_norm_eps "
+            f"{TRAINED_EPS['baseline']:g} in the Transformer arms and {TRAINED_EPS['diff']:g} in DIFF's, no "
+            "checkpoint kept; the paper's models: 3B parameters, 350B tokens): ")
+    if lam:
+        text += (f"DIFF's learned λ ended at {lam[0]:.2f}…{lam[1]:.2f}, below λ_init, so it computed about "
+                 "A1 + |λ|·A2: a Transformer with a head norm. ")
+    text += ("Against the Transformer it moved " + ("; ".join(parts) if parts else "nothing detectably") + ". ")
+    if smaller:
+        text += (f"DIFF without its norm" + (f" kept λ at {lam_nonorm[0]:.2f}…{lam_nonorm[1]:.2f} and" if lam_nonorm else "")
+                 + " had smaller ∞-norms than the Transformer, the paper's direction: "
+                 + ", ".join(f"{label[k].removesuffix(' ∞-norm')} {said(dmap, k)}" for k in smaller) + ". ")
+    text += (f"No difference in the static W8A8 / W4A4 costs was detected (only {costs[0]['mde_sd'] * costs[0]['sd']:.3g} "
+             f"/ {costs[1]['mde_sd'] * costs[1]['sd']:.3g} percentage points or more were detectable). The Transformer "
+             f"here has sink rate {base['sink_rate']['mean']:.2g} and hidden top-1/median "
+             f"{base['hidden_ratio']['mean']:.0f} (a ratio a large median pulls down) "
+             "([head norm](docs/RESULTS.md#is-it-the-differential-map-or-the-head-norm)).")
+    return [text]
 
-    where = "outside" if not reached({k: base[k]["mean"] for k in ("hidden_ratio", "sink_rate")}) else "inside"
-    head += (f", in a setting where the Transformer is {where} the outlier regime (sink rate "
-             f"{base['sink_rate']['mean']:.2g}, hidden top-1/median {base['hidden_ratio']['mean']:.0f})"
-             + (f" and DIFF learned λ between {lam[0]:.2f} and {lam[1]:.2f}" if lam else "")
-             + "; the ablations are not a perfect split (the section says how)")
-    return [head + " ([head norm](docs/RESULTS.md#is-it-the-differential-map-or-the-head-norm))."]
 
 def export_part() -> str:
     """The export's parity on SmolLM2 (docs/export/parity-smollm2-135m.md, written by benchmarks/export_parity.py)."""
