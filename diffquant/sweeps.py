@@ -356,10 +356,20 @@ def run_sweep(models: dict[str, tuple], data: str, out: Path, *, sites: list[str
               granularities: list[str], schemes: list[str], fixes: list[str], weights: list[str],
               wa_grid: list[int] | None, per_layer: int | None, evals: list[str], seq_len: int, tokens: int,
               kurtosis_tokens: int = 0, mc_limit: int = 200, cache: str | None = None, compile: bool = False,
-              progress: bool = True) -> list[dict]:
+              progress: bool = True, kernels: str | None = None) -> list[dict]:
     """The whole sweep of `models` ({label: (model, tokenizer)}): evaluation windows (the validation split of
     `data`), calibration windows (16 of the training split, for fixes, weight solvers and static scales), the
-    cells, and their rows, resumably in `out` (the command line and `dq.sweep` both run this)."""
+    cells, and their rows, resumably in `out` (the command line and `dq.sweep` both run this). `kernels`: the
+    tapped attention's and the kurtosis profile's (diffquant/kernels; None: the choice in force)."""
+    from diffquant.kernels import chosen
+
+    with chosen(kernels):
+        return _run_sweep(models, data, out, sites, bits, granularities, schemes, fixes, weights, wa_grid, per_layer,
+                          evals, seq_len, tokens, kurtosis_tokens, mc_limit, cache, compile, progress)
+
+
+def _run_sweep(models, data, out, sites, bits, granularities, schemes, fixes, weights, wa_grid, per_layer, evals,
+               seq_len, tokens, kurtosis_tokens, mc_limit, cache, compile, progress) -> list[dict]:
     from diffquant.data.tasks import load_task
     from diffquant.data.windows import corpus_text, corpus_windows
     from diffquant.memory import check_fits

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from diffquant.compiled import CompiledOrEager
+from diffquant.kernels import resolve as resolve_kernels
 from diffquant.stats.histogram import AbsHistogram, abs_magnitude_bins
 from diffquant.stats.moments import Moments, sum64
 from diffquant.stats.topk import TopK
@@ -116,9 +117,14 @@ class SiteStats:
     """Pooled moments, top-k with locations, |x| histogram, per-channel and per-position absmax,
     non-finite count, and per-pass (Bondarenko et al.) kurtosis and ∞-norm, for one site."""
 
+    kernels: str | None = None  # class defaults: profiles saved before these were recorded read None
+    path: str | None = None
+
     def __init__(self, dims: tuple[str, ...], k: int = 100, device=None, outlier_threshold: float = 6.0,
-                 compile: bool = False):
+                 compile: bool = False, kernels: str | None = None):
         self.dims, self.k, self.threshold, self.compile = dims, k, outlier_threshold, compile
+        self.kernels = kernels  # "auto", "triton", "torch" or None (the choice in force): see diffquant/kernels
+        self.path: str | None = None  # the path that computed these statistics: "torch" or "triton"
         self.moments = Moments(device)
         self.topk = TopK(k, len(dims), device)
         self.hist = AbsHistogram(device)
@@ -141,6 +147,8 @@ class SiteStats:
         are offset, and the blocks of one call make one pass of the per-pass statistics. Reads nothing back to the
         host except on the devices in FREE_READS."""
         x = x.detach()
+        if self.path is None:
+            self.path = resolve_kernels(self.kernels, x.device)
         if x.dtype != torch.float32:
             x = x.float()
         dense = block.dense if isinstance(block, Block) else 0
@@ -196,7 +204,8 @@ class SiteStats:
     def merge(self, other: "SiteStats") -> "SiteStats":
         self._fold()
         other._fold()
-        out = SiteStats(self.dims, self.k, self.nonfinite.device, self.threshold, self.compile)
+        out = SiteStats(self.dims, self.k, self.nonfinite.device, self.threshold, self.compile, self.kernels)
+        out.path = "+".join(sorted({p for p in (self.path, other.path) if p})) or None
         out.moments = self.moments.merge(other.moments)
         out.topk = self.topk.merge(other.topk)
         out.hist = self.hist.merge(other.hist)
@@ -218,7 +227,7 @@ class SiteStats:
 
     def to(self, device) -> "SiteStats":
         """A copy on another device (for gathering across ranks)."""
-        out = SiteStats(self.dims, self.k, device, self.threshold)
+        out = SiteStats(self.dims, self.k, device, self.threshold, kernels=self.kernels)
         return out.merge(self)
 
     def summary(self, full: bool = True) -> dict:
@@ -230,6 +239,7 @@ class SiteStats:
         s["top"] = {f"top{r}": self.topk.rank(r) for r in (1, 2, 3, 10, 100) if r <= self.k}
         s["quantiles"] = dict(zip(QUANTILES, self.hist.quantiles(list(QUANTILES.values()))))
         s["passes"] = self.passes
+        s["kernels"] = self.path
         if self.passes:
             s["pass_kurtosis_mean"] = float(self.pass_kurt[0]) / self.passes
             s["pass_kurtosis_max"] = float(self.pass_kurt[1])
