@@ -119,6 +119,7 @@ class SiteStats:
 
     kernels: str | None = None  # class defaults: profiles saved before these were recorded read None
     path: str | None = None
+    _kernel = None  # the Triton path's kernel and buffers (kernels/site.py), made at its first update
 
     def __init__(self, dims: tuple[str, ...], k: int = 100, device=None, outlier_threshold: float = 6.0,
                  compile: bool = False, kernels: str | None = None):
@@ -145,44 +146,89 @@ class SiteStats:
         """Add one activation (values where `valid`, broadcastable to x, is True; non-finite ones counted
         apart). `block` (taps/context.py's `Block`) when x is one query block of an attention call: its positions
         are offset, and the blocks of one call make one pass of the per-pass statistics. Reads nothing back to the
-        host except on the devices in FREE_READS."""
+        host except on the devices in FREE_READS. The first update resolves `kernels` for x's device (`path`)."""
         x = x.detach()
         if self.path is None:
             self.path = resolve_kernels(self.kernels, x.device)
+        offset = 0 if block is None else block[0]
+        free_reads = x.device.type in FREE_READS and self.path == "torch"
+        if self.path == "triton":
+            entry, rowmax, ok = self._fused_update(x, valid, offset)
+        else:
+            entry, rowmax, ok = self._torch_update(x, valid, block, free_reads)
+        if block is not None and block[0] > 0 and self._batches:
+            entry = _same_pass(self._batches.pop(), entry)  # one attention call: one pass
+        self._batches.append(entry)
+        if len(self._batches) >= _FOLD_EVERY and (block is None or block[1] == block[2]):
+            self._fold()
+        self.topk.add(x, ok, self.dims, input_ids, row_offset, rowmax, offset,
+                      None if block is None else block[2], read_back=free_reads, finite=self.path == "triton")
+
+    def _torch_update(self, x: torch.Tensor, valid, block, free_reads: bool):
+        """The torch path (`_passes`): every statistic but the top-k. Returns (the update's [count, sum, central power
+        sums, ∞-norm], the row maxima of |x|, the values counted)."""
         if x.dtype != torch.float32:
             x = x.float()
         dense = block.dense if isinstance(block, Block) else 0
-        free_reads = x.device.type in FREE_READS
         if free_reads:
             out = self._passes(x, valid, False, dense)
             if not bool(torch.isfinite(out.s1)):  # on CPU a read of host memory, not a wait for a device
                 out = self._passes(x, valid, True, dense)  # inf or NaN among the values: leave them out
         else:
             out = self._passes(x, valid, True, dense)
-        entry = torch.stack([out.n, out.s1, out.m2, out.m3, out.m4, out.rowmax.max().double()])
-        if block is not None and block[0] > 0 and self._batches:
-            entry = _same_pass(self._batches.pop(), entry)  # one attention call: one pass
-        self._batches.append(entry)
-        if len(self._batches) >= _FOLD_EVERY and (block is None or block[1] == block[2]):
-            self._fold()
-        offset = 0 if block is None else block[0]
-        self.topk.add(x, out.ok, self.dims, input_ids, row_offset, out.rowmax, offset,
-                      None if block is None else block[2], read_back=free_reads)
         self.hist.add_bins(out.bins, zeros_left_out=None if out.ok is None else out.left_out)
         self.channel_absmax = _elementwise_max(self.channel_absmax, out.chan)
-        pos = out.pos
-        if pos is not None and offset:
-            pos = torch.nn.functional.pad(pos, (offset, 0))
-        self.position_absmax = _elementwise_max(self.position_absmax, pos)
+        self._add_positions(out.pos, 0 if block is None else block[0])
         if out.hits is not None:
             self.channel_hits = out.hits if self.channel_hits is None else self.channel_hits + out.hits
             self.positions += x.shape[0] * x.shape[1] if out.ok is None else out.ok.any(dim=-1).sum()
         if out.checked:
             self.nonfinite += out.nonfinite
+        return torch.stack([out.n, out.s1, out.m2, out.m3, out.m4, out.rowmax.max().double()]), out.rowmax, out.ok
 
-    def _passes(self, x: torch.Tensor, valid: torch.Tensor | None, check: bool, dense: int) -> Passes:
+    def _fused_update(self, x: torch.Tensor, valid, offset: int):
+        """The Triton path (kernels/site.py): one read of x, in its own dtype. The kernel adds the histogram, the
+        non-finite count and, along x's last dim, the channel maxima and LLM.int8 hits to this site's state in place;
+        maxima along other dims come from the row maxima. Returns what `_torch_update` returns (the values counted:
+        `valid`; the top-k leaves non-finite ones out itself)."""
+        if self._kernel is None:
+            from diffquant.kernels.site import SiteKernel
+
+            self._kernel = SiteKernel()
+        if x.dim() == 0:
+            x = x.reshape(1)
+        chan_dim, pos_dim = self._dims()
+        last = chan_dim == x.dim() - 1
+        token = self.dims == TOKEN_DIMS
+        if last and self.channel_absmax is None:
+            self.channel_absmax = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
+        if token and self.channel_hits is None:
+            self.channel_hits = torch.zeros(x.shape[-1], dtype=torch.int64, device=x.device)
+        entry, rowmax = self._kernel(x, valid, self.hist.counts, self.nonfinite, self.channel_absmax if last else None,
+                                     self.channel_hits if token else None, self.positions if token else None,
+                                     self.threshold)
+        if chan_dim is not None and not last:
+            self.channel_absmax = _elementwise_max(self.channel_absmax, _max_along(rowmax, chan_dim))
+        if pos_dim is not None:
+            self._add_positions(_max_along(rowmax, pos_dim), offset)
+        return entry, rowmax, valid
+
+    def _add_positions(self, pos: torch.Tensor | None, offset: int) -> None:
+        if pos is not None and offset:
+            pos = torch.nn.functional.pad(pos, (offset, 0))
+        self.position_absmax = _elementwise_max(self.position_absmax, pos)
+
+    def _dims(self) -> tuple[int | None, int | None]:
+        """The channel (or head) dim and the position (or query) dim of this site, where it has them."""
         chan_dim = next((i for i, d in enumerate(self.dims) if d in _CHANNEL_DIMS), None)
         pos_dim = next((i for i, d in enumerate(self.dims) if d in _POSITION_DIMS), None)
+        return chan_dim, pos_dim
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_kernel": None}  # buffers on the device: not saved with a profile
+
+    def _passes(self, x: torch.Tensor, valid: torch.Tensor | None, check: bool, dense: int) -> Passes:
+        chan_dim, pos_dim = self._dims()
         args = (x, valid, check, chan_dim, pos_dim, self.threshold if self.dims == TOKEN_DIMS else None, dense)
         return (_COMPILED_PASSES if self.compile else _passes)(*args)
 
@@ -270,6 +316,12 @@ def _same_pass(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Two updates' [count, sum, central power sums, ∞-norm] pooled into one (blocks of one pass)."""
     pooled = Moments.pool(*torch.stack([a, b])[:, :5].unbind(1))
     return torch.stack([pooled.n, pooled.mean * pooled.n, pooled.m2, pooled.m3, pooled.m4, torch.maximum(a[5], b[5])])
+
+
+def _max_along(rowmax: torch.Tensor, dim: int) -> torch.Tensor:
+    """Max over every dim of the row maxima but `dim` (x's dims less its last)."""
+    other = tuple(i for i in range(rowmax.dim()) if i != dim)
+    return (rowmax.amax(dim=other) if other else rowmax).clamp_min(0)
 
 
 def _elementwise_max(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

@@ -39,7 +39,7 @@ class TopK:
 
     def add(self, x: torch.Tensor, ok: torch.Tensor | None, dims: tuple[str, ...], input_ids=None,
             row_offset: int = 0, rowmax: torch.Tensor | None = None, pos_offset: int = 0,
-            pos_total: int | None = None, read_back: bool = False) -> None:
+            pos_total: int | None = None, read_back: bool = False, finite: bool = False) -> None:
         """Offer the values of x (shaped by `dims`) where `ok` (broadcastable) is True (None: all of them).
         `pos_offset` is added to the position coordinate when x holds positions pos_offset.. of `pos_total`.
 
@@ -49,7 +49,8 @@ class TopK:
         nothing: SiteStats' FREE_READS), an update none of whose rows reaches the least of k kept values returns
         at once: merged, its values would all sort after the kept ones, which the stable merge keeps as they are.
         Few are skipped where every update holds a large value (SmolLM2's logits: 52 of 1,290 query blocks per
-        forward, each other block holding a first-key logit as large as the running top-100)."""
+        forward, each other block holding a first-key logit as large as the running top-100). With `finite`, inf and
+        NaN are left out here (the caller's `ok` does not leave them out; its `rowmax` must)."""
         k = min(self.k, x.numel())
         if k == 0:
             return
@@ -58,14 +59,18 @@ class TopK:
                 return
             width = x.shape[-1]
             _, rows = torch.topk(rowmax.reshape(-1), k)
-            cand = x.reshape(-1, width)[rows].abs()
+            cand = x.reshape(-1, width)[rows].float().abs()
             if ok is not None:  # index the (maybe broadcast) mask by row coordinates: no full-size copy
                 lead = torch.unravel_index(rows, x.shape[:-1])
                 cand = torch.where(ok.expand(x.shape)[lead], cand, -1.0)
+            if finite:
+                cand = torch.where(cand.isfinite(), cand, -1.0)
             top, col = torch.topk(cand.reshape(-1), k)
             idx = rows[col // width] * width + col % width
         else:
-            a = x.abs() if ok is None else torch.where(ok, x.abs(), -1.0)
+            a = x.float().abs() if ok is None else torch.where(ok, x.float().abs(), -1.0)
+            if finite:
+                a = torch.where(a.isfinite(), a, -1.0)
             top, idx = torch.topk(a.reshape(-1), k)
         coords = torch.stack(torch.unravel_index(idx, x.shape), dim=1) if x.dim() else idx.new_zeros(len(idx), 0)
         token = torch.full((len(idx), 1), -1, dtype=torch.int64, device=x.device)
