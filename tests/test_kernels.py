@@ -342,3 +342,42 @@ def test_profile_with_triton_site_kernels_equals_torch(arch):
     assert_profiles_agree(torch_prof, triton_prof)
     assert triton_prof.provenance["kernels"] == {"asked": "triton", "path": "triton"}
     assert {s.path for s in triton_prof.sites.values()} == {"triton"}
+
+
+# ---------------------------------------------------------------- the interim eager fix (torch path off the CPU)
+
+
+def test_masked_logits_never_reach_a_histogram_bin_off_the_cpu(monkeypatch):
+    """On the accelerators' path (forced here on CPU) a masked or non-finite logit is added with weight 0 in the bin of
+    its own |x|, not sent to bin 0 and subtracted (on a GPU, every masked value an atomic add to one address): bin 0
+    receives only values that round to it, and the counts equal those of the CPU path and of a bincount of the
+    visible finite values."""
+    from diffquant.stats import site_stats
+    from diffquant.stats.histogram import NBINS, AbsHistogram, magnitude_bins
+    from diffquant.stats.site_stats import SiteStats
+
+    x = _heavy((2, 3, 32, 64), 10)
+    x[0, 1, 2, 3], x[1, 2, 30, 60] = float("nan"), float("inf")  # visible; masked
+    valid = (torch.arange(64)[None, :] <= torch.arange(32, 64)[:, None])[None, None]
+    seen = []
+    add_bins = AbsHistogram.add_bins
+
+    def spy(self, bins, zeros_left_out=None, counted=None):
+        seen.append((bins.reshape(-1).clone(), None if counted is None else counted.reshape(-1).clone()))
+        return add_bins(self, bins, zeros_left_out, counted)
+
+    monkeypatch.setattr(AbsHistogram, "add_bins", spy)
+    counts = {}
+    for free_reads in (frozenset({"cpu"}), frozenset()):
+        monkeypatch.setattr(site_stats, "FREE_READS", free_reads)
+        s = SiteStats(LOGIT_DIMS, kernels="torch")
+        s.update(x, valid)
+        counts[free_reads] = s.hist.counts
+    keep = valid.expand_as(x) & x.isfinite()
+    ref = torch.bincount(magnitude_bins(x[keep]).long(), minlength=NBINS)
+    assert torch.equal(counts[frozenset()], ref) and torch.equal(counts[frozenset({"cpu"})], ref)
+    bins, counted = seen[-1]
+    assert torch.equal(counted, keep.reshape(-1))
+    left_out = ~keep.reshape(-1)
+    rounds_to_zero = magnitude_bins(x).reshape(-1) == 0
+    assert int((bins[left_out] == 0).sum()) == int((rounds_to_zero & left_out).sum()) < 10

@@ -8,7 +8,7 @@ import torch
 
 from diffquant.compiled import CompiledOrEager
 from diffquant.kernels import resolve as resolve_kernels
-from diffquant.stats.histogram import AbsHistogram, abs_magnitude_bins
+from diffquant.stats.histogram import NBINS, AbsHistogram, abs_magnitude_bins, magnitude_bins
 from diffquant.stats.moments import Moments, sum64
 from diffquant.stats.topk import TopK
 from diffquant.taps.context import Block
@@ -23,7 +23,7 @@ class Passes(NamedTuple):
     """What one update's full-tensor passes give (`_passes`)."""
 
     ok: torch.Tensor | None  # the values counted (bool, broadcastable to x); None: all of them
-    bins: torch.Tensor  # every value's histogram bin (left-out values in bin 0)
+    bins: torch.Tensor  # every value's histogram bin (left-out values in bin 0; with `spread`, in their own bins)
     left_out: torch.Tensor  # how many values were left out (masked or non-finite)
     n: torch.Tensor  # float64 count of the values counted
     s1: torch.Tensor  # their float64 sum
@@ -48,12 +48,14 @@ def _zero_where_not(t: torch.Tensor, ok: torch.Tensor, dense: int) -> torch.Tens
 
 
 def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: int | None, pos_dim: int | None,
-            threshold: float | None, dense: int = 0) -> Passes:
+            threshold: float | None, dense: int = 0, spread: bool = False) -> Passes:
     """Every full-tensor pass of one update in one function, so torch.compile can fuse them: count, sum and
     central power sums (float32 terms, float64 sums), row maxima of |x|, maxima along the channel and
     position dims, LLM.int8 hit counts per channel. Values outside `valid` (broadcastable) are left out;
     with `check`, non-finite values too (and counted). `dense`: `valid` is True in every column before it (see
-    `_zero_where_not`; 0 when not known). x is not written to."""
+    `_zero_where_not`; 0 when not known). `spread`: left-out values keep the bins of their own |x| (to be added with
+    weight 0, `AbsHistogram.add_bins`' `counted`) instead of bin 0, which on a GPU would take every one of them as
+    atomic adds to one address. x is not written to."""
     ok, left_out = valid, None
     if check:
         finite = torch.isfinite(x)
@@ -96,7 +98,10 @@ def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: 
         # m3); a third of the cost of summing a boolean mask
         below = torch.sub(a, threshold, out=d).view(torch.int32).bitwise_right_shift_(31)
         hits = (x.shape[0] * x.shape[1] + below.sum(dim=(0, 1), dtype=torch.int32)).long()
-    bins = abs_magnitude_bins(a, in_place=True)  # a is not read again
+    if spread and ok is not None:  # NaN's patterns lie past the last bin: clamped (their weight is 0)
+        bins = magnitude_bins(x).clamp_max_(NBINS - 1)
+    else:
+        bins = abs_magnitude_bins(a, in_place=True)  # a is not read again
     return Passes(ok, bins, left_out, n, s1, m2, m3, m4, rowmax, chan, pos, hits, nonfinite, check)
 
 
@@ -174,9 +179,10 @@ class SiteStats:
             out = self._passes(x, valid, False, dense)
             if not bool(torch.isfinite(out.s1)):  # on CPU a read of host memory, not a wait for a device
                 out = self._passes(x, valid, True, dense)  # inf or NaN among the values: leave them out
-        else:
-            out = self._passes(x, valid, True, dense)
-        self.hist.add_bins(out.bins, zeros_left_out=None if out.ok is None else out.left_out)
+            self.hist.add_bins(out.bins, zeros_left_out=None if out.ok is None else out.left_out)
+        else:  # left-out values in their own bins with weight 0: on a GPU, not all of them atomically into bin 0
+            out = self._passes(x, valid, True, dense, spread=True)
+            self.hist.add_bins(out.bins, counted=None if out.ok is None else out.ok.expand(x.shape))
         self.channel_absmax = _elementwise_max(self.channel_absmax, out.chan)
         self._add_positions(out.pos, 0 if block is None else block[0])
         if out.hits is not None:
@@ -227,9 +233,10 @@ class SiteStats:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_kernel": None}  # buffers on the device: not saved with a profile
 
-    def _passes(self, x: torch.Tensor, valid: torch.Tensor | None, check: bool, dense: int) -> Passes:
+    def _passes(self, x: torch.Tensor, valid: torch.Tensor | None, check: bool, dense: int,
+                spread: bool = False) -> Passes:
         chan_dim, pos_dim = self._dims()
-        args = (x, valid, check, chan_dim, pos_dim, self.threshold if self.dims == TOKEN_DIMS else None, dense)
+        args = (x, valid, check, chan_dim, pos_dim, self.threshold if self.dims == TOKEN_DIMS else None, dense, spread)
         return (_COMPILED_PASSES if self.compile else _passes)(*args)
 
     def _fold(self) -> None:
