@@ -37,9 +37,14 @@ class StatsObserver:
         self.stats: SiteStats | None = None
 
     def __call__(self, x: torch.Tensor, ctx) -> None:
+        self.site_stats(ctx, x.device).update(x, ctx.valid, ctx.batch.input_ids, ctx.batch.row_offset, ctx.block)
+
+    def site_stats(self, ctx, device) -> SiteStats:
+        """This site's statistics, made at first use on `device`. The tapped attention's Triton path (taps/flash.py)
+        updates them from its own kernel instead of calling the observer with the logits."""
         if self.stats is None:
-            self.stats = SiteStats(ctx.site.dims, self.k, x.device, compile=self.compile, kernels=self.kernels)
-        self.stats.update(x, ctx.valid, ctx.batch.input_ids, ctx.batch.row_offset, ctx.block)
+            self.stats = SiteStats(ctx.site.dims, self.k, device, compile=self.compile, kernels=self.kernels)
+        return self.stats
 
 
 class SinkObserver:

@@ -270,20 +270,36 @@ def test_site_kernel_moments_of_a_large_mean():
 
 # ---------------------------------------------------------------- compiled for a GPU (no GPU needed)
 
-COMPILED = ["_site_kernel"] * 2 + ["_pool_kernel"]  # the launches COMPILE_CHECK compiles
+COMPILED = ["_site_kernel", "_pool_kernel", "_flash_kernel", "_rows_kernel", "_flash_kernel"]  # what COMPILE_CHECK builds
 COMPILE_CHECK = """
 import itertools, json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from diffquant.kernels import site
+from diffquant.kernels import flash, site
 
 specs = [(site._site_kernel, dict(x_ptr=x, mask_ptr="*i8", stats_ptr="*fp64", rowmax_ptr="*fp32", hist_ptr="*i64",
                                   colmax_ptr="*i32", hits_ptr="*i64", nonfinite_ptr="*i64", positions_ptr="*i64",
                                   R="i32", W="i32", D1="i32", D2="i32", ms0="i32", ms1="i32", ms2="i32", ms3="i32",
                                   threshold_bits="i32"),
           dict(MASKED=masked, COLMAX=colmax, HITS=colmax, BR=8, BW=512, CHUNKS=3))
-         for x, masked, colmax in (("*fp32", True, True), ("*bf16", False, False))]
+         for x, masked, colmax in (("*fp32", True, True),)]
 specs.append((site._pool_kernel, dict(stats_ptr="*fp64", out_ptr="*fp64", P="i32"), dict(BLOCK=site.POOL_BLOCK)))
+strides = {name: "i32" for name in ("sqb", "sqh", "sqm", "skb", "skh", "skn", "smb", "smm", "smn")}
+sizes = dict(H="i32", Q="i32", K="i32", D="i32")
+for x, mask, stats in (("*fp32", 0, True), ("*bf16", 2, False)):
+    common = dict(CAUSAL=mask == 0, MASK=mask, BF16_LOGITS=x == "*bf16", PRECISION="ieee" if x == "*fp32" else "tf32",
+                  WIDEN=False, BM=64, BN=64, DP=64)
+    specs.append((flash._flash_kernel,
+                  dict(q_ptr=x, k_ptr=x, v_ptr=x, out_ptr="*fp32", mask_ptr="*i8", stats_ptr="*fp64", rowmax_ptr="*fp32",
+                       hist_ptr="*i64", nonfinite_ptr="*i64", first_ptr="*i32", mass_ptr="*fp32", logits_ptr="*fp32",
+                       **strides, svb="i32", svh="i32", svn="i32", sob="i32", som="i32", soh="i32", **sizes, DV="i32",
+                       kv_div="i32", v_div="i32", v_mod="i32", offset="i32", scale="fp32"),
+                  dict(common, STATS=stats, WRITE_LOGITS=False, DVP=128)))
+    if x == "*bf16":
+        continue  # the rows kernel's tiles are the flash kernel's
+    specs.append((flash._rows_kernel,
+                  dict(q_ptr=x, k_ptr=x, mask_ptr="*i8", sel_ptr="*i64", values_ptr="*fp32", ok_ptr="*i8", **strides,
+                       **sizes, kv_div="i32", offset="i32", scale="fp32"), common))
 done = []
 for fn, signature, constexprs in specs:
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
@@ -295,7 +311,7 @@ print(json.dumps(done))
 
 @pytest.mark.slow
 def test_kernels_compile_for_cuda():
-    """Every kernel, in its variants (the most and the least it computes), compiles to a cubin for sm_90 with the Triton here
+    """Every kernel (the flash kernel with float32 and bfloat16 inputs) compiles to a cubin for sm_90 with the Triton here
     (its own ptxas; no GPU needed): the interpreter accepts programs the compiler refuses (loop-carried types, scalar
     shapes), so this is the check that the kernels build where they run. In a fresh process without TRITON_INTERPRET,
     which makes @triton.jit give interpreted functions."""
@@ -381,3 +397,227 @@ def test_masked_logits_never_reach_a_histogram_bin_off_the_cpu(monkeypatch):
     left_out = ~keep.reshape(-1)
     rounds_to_zero = magnitude_bins(x).reshape(-1) == 0
     assert int((bins[left_out] == 0).sum()) == int((rounds_to_zero & left_out).sum()) < 10
+
+
+# ---------------------------------------------------------------- attention logits inside flash attention (kernels/flash.py)
+
+
+def _qkv(batch, heads, kv_heads, q_len, k_len, d, seed, dtype=torch.float32, dv=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, q_len, d, generator=g) * 2
+    k = torch.randn(batch, kv_heads, k_len, d, generator=g)
+    k[:, :, 0] *= 6  # a key every query sees, much larger: a sink and large logits
+    v = torch.randn(batch, kv_heads, k_len, dv or d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _explicit(q, k, v, visible, scale, v_heads=None):
+    """Logits, probabilities and output written out as the explicit attention computes them (taps/attention.py):
+    matmul then scale in the inputs' dtype, an fp32 softmax over the visible keys, probabilities in the inputs' dtype,
+    rows with no visible key all zero."""
+    heads = q.shape[1]
+    kk = k.repeat_interleave(heads // k.shape[1], 1)
+    vv = v.repeat_interleave(heads // v.shape[1], 1) if v_heads is None else v[:, v_heads]
+    logits = torch.matmul(q, kk.transpose(2, 3)).mul_(scale)
+    probs = torch.softmax(logits.float().masked_fill(~visible, float("-inf")), dim=-1)
+    probs = probs.masked_fill(~visible.any(-1, keepdim=True), 0.0).to(q.dtype)
+    return logits.float(), probs, torch.matmul(probs, vv)
+
+
+def assert_close_logits(got, want, dtype):
+    """The kernel's logits against torch's (another summation order): fp32 within 1e-6 of the largest, bf16 within
+    one bfloat16 step (their float32 sums may round to neighbouring bfloat16 values)."""
+    if dtype == torch.float32:
+        assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max())
+    else:
+        assert bool(((got - want).abs() <= 2**-7 * want.abs() + 1e-30).all())
+
+
+def _flash_site(q, k, v, masking, visible, scale, ids, k_top=20, **kwargs):
+    """The flash kernel with statistics into a SiteStats, and the torch path's SiteStats of the kernel's own logits
+    (written out) given as one tensor: (flash stats, reference stats, the kernel's result)."""
+    from diffquant.kernels import flash
+    from diffquant.stats.site_stats import SiteStats
+
+    s = SiteStats(LOGIT_DIMS, k=k_top)
+    r = flash.attention(q, k, v, masking, scale, hist=s.hist.counts, nonfinite=s.nonfinite, write_logits=True,
+                        **kwargs)
+    shape = torch.Size((q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    s.update_from_kernel(r.entry, r.rowmax, shape, lambda rows: flash.logit_rows(q, k, masking, scale, rows), ids)
+    s._fold()
+    ref = SiteStats(LOGIT_DIMS, k=k_top, kernels="torch")
+    ref.update(r.logits, visible, ids)
+    ref._fold()
+    return s, ref, r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_logit_statistics_gqa_causal(dtype):
+    """GQA (4 query heads on 2 KV heads), causal, 72 queries over 72 keys (tiles of 64: a window that is not a multiple
+    of the tile). The kernel's logits are the explicit attention's (fp32: ieee dot; bf16: rounded where torch rounds),
+    its statistics of the visible logits are the torch path's of those logits (integers, maxima, top-k with token ids
+    exact; moments within the contract), the first-key masses and the output are the explicit attention's."""
+    from diffquant.kernels.flash import Masking
+
+    q, k, v = _qkv(2, 4, 2, 72, 72, 16, 11, dtype)
+    ids = torch.randint(0, 500, (2, 72), generator=torch.Generator().manual_seed(12))
+    visible = torch.ones(72, 72, dtype=torch.bool).tril()[None, None]
+    s, ref, r = _flash_site(q, k, v, Masking(True), visible, 0.25, ids, v_div=2, v_mod=2)
+    assert_exact_but_moments(ref, s)
+    assert_contract_moments(s.moments, r.logits[visible.expand_as(r.logits)])
+    assert int(s.hist.counts.sum()) == 2 * 4 * 72 * 73 // 2  # visible logits only
+    logits, probs, out = _explicit(q, k, v, visible, 0.25)
+    seen = visible.expand_as(logits)
+    assert_close_logits(r.logits[seen], logits[seen], dtype)
+    assert torch.equal(r.first, torch.zeros_like(r.first))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(r.mass.to(dtype).float(), probs[..., 0].float(), rtol=tol, atol=tol * 1e-2)
+    assert torch.allclose(r.out.transpose(1, 2).float(), out.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["key", "full"])
+def test_flash_logit_statistics_padded_batch(kind):
+    """Left padding, as flash-attention's [batch, key] mask (with causality) or a 4-D mask (SDPA's boolean mask): the
+    padded keys are invisible, a fully padded query row attends nothing (output 0, no first key), and nothing masked
+    reaches a statistic."""
+    from diffquant.kernels.flash import FULL_MASK, KEY_MASK, Masking
+
+    q, k, v = _qkv(2, 2, 2, 40, 40, 16, 13)
+    keys = torch.ones(2, 40, dtype=torch.bool)
+    keys[1, :9] = False
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    visible = causal[None, None] & keys[:, None, None, :]
+    if kind == "key":
+        masking = Masking(True, KEY_MASK, keys.to(torch.int8))
+    else:
+        masking = Masking(False, FULL_MASK, visible.view(torch.int8))
+    s, ref, r = _flash_site(q, k, v, masking, visible, 0.25, None, v_div=1, v_mod=2)
+    assert_exact_but_moments(ref, s)
+    assert_contract_moments(s.moments, r.logits[visible.expand_as(r.logits)])
+    assert int(s.hist.counts.sum()) == int(visible.expand(2, 2, 40, 40).sum())
+    logits, probs, out = _explicit(q, k, v, visible, 0.25)
+    assert torch.equal(r.first[1, 0], torch.where(torch.arange(40) >= 9, 9, 40).int())  # row 0-8: no visible key
+    assert torch.allclose(r.out.transpose(1, 2), out, rtol=1e-5, atol=1e-6)
+    assert bool((r.out[1, :9] == 0).all())
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, in the interpreter: inf - inf
+def test_flash_nonfinite_logits_are_counted_apart():
+    """inf in one key: its logits are ±inf or NaN; they are counted as non-finite, enter no other statistic, and the
+    torch path of the same logits agrees."""
+    from diffquant.kernels.flash import Masking
+
+    q, k, v = _qkv(1, 2, 2, 24, 24, 16, 14)
+    k[0, 1, 5, 3] = float("inf")
+    visible = torch.ones(24, 24, dtype=torch.bool).tril()[None, None]
+    s, ref, r = _flash_site(q, k, v, Masking(True), visible, 0.25, None, v_div=1, v_mod=2)
+    assert_exact_but_moments(ref, s)
+    assert int(s.nonfinite) == 24 - 5
+    finite = r.logits[visible.expand_as(r.logits)]
+    assert_contract_moments(s.moments, finite[finite.isfinite()])
+
+
+def test_flash_diff_paired_values_and_masses():
+    """DIFF's layout: 4 maps on 4 KV heads, paired values [V1 | V2] of width 2d read by maps j and j + 2: the output
+    of each map is its probabilities times its paired value (the explicit attention's), over 3 query tiles."""
+    from diffquant.kernels.flash import Masking
+
+    q, k, _ = _qkv(1, 4, 4, 150, 150, 16, 15)
+    vpair = torch.randn(1, 2, 150, 32, generator=torch.Generator().manual_seed(16))
+    visible = torch.ones(150, 150, dtype=torch.bool).tril()[None, None]
+    s, ref, r = _flash_site(q, k, vpair, Masking(True), visible, 0.25, None, k_top=5, v_div=1, v_mod=2,
+                            out_dtype=torch.float32)
+    assert_exact_but_moments(ref, s)
+    _, probs, out = _explicit(q, k, vpair, visible, 0.25, v_heads=[0, 1, 0, 1])
+    assert torch.allclose(r.out.transpose(1, 2), out, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(r.mass, probs[..., 0], rtol=1e-6, atol=1e-9)
+
+
+def assert_numbers_close(a, b, rel, where=""):
+    """Two report trees (dicts, lists, numbers) equal in structure, every number within `rel` (exact for integers)."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), where
+        for key in a:
+            assert_numbers_close(a[key], b[key], rel, f"{where}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_numbers_close(x, y, rel, f"{where}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert b == pytest.approx(a, rel=rel, abs=2e-6), where  # some are rounded to 6 places
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("arch", ["baseline", "diff"])
+def test_profile_with_flash_attention_equals_the_explicit_path(arch):
+    """A whole profile (attention logits, hidden states, the sink metrics; DIFF: both maps, the differential map and λ)
+    with kernels="triton": the flash kernel serves every layer's logits and sinks, and the report equals the explicit
+    path's, within the float32 rounding that a differently summed attention output carries into later layers."""
+    sites = ["*.attn_logits", "*.hidden"]
+    explicit, fused = _profiles(arch, sites, sinks=True)
+    assert {s.path for name, s in fused.sites.items() if "attn_logits" in name} == {"triton"}
+    summary = lambda p: {name: {k: v for k, v in s.summary().items() if k != "kernels"}  # noqa: E731
+                         for name, s in p.sites.items()}
+    a, b = summary(explicit), summary(fused)
+    for name in a:  # quantiles read bins: a value that moves by one rounding may cross a bin's edge
+        a[name].pop("quantiles"), b[name].pop("quantiles")
+    assert_numbers_close(a, b, rel=1e-5)
+    assert_numbers_close(explicit.sink_summary(), fused.sink_summary(), rel=1e-5)
+    counts = lambda p: sum(int(s.hist.counts.sum()) for n, s in p.sites.items() if "logits" in n)  # noqa: E731
+    assert counts(explicit) == counts(fused)
+
+
+def _tapped_run(model, ids, mask, choice, k=10):
+    """The model run with logit-statistics and sink observers on every layer, under `choice` of kernels: (output
+    logits, {site: summary}, {layer: sink summary})."""
+    from diffquant.profiler import SinkObserver, StatsObserver
+    from diffquant.stats.sinks import LayerSinks
+    from diffquant.taps import Batch, site_table, tapped
+
+    table = site_table(model)
+    stats = {s.name: StatsObserver(k) for s in table if s.kind == "attn_logits"}
+    sinks = {s.layer: LayerSinks() for s in table if s.kind == "attn_probs"}
+    taps = {name: [o] for name, o in stats.items()}
+    for s in table:
+        if s.kind in ("attn_probs", "attn_map", "lambda") and s.layer is not None:
+            taps.setdefault(s.name, []).append(SinkObserver(sinks[s.layer], s.kind))
+    batch = Batch(input_ids=ids, attention_mask=mask)
+    with kernels.chosen(choice), tapped(model, taps, batch), torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=False).logits
+    diff = model.config.model_type == "diffllama"
+    return (out, {n: {k: v for k, v in o.stats.summary().items() if k not in ("kernels", "quantiles")}
+                  for n, o in stats.items()}, {i: s.summary(diff) for i, s in sinks.items()},
+            {o.stats.path for o in stats.values()})
+
+
+@pytest.mark.parametrize("arch", ["baseline", "diff"])
+def test_flash_path_on_a_padded_batch(arch):
+    """A left-padded batch (transformers passes a 4-D mask): the flash path's output at real tokens, its logit
+    statistics and sink metrics equal the explicit path's."""
+    from diffquant.models.presets import PRESETS, build
+
+    model = build(PRESETS["micro"], arch, seed=4).eval()
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(17))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0
+    a, b = _tapped_run(model, ids, mask, "torch"), _tapped_run(model, ids, mask, "triton")
+    assert a[3] == {"torch"} and b[3] == {"triton"}
+    real = mask.bool()
+    assert torch.allclose(a[0][real], b[0][real], rtol=1e-5, atol=1e-6)
+    assert_numbers_close(a[1], b[1], rel=1e-5)
+    assert_numbers_close(a[2], b[2], rel=1e-5)
+
+
+def test_flash_path_gqa_model_and_causality(qwen2):
+    """Qwen2 with 4 query heads on 2 KV heads: the flash path equals the explicit one, and it is causal (a changed
+    last token changes no earlier output: transformers passes no mask for plainly causal input)."""
+    ids = torch.randint(0, 512, (1, 70), generator=torch.Generator().manual_seed(18))
+    a, b = _tapped_run(qwen2, ids, None, "torch"), _tapped_run(qwen2, ids, None, "triton")
+    assert b[3] == {"triton"}
+    assert torch.allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
+    assert_numbers_close(a[1], b[1], rel=1e-5)
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 512
+    c = _tapped_run(qwen2, changed, None, "triton")
+    assert torch.equal(c[0][:, :-1], b[0][:, :-1]) and not torch.equal(c[0][:, -1], b[0][:, -1])

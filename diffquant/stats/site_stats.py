@@ -169,6 +169,29 @@ class SiteStats:
         self.topk.add(x, ok, self.dims, input_ids, row_offset, rowmax, offset,
                       None if block is None else block[2], read_back=free_reads, finite=self.path == "triton")
 
+    def update_from_kernel(self, entry: torch.Tensor, rowmax: torch.Tensor, shape: torch.Size, fetch_rows,
+                           input_ids=None, row_offset: int = 0) -> None:
+        """One update whose full-tensor passes a Triton kernel ran where the values were made (the tapped attention's
+        flash kernel, taps/flash.py, which adds to this site's histogram and non-finite count in place): its [count,
+        sum, central power sums, ∞-norm] `entry` (one pass), the row maxima of |x| for x shaped `shape`, and
+        `fetch_rows(rows)` giving (values, counted) of chosen rows (flat indices over shape[:-1]) for the top-k."""
+        self.path = "triton" if self.path in (None, "triton") else "+".join(sorted({*self.path.split("+"), "triton"}))
+        self._batches.append(entry)
+        if len(self._batches) >= _FOLD_EVERY:
+            self._fold()
+        chan_dim, pos_dim = self._dims()
+        if chan_dim is not None:
+            self.channel_absmax = _elementwise_max(self.channel_absmax, _max_along(rowmax, chan_dim))
+        if pos_dim is not None:
+            self._add_positions(_max_along(rowmax, pos_dim), 0)
+        if rowmax.numel() > min(self.k, shape.numel()):  # as `TopK.add` searches: the rows of the k largest maxima
+            rows = torch.topk(rowmax.reshape(-1), min(self.k, shape.numel())).indices
+            values, counted = fetch_rows(rows)
+            self.topk.add_rows(rows, values, counted, shape, self.dims, input_ids, row_offset, finite=True)
+        else:  # every row: the whole tensor
+            values, counted = fetch_rows(torch.arange(rowmax.numel(), device=rowmax.device))
+            self.topk.add(values.reshape(shape), counted.reshape(shape), self.dims, input_ids, row_offset, finite=True)
+
     def _torch_update(self, x: torch.Tensor, valid, block, free_reads: bool):
         """The torch path (`_passes`): every statistic but the top-k. Returns (the update's [count, sum, central power
         sums, ∞-norm], the row maxima of |x|, the values counted)."""
