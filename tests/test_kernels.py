@@ -475,6 +475,24 @@ def test_flash_logit_statistics_gqa_causal(dtype):
     assert torch.allclose(r.out.transpose(1, 2).float(), out.float(), rtol=tol, atol=tol)
 
 
+def test_flash_bf16_logits_round_ties_to_even():
+    """bfloat16 logits exactly halfway between two bfloat16 values (1 + 2⁻⁸ and 1 + 3·2⁻⁸): rounded to the even one
+    (1 and 1 + 2⁻⁶), as torch rounds its bfloat16 matmul."""
+    from diffquant.kernels.flash import Masking
+
+    q = torch.zeros(1, 1, 16, 16)
+    k = torch.zeros(1, 1, 16, 16)
+    q[..., 0], q[..., 1] = 1.0, 2.0**-8
+    q[0, 0, 1::2, 1] = 3 * 2.0**-8
+    k[..., 0], k[..., 1] = 1.0, 1.0
+    q, k = q.bfloat16(), k.bfloat16()
+    visible = torch.ones(16, 16, dtype=torch.bool).tril()[None, None]
+    _, _, r = _flash_site(q, k, k, Masking(True), visible, 1.0, None, v_div=1, v_mod=1)
+    want = torch.matmul(q, k.transpose(2, 3)).float()
+    assert sorted(set(want[visible].tolist())) == [1.0, 1.015625]
+    assert torch.equal(r.logits[visible], want[visible])
+
+
 @pytest.mark.parametrize("kind", ["key", "full"])
 def test_flash_logit_statistics_padded_batch(kind):
     """Left padding, as flash-attention's [batch, key] mask (with causality) or a 4-D mask (SDPA's boolean mask): the
@@ -482,10 +500,10 @@ def test_flash_logit_statistics_padded_batch(kind):
     reaches a statistic."""
     from diffquant.kernels.flash import FULL_MASK, KEY_MASK, Masking
 
-    q, k, v = _qkv(2, 2, 2, 40, 40, 16, 13)
-    keys = torch.ones(2, 40, dtype=torch.bool)
-    keys[1, :9] = False
-    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    q, k, v = _qkv(2, 2, 2, 100, 100, 16, 13)
+    keys = torch.ones(2, 100, dtype=torch.bool)
+    keys[1, :70] = False  # its rows 70.. see nothing in their first tile of keys (0-63)
+    causal = torch.ones(100, 100, dtype=torch.bool).tril()
     visible = causal[None, None] & keys[:, None, None, :]
     if kind == "key":
         masking = Masking(True, KEY_MASK, keys.to(torch.int8))
@@ -494,11 +512,11 @@ def test_flash_logit_statistics_padded_batch(kind):
     s, ref, r = _flash_site(q, k, v, masking, visible, 0.25, None, v_div=1, v_mod=2)
     assert_exact_but_moments(ref, s)
     assert_contract_moments(s.moments, r.logits[visible.expand_as(r.logits)])
-    assert int(s.hist.counts.sum()) == int(visible.expand(2, 2, 40, 40).sum())
+    assert int(s.hist.counts.sum()) == int(visible.expand(2, 2, 100, 100).sum())
     logits, probs, out = _explicit(q, k, v, visible, 0.25)
-    assert torch.equal(r.first[1, 0], torch.where(torch.arange(40) >= 9, 9, 40).int())  # row 0-8: no visible key
+    assert torch.equal(r.first[1, 0], torch.where(torch.arange(100) >= 70, 70, 100).int())  # rows 0-69: no key
     assert torch.allclose(r.out.transpose(1, 2), out, rtol=1e-5, atol=1e-6)
-    assert bool((r.out[1, :9] == 0).all())
+    assert bool((r.out[1, :70] == 0).all())
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, in the interpreter: inf - inf
