@@ -270,7 +270,7 @@ def test_site_kernel_moments_of_a_large_mean():
 
 # ---------------------------------------------------------------- compiled for a GPU (no GPU needed)
 
-COMPILED = ["_site_kernel", "_pool_kernel", "_flash_kernel", "_rows_kernel", "_flash_kernel"]  # what COMPILE_CHECK builds
+COMPILED = ["_site_kernel", "_pool_kernel", "_flash_kernel", "_rows_kernel", "_absmax_kernel", "_flash_kernel"]
 COMPILE_CHECK = """
 import itertools, json, sys
 from triton.backends.compiler import GPUTarget
@@ -292,14 +292,19 @@ for x, mask, stats in (("*fp32", 0, True), ("*bf16", 2, False)):
     specs.append((flash._flash_kernel,
                   dict(q_ptr=x, k_ptr=x, v_ptr=x, out_ptr="*fp32", mask_ptr="*i8", stats_ptr="*fp64", rowmax_ptr="*fp32",
                        hist_ptr="*i64", nonfinite_ptr="*i64", first_ptr="*i32", mass_ptr="*fp32", logits_ptr="*fp32",
-                       **strides, svb="i32", svh="i32", svn="i32", sob="i32", som="i32", soh="i32", **sizes, DV="i32",
-                       kv_div="i32", v_div="i32", v_mod="i32", offset="i32", scale="fp32"),
-                  dict(common, STATS=stats, WRITE_LOGITS=False, DVP=128)))
+                       qscale_ptr="*fp32", **strides, svb="i32", svh="i32", svn="i32", sob="i32", som="i32", soh="i32",
+                       **sizes, DV="i32", kv_div="i32", v_div="i32", v_mod="i32", offset="i32", scale="fp32",
+                       qmax="fp32"),
+                  dict(common, STATS=stats, QUANT=stats, STATS_QUANTIZED=stats, WRITE_LOGITS=False, DVP=128)))
     if x == "*bf16":
-        continue  # the rows kernel's tiles are the flash kernel's
+        continue  # the rows and range kernels' tiles are the flash kernel's
     specs.append((flash._rows_kernel,
-                  dict(q_ptr=x, k_ptr=x, mask_ptr="*i8", sel_ptr="*i64", values_ptr="*fp32", ok_ptr="*i8", **strides,
-                       **sizes, kv_div="i32", offset="i32", scale="fp32"), common))
+                  dict(q_ptr=x, k_ptr=x, mask_ptr="*i8", sel_ptr="*i64", values_ptr="*fp32", ok_ptr="*i8",
+                       qscale_ptr="*fp32", **strides, **sizes, kv_div="i32", offset="i32", scale="fp32", qmax="fp32"),
+                  dict(common, QUANT=True)))
+    specs.append((flash._absmax_kernel,
+                  dict(q_ptr=x, k_ptr=x, mask_ptr="*i8", rowmax_ptr="*fp32", **strides, **sizes, kv_div="i32",
+                       offset="i32", scale="fp32"), common))
 done = []
 for fn, signature, constexprs in specs:
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
@@ -443,7 +448,8 @@ def _flash_site(q, k, v, masking, visible, scale, ids, k_top=20, **kwargs):
     r = flash.attention(q, k, v, masking, scale, hist=s.hist.counts, nonfinite=s.nonfinite, write_logits=True,
                         **kwargs)
     shape = torch.Size((q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
-    s.update_from_kernel(r.entry, r.rowmax, shape, lambda rows: flash.logit_rows(q, k, masking, scale, rows), ids)
+    s.update_from_kernel(r.entry, r.rowmax, shape,
+                         lambda rows: flash.logit_rows(q, k, masking, scale, rows, kwargs.get("quant")), ids)
     s._fold()
     ref = SiteStats(LOGIT_DIMS, k=k_top, kernels="torch")
     ref.update(r.logits, visible, ids)
@@ -639,3 +645,121 @@ def test_flash_path_gqa_model_and_causality(qwen2):
     changed[0, -1] = (changed[0, -1] + 1) % 512
     c = _tapped_run(qwen2, changed, None, "triton")
     assert torch.equal(c[0][:, :-1], b[0][:, :-1]) and not torch.equal(c[0][:, -1], b[0][:, -1])
+
+
+# ---------------------------------------------------------------- quantized logits in the flash kernel (step 4)
+
+GRANULARITIES = ["tensor", "head", "token"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_flash_quantized_logits_equal_fake_quant(granularity, dtype):
+    """int4 dynamic absmax per tensor (of a sequence), per head, per token: the logits the kernel's softmax reads are
+    quant/math.py's `dynamic_fake_quantize` of the kernel's own logits (ranges over the visible ones; masked ones kept),
+    bit for bit, and its output is the explicit softmax of them times V."""
+    from diffquant.kernels import flash
+    from diffquant.quant import math as Q
+    from diffquant.quant.granularity import parse_granularity
+    from diffquant.quant.scheme import int_config
+    from diffquant.taps.triton_attention import _scales
+
+    q, k, v = _qkv(2, 4, 2, 72, 72, 16, 19, dtype)
+    keys = torch.ones(2, 72, dtype=torch.bool)
+    keys[1, :5] = False
+    visible = torch.ones(72, 72, dtype=torch.bool).tril()[None, None] & keys[:, None, None, :]
+    masking = flash.Masking(True, flash.KEY_MASK, keys.to(torch.int8))
+    config = int_config(4, parse_granularity(granularity))
+    raw = flash.attention(q, k, v, masking, 0.25, v_div=2, v_mod=2, write_logits=True).logits
+    absmax = flash.row_absmax(q, k, masking, 0.25)
+    assert torch.equal(absmax, torch.where(visible, raw.abs(), 0.0).amax(-1))
+    quant = flash.Quant(_scales(config, absmax), config.format.qmax)
+    r = flash.attention(q, k, v, masking, 0.25, v_div=2, v_mod=2, quant=quant, write_logits=True)
+    logits = raw.to(dtype)  # what the explicit path's taps see (bf16 logits in a bf16 model)
+    want = Q.dynamic_fake_quantize(logits, config.format, config.granularity, LOGIT_DIMS, visible)
+    want = Q.keep_masked(want, logits, visible).float()
+    assert torch.equal(r.logits[visible.expand_as(want)], want[visible.expand_as(want)])
+    assert len(torch.unique(want[0, 0, 40][visible[0, 0, 40]])) <= 15  # int4: 15 codes per scale
+    probs = torch.softmax(want.masked_fill(~visible, float("-inf")), -1).masked_fill(~visible.any(-1, True), 0)
+    out = torch.matmul(probs.to(dtype), v.repeat_interleave(2, 1)).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(r.out.transpose(1, 2).float(), out, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_flash_statistics_before_or_after_the_quantizer(after):
+    """Statistics observed before the quantizer see the logits as computed; after it, the quantized ones (the taps'
+    order, as in the explicit path); the top-k's recomputed rows are quantized alike."""
+    from diffquant.kernels import flash
+    from diffquant.quant.scheme import int_config
+    from diffquant.quant.granularity import PerToken
+    from diffquant.taps.triton_attention import _scales
+
+    q, k, v = _qkv(1, 2, 2, 40, 40, 16, 20)
+    visible = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
+    config = int_config(3, PerToken())
+    quant = flash.Quant(_scales(config, flash.row_absmax(q, k, flash.Masking(True), 0.25)), config.format.qmax, after)
+    s, ref, r = _flash_site(q, k, v, flash.Masking(True), visible, 0.25, None, v_div=1, v_mod=2, quant=quant)
+    if after:  # the written logits are the quantized ones the statistics saw: `_flash_site`'s reference is exact
+        assert_exact_but_moments(ref, s)
+        assert len(torch.unique(r.logits[0, 0, 30, :31])) <= 7  # int3: 7 codes per row
+    else:
+        raw = flash.attention(q, k, v, flash.Masking(True), 0.25, v_div=1, v_mod=2, write_logits=True).logits
+        from diffquant.stats.site_stats import SiteStats
+
+        plain = SiteStats(LOGIT_DIMS, k=20, kernels="torch")
+        plain.update(raw, visible)
+        plain._fold()
+        assert_exact_but_moments(plain, s)
+
+
+@pytest.mark.parametrize("arch", ["baseline", "diff"])
+def test_logit_sweep_scheme_through_the_flash_kernel(arch):
+    """The sweep's int4 logit schemes (quant/scheme.py, attached as the sweep attaches them) on micro models: with the
+    Triton path the model's output equals the explicit fake-quant path's (the logits' rounding codes agree, so the
+    outputs differ by float32 summation order only)."""
+    from diffquant.models.presets import PRESETS, build
+    from diffquant.quant.scheme import QuantScheme, attach_scheme, int_config
+    from diffquant.quant.granularity import parse_granularity
+
+    model = build(PRESETS["micro"], arch, seed=4).eval()
+    ids = torch.randint(0, 512, (2, 72), generator=torch.Generator().manual_seed(21))
+    for granularity in GRANULARITIES:
+        scheme = QuantScheme(f"logits-int4-{granularity}",
+                             (("*.attn_logits", int_config(4, parse_granularity(granularity))),))
+        outs = []
+        for choice in ("torch", "triton"):
+            attachment = attach_scheme(model, scheme)
+            try:
+                with kernels.chosen(choice), torch.no_grad():
+                    outs.append(model(ids, use_cache=False).logits)
+            finally:
+                attachment.remove()
+        assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5), granularity
+
+
+@pytest.mark.parametrize("observer_first", [True, False])
+def test_logit_statistics_and_quantizer_in_either_order(observer_first):
+    """A statistics observer and an int4 per-head quantizer on the same logits, in either order: through the flash
+    kernel the observer sees what it sees on the explicit path (the logits as computed, or quantized)."""
+    from diffquant.models.presets import PRESETS, build
+    from diffquant.profiler import StatsObserver
+    from diffquant.quant.fake import FakeQuant
+    from diffquant.quant.granularity import PerHead
+    from diffquant.quant.scheme import int_config
+    from diffquant.taps import Batch, tapped
+
+    model = build(PRESETS["micro"], "baseline", seed=4).eval()
+    ids = torch.randint(0, 512, (2, 72), generator=torch.Generator().manual_seed(22))
+    summaries, outs = [], []
+    for choice in ("torch", "triton"):
+        observer = StatsObserver(k=10)
+        pair = [observer, FakeQuant(int_config(4, PerHead()))]
+        with kernels.chosen(choice), tapped(model, {"layers.0.attn_logits": pair if observer_first else pair[::-1]},
+                                             Batch(input_ids=ids)), torch.no_grad():
+            outs.append(model(ids, use_cache=False).logits)
+        assert observer.stats.path == choice
+        summaries.append({k: v for k, v in observer.stats.summary().items() if k not in ("kernels", "quantiles")})
+    assert_numbers_close(summaries[0], summaries[1], rel=1e-5)
+    assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+    assert (len(summaries[1]["channel_absmax"]) == 4) and (summaries[1]["count"] == 2 * 4 * 72 * 73 // 2)

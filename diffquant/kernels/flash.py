@@ -10,7 +10,8 @@ float32 inputs; bfloat16 inputs give bfloat16 logits, rounded where the explicit
   non-finite count, as kernels/site.py computes them for a tensor (the contract of diffquant/kernels);
 - each row's first visible key and its logit, for the attention sinks' first-key mass (softmax of that logit against
   the final row max and denominator);
-- optionally, per-row fake quantization of the logits before the softmax (step 4 of issue 47: `scale_ptr`);
+- optionally, fake quantization of the logits before the softmax with one scale per row (`Quant`: per tensor and
+  per head are per-row scales that happen to be equal; `row_absmax`, a first pass over QKᵀ, gives the ranges);
 - the online softmax and the product with V. V may be wider than Q and K and have its own head map
   (`v_div`, `v_mod`): DIFF's paired values [V1 | V2] of width 2d serve maps j and j + H/2.
 
@@ -65,6 +66,22 @@ def _logit_tile(q, k_ptr, cols, dq, K, D, skn, scale, PRECISION: tl.constexpr, B
 
 
 @triton.jit
+def _fake_quantize(s, vis, scale, qmax, BF16_LOGITS: tl.constexpr):
+    """Symmetric integer fake quantization of the visible logits with each row's `scale`, as quant/math.py's
+    `fake_quantize` computes it (x / scale correctly rounded, rounded half to even, clamped to ±qmax, times scale;
+    in the logits' dtype), masked ones kept as they were. Rounding: adding and taking away 1.5·2²³ leaves the
+    nearest integer (ties to even) of any |v| ≤ 2²² in float32, and the clamp comes first (the same result, since
+    qmax is an integer)."""
+    v = tl.math.div_rn(s, scale[:, None])
+    v = tl.minimum(tl.maximum(v, -qmax), qmax)
+    v = (v + 12582912.0) - 12582912.0
+    y = tl.where(s != s, s, v * scale[:, None])  # NaN stays NaN
+    if BF16_LOGITS:
+        y = _round_bf16(y)
+    return tl.where(vis, y, s)
+
+
+@triton.jit
 def _visible(rows, cols, Q, K, offset, mask_ptr, smm, smn, CAUSAL: tl.constexpr, MASK: tl.constexpr):
     """Which (query, key) pairs of a tile may attend: inside the call, causal (keys up to the query's own, bottom-right
     aligned), and the mask's entries (`mask_ptr` already at the sequence's row)."""
@@ -81,9 +98,10 @@ def _visible(rows, cols, Q, K, offset, mask_ptr, smm, smn, CAUSAL: tl.constexpr,
 
 @triton.jit
 def _flash_kernel(q_ptr, k_ptr, v_ptr, out_ptr, mask_ptr, stats_ptr, rowmax_ptr, hist_ptr, nonfinite_ptr, first_ptr,
-                  mass_ptr, logits_ptr, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, som, soh, smb, smm, smn,
-                  H, Q, K, D, DV, kv_div, v_div, v_mod, offset, scale,
-                  CAUSAL: tl.constexpr, MASK: tl.constexpr, STATS: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+                  mass_ptr, logits_ptr, qscale_ptr, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, som, soh, smb,
+                  smm, smn, H, Q, K, D, DV, kv_div, v_div, v_mod, offset, scale, qmax,
+                  CAUSAL: tl.constexpr, MASK: tl.constexpr, STATS: tl.constexpr, QUANT: tl.constexpr,
+                  STATS_QUANTIZED: tl.constexpr, WRITE_LOGITS: tl.constexpr,
                   BF16_LOGITS: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr):
     qb = tl.program_id(0)
@@ -110,6 +128,9 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, out_ptr, mask_ptr, stats_ptr, rowmax_ptr,
     m4 = tl.zeros((), tl.float64)
     rowmax = tl.zeros([BM], tl.int32)
     nonfinite = tl.zeros((), tl.int32)
+    row_index = bh.to(tl.int64) * Q + rows
+    if QUANT:
+        qscale = tl.load(qscale_ptr + row_index, mask=rows < Q, other=1.0)
     hi = K
     if CAUSAL:
         hi = tl.minimum(K, (qb + 1) * BM + offset)
@@ -117,9 +138,8 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, out_ptr, mask_ptr, stats_ptr, rowmax_ptr,
         cols = start + tl.arange(0, BN)
         s = _logit_tile(q, k_ptr, cols, dq, K, D, skn, scale, PRECISION, BF16_LOGITS, WIDEN)
         vis = _visible(rows, cols, Q, K, offset, mask_ptr, smm, smn, CAUSAL, MASK)
-        if WRITE_LOGITS:  # for tests and checks: the logits as this kernel computed them
-            tl.store(logits_ptr + (bh.to(tl.int64) * Q + rows[:, None]) * K + cols[None, :], s,
-                     mask=(rows < Q)[:, None] & (cols < K)[None, :])
+        if QUANT and STATS_QUANTIZED:
+            s = _fake_quantize(s, vis, qscale, qmax, BF16_LOGITS)
         if STATS:
             abits = s.to(tl.int32, bitcast=True) & 0x7FFFFFFF
             finite = abits < 0x7F800000
@@ -130,6 +150,11 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, out_ptr, mask_ptr, stats_ptr, rowmax_ptr,
             abits = tl.where(ok, abits, 0)
             rowmax = tl.maximum(rowmax, tl.max(abits, axis=1))
             count_bins(hist_ptr, abits, ok)
+        if QUANT and not STATS_QUANTIZED:
+            s = _fake_quantize(s, vis, qscale, qmax, BF16_LOGITS)
+        if WRITE_LOGITS:  # for tests and checks: the logits the softmax reads, as this kernel computed them
+            tl.store(logits_ptr + (bh.to(tl.int64) * Q + rows[:, None]) * K + cols[None, :], s,
+                     mask=(rows < Q)[:, None] & (cols < K)[None, :])
         fc = tl.min(tl.where(vis, cols[None, :], K), axis=1)
         new = (first == K) & (fc < K)
         s_first = tl.where(new, tl.max(tl.where(cols[None, :] == fc[:, None], s, float("-inf")), axis=1), s_first)
@@ -147,7 +172,6 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, out_ptr, mask_ptr, stats_ptr, rowmax_ptr,
     out = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(out_ptr + b.to(tl.int64) * sob + rows[:, None].to(tl.int64) * som + h * soh + dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(rows < Q)[:, None] & (dv < DV)[None, :])
-    row_index = bh.to(tl.int64) * Q + rows
     mass = tl.exp(s_first - tl.where(m_i == float("-inf"), 0.0, m_i)) / tl.where(l_i > 0, l_i, 1.0)
     tl.store(mass_ptr + row_index, tl.where(first < K, mass, 0.0), mask=rows < Q)
     tl.store(first_ptr + row_index, first, mask=rows < Q)
@@ -164,12 +188,13 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, out_ptr, mask_ptr, stats_ptr, rowmax_ptr,
 
 
 @triton.jit
-def _rows_kernel(q_ptr, k_ptr, mask_ptr, sel_ptr, values_ptr, ok_ptr, sqb, sqh, sqm, skb, skh, skn, smb, smm, smn,
-                 H, Q, K, D, kv_div, offset, scale, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+def _rows_kernel(q_ptr, k_ptr, mask_ptr, sel_ptr, values_ptr, ok_ptr, qscale_ptr, sqb, sqh, sqm, skb, skh, skn, smb,
+                 smm, smn, H, Q, K, D, kv_div, offset, scale, qmax, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+                 QUANT: tl.constexpr,
                  BF16_LOGITS: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, DP: tl.constexpr):
     """The logits (and visibility) of chosen rows (flat indices over [batch, head, query]), each computed in the q
-    tile the flash kernel computes it in: the same bits."""
+    tile the flash kernel computes it in: the same bits (fake-quantized with QUANT, as the statistics saw them)."""
     i = tl.program_id(0)
     r = tl.load(sel_ptr + i)
     b = r // (H * Q)
@@ -182,13 +207,47 @@ def _rows_kernel(q_ptr, k_ptr, mask_ptr, sel_ptr, values_ptr, ok_ptr, sqb, sqh, 
     k_ptr += b * skb + (h // kv_div) * skh
     mask_ptr += b * smb
     chosen = rows[:, None] == qi
+    if QUANT:
+        qscale = tl.load(qscale_ptr + (r - qi) + rows, mask=rows < Q, other=1.0)
     for start in range(0, K, BN):
         cols = start + tl.arange(0, BN)
         s = _logit_tile(q, k_ptr, cols, dq, K, D, skn, scale, PRECISION, BF16_LOGITS, WIDEN)
         vis = _visible(rows, cols, Q, K, offset, mask_ptr, smm, smn, CAUSAL, MASK)
+        if QUANT:
+            s = _fake_quantize(s, vis, qscale, qmax, BF16_LOGITS)
         tl.store(values_ptr + i.to(tl.int64) * K + cols, tl.max(tl.where(chosen, s, float("-inf")), axis=0),
                  mask=cols < K)
         tl.store(ok_ptr + i.to(tl.int64) * K + cols, tl.max(tl.where(chosen, vis.to(tl.int8), 0), axis=0), mask=cols < K)
+
+
+@triton.jit
+def _absmax_kernel(q_ptr, k_ptr, mask_ptr, rowmax_ptr, sqb, sqh, sqm, skb, skh, skn, smb, smm, smn, H, Q, K, D, kv_div,
+                   offset, scale, CAUSAL: tl.constexpr, MASK: tl.constexpr, BF16_LOGITS: tl.constexpr,
+                   PRECISION: tl.constexpr, WIDEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   DP: tl.constexpr):
+    """Each row's max |logit| over its visible finite logits: the range a dynamic quantizer's scale needs before any
+    logit is quantized (a first pass over QKᵀ, without softmax or V)."""
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = qb * BM + tl.arange(0, BM)
+    dq = tl.arange(0, DP)
+    q = tl.load(q_ptr + b.to(tl.int64) * sqb + h * sqh + rows[:, None].to(tl.int64) * sqm + dq[None, :],
+                mask=(rows < Q)[:, None] & (dq < D)[None, :], other=0.0)
+    k_ptr += b.to(tl.int64) * skb + (h // kv_div) * skh
+    mask_ptr += b.to(tl.int64) * smb
+    rowmax = tl.zeros([BM], tl.int32)
+    hi = K
+    if CAUSAL:
+        hi = tl.minimum(K, (qb + 1) * BM + offset)
+    for start in range(0, hi, BN):
+        cols = start + tl.arange(0, BN)
+        s = _logit_tile(q, k_ptr, cols, dq, K, D, skn, scale, PRECISION, BF16_LOGITS, WIDEN)
+        vis = _visible(rows, cols, Q, K, offset, mask_ptr, smm, smn, CAUSAL, MASK)
+        abits = s.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        rowmax = tl.maximum(rowmax, tl.max(tl.where(vis & (abits < 0x7F800000), abits, 0), axis=1))
+    tl.store(rowmax_ptr + bh.to(tl.int64) * Q + rows, rowmax.to(tl.float32, bitcast=True), mask=rows < Q)
 
 
 class Masking(NamedTuple):
@@ -205,6 +264,16 @@ class Masking(NamedTuple):
         if self.kind == FULL_MASK:
             return (self.mask.stride(0) if self.mask.shape[0] > 1 else 0), self.mask.stride(2), self.mask.stride(3)
         return 0, 0, 0
+
+
+class Quant(NamedTuple):
+    """Symmetric integer fake quantization of the logits before the softmax: one scale per (sequence, head, query) row
+    ([batch, H, Q] float32), the grid's largest code, and whether the statistics see the quantized logits (their
+    observer comes after the quantizer) or the logits as computed."""
+
+    scales: torch.Tensor
+    qmax: float
+    stats_quantized: bool = False
 
 
 class Flash(NamedTuple):
@@ -237,11 +306,12 @@ def _common(q: torch.Tensor, k: torch.Tensor, masking: Masking, scale: float) ->
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masking: Masking, scale: float, *, v_div: int,
               v_mod: int, hist: torch.Tensor | None = None, nonfinite: torch.Tensor | None = None,
-              out_dtype: torch.dtype | None = None, write_logits: bool = False) -> Flash:
+              quant: Quant | None = None, out_dtype: torch.dtype | None = None, write_logits: bool = False) -> Flash:
     """Attention of q [batch, H, Q, d] over k [batch, H_kv, K, d] and v [batch, H_v, K, d_v] (query head h reads key
     head h // (H / H_kv) and value head (h // v_div) % v_mod); the output [batch, Q, H, d_v] in `out_dtype` (q's by
     default). With `hist` (int64 counts) and `nonfinite`, the visible logits' statistics are computed too (added to
-    those two in place)."""
+    those two in place); with `quant`, the logits are fake-quantized before the softmax. `write_logits` (tests,
+    checks) also returns the logits the softmax read, [batch, H, Q, K]."""
     batch, heads, q_len, d = q.shape
     k_len, dv = k.shape[2], v.shape[3]
     for t in (q, k, v):
@@ -261,10 +331,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masking: Maskin
     _flash_kernel[(blocks, batch * heads)](
         q, k, v, out, mask, per_program, rowmax if stats else mass, hist if stats else first,
         nonfinite if stats else first, first, mass, logits if write_logits else mass,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), out.stride(0), out.stride(1), out.stride(2), *masking.strides(),
+        quant.scales if quant else mass, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *masking.strides(),
         heads, q_len, k_len, d, dv, heads // k.shape[1], v_div, v_mod, k_len - q_len, scale,
-        STATS=stats, WRITE_LOGITS=write_logits, DVP=max(16, triton.next_power_of_2(dv)), **common)
+        quant.qmax if quant else 0.0, STATS=stats, QUANT=quant is not None,
+        STATS_QUANTIZED=bool(quant and quant.stats_quantized), WRITE_LOGITS=write_logits,
+        DVP=max(16, triton.next_power_of_2(dv)), **common)
     entry = None
     if stats:
         entry = torch.empty(STATS, dtype=torch.float64, device=q.device)
@@ -272,17 +344,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masking: Maskin
     return Flash(out, first, mass, entry, rowmax, logits)
 
 
-def logit_rows(q: torch.Tensor, k: torch.Tensor, masking: Masking, scale: float, rows: torch.Tensor):
+def logit_rows(q: torch.Tensor, k: torch.Tensor, masking: Masking, scale: float, rows: torch.Tensor,
+               quant: Quant | None = None):
     """(values [n, K] float32, visible [n, K] bool) of the logits rows `rows` (flat indices over [batch, H, Q]), as the
-    flash kernel computed them."""
+    flash kernel's statistics saw them (quantized where `quant.stats_quantized`)."""
     batch, heads, q_len, d = q.shape
     k_len = k.shape[2]
     values = torch.empty(rows.numel(), k_len, dtype=torch.float32, device=q.device)
     ok = torch.empty(rows.numel(), k_len, dtype=torch.int8, device=q.device)
+    quantized = quant is not None and quant.stats_quantized
     if rows.numel():
         mask = masking.mask if masking.mask is not None else ok
         _rows_kernel[(rows.numel(),)](
-            q, k, mask, rows.contiguous(), values, ok, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-            k.stride(2), *masking.strides(), heads, q_len, k_len, d, heads // k.shape[1], k_len - q_len, scale,
+            q, k, mask, rows.contiguous(), values, ok, quant.scales if quantized else values, q.stride(0), q.stride(1),
+            q.stride(2), k.stride(0), k.stride(1), k.stride(2), *masking.strides(), heads, q_len, k_len, d,
+            heads // k.shape[1], k_len - q_len, scale, quant.qmax if quantized else 0.0, QUANT=quantized,
             **_common(q, k, masking, scale))
     return values, ok.bool()
+
+
+def row_absmax(q: torch.Tensor, k: torch.Tensor, masking: Masking, scale: float) -> torch.Tensor:
+    """[batch, H, Q] float32: each row's max |logit| over its visible finite logits (0 where none), computed by the
+    flash kernel's tile code: what a dynamic logit quantizer reads before quantizing (`_absmax_kernel`)."""
+    batch, heads, q_len, d = q.shape
+    common = _common(q, k, masking, scale)
+    rowmax = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
+    mask = masking.mask if masking.mask is not None else rowmax
+    _absmax_kernel[(triton.cdiv(q_len, common["BM"]), batch * heads)](
+        q, k, mask, rowmax, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        *masking.strides(), heads, q_len, k.shape[2], d, heads // k.shape[1], k.shape[2] - q_len, scale, **common)
+    return rowmax
