@@ -5,6 +5,7 @@
 # first minutes; one JSON summary, $OUT/gpu_check.json (benchmarks/gpu_check.py holds the steps and their limits).
 #
 #     bash benchmarks/gpu_check.sh               # on the GPU machine; exit 0 when every step is ok
+#     bash benchmarks/gpu_check.sh --steps kernels   # the Triton kernels' steps only (issue 47; about 6 minutes)
 #     bash benchmarks/gpu_check.sh --cpu-smoke   # anywhere: every step on CPU with tiny settings (the suite runs it)
 #
 # The GPU machine reaches no package registry: what its Python lacks travels as wheels in .whl/ in the checkout
@@ -25,11 +26,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=()
+STEPS=()
 for arg in "$@"; do
     case "$arg" in
         --cpu-smoke) SMOKE=(--cpu-smoke) ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument $arg (--cpu-smoke, or none)"; exit 2 ;;
+        --steps) STEPS=(--steps) ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        *) if [ ${#STEPS[@]} -gt 0 ]; then STEPS+=("$arg"); else
+               echo "gpu_check.sh: unknown argument $arg (--cpu-smoke, --steps NAME..., or none)"; exit 2; fi ;;
     esac
 done
 PY=${PYTHON:-python3}
@@ -43,4 +47,4 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export OUT=${OUT:-/tmp/gpu_check-out} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-exec "$PY" -m benchmarks.gpu_check "${SMOKE[@]}" --out "$OUT"
+exec "$PY" -m benchmarks.gpu_check "${SMOKE[@]}" "${STEPS[@]}" --out "$OUT"
