@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The first thing to run on a GPU machine (about 7 minutes on one H100/H200, no network): the GPU benchmark sections
-# (results-cuda.json: tokens/s and peak GPU memory of the forward, the profiles, DIFF vs the baseline, a sweep), a
-# bf16 profile compared with the fp32 one, one real low-bit backend's kernel on the GPU, and the GPU recipe's
-# first minutes; one JSON summary, $OUT/gpu_check.json (benchmarks/gpu_check.py holds the steps and their limits).
+# The first thing to run on a GPU machine (no network): the GPU benchmark sections (results-cuda.json: tokens/s and
+# peak GPU memory of the forward, the profiles, DIFF vs the baseline, a sweep), a bf16 profile compared with the fp32
+# one, one real low-bit backend's kernel on the GPU, and the GPU recipe's first minutes (about 7 minutes on one
+# H100/H200), then the Triton kernels' five steps (about 6 more; `--steps kernels` runs only them, `--steps NAME...`
+# any); one JSON summary, $OUT/gpu_check.json, written after every step (benchmarks/gpu_check.py holds the steps and
+# their limits).
 #
 #     bash benchmarks/gpu_check.sh               # on the GPU machine; exit 0 when every step is ok
 #     bash benchmarks/gpu_check.sh --steps kernels   # the Triton kernels' steps only (issue 47; about 6 minutes)
@@ -31,7 +33,7 @@ for arg in "$@"; do
     case "$arg" in
         --cpu-smoke) SMOKE=(--cpu-smoke) ;;
         --steps) STEPS=(--steps) ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
         *) if [ ${#STEPS[@]} -gt 0 ]; then STEPS+=("$arg"); else
                echo "gpu_check.sh: unknown argument $arg (--cpu-smoke, --steps NAME..., or none)"; exit 2; fi ;;
     esac

@@ -13,6 +13,8 @@ counts. Masked and non-finite values enter none of it; non-finite ones are count
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -190,7 +192,7 @@ class SiteKernel:
                                   torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
         stats, rowmax = self._buffers[key]
         mask, lead, strides = _mask_view(x, valid)
-        threshold_bits = int(torch.tensor(threshold, dtype=torch.float32).view(torch.int32))
+        threshold_bits = struct.unpack("<i", struct.pack("<f", threshold))[0]  # |x| ≥ t compared as bit patterns
         _site_kernel[(programs,)](
             x, mask if mask is not None else x, stats, rowmax, hist,
             colmax.view(torch.int32) if colmax is not None else stats, hits if hits is not None else stats,
