@@ -12,12 +12,13 @@ Steps, each a dict in the summary's "steps" with its status (ok, failed, timed o
   device, tokens/s against the float forward;
 - recipe: experiments/gpu_recipe.py for its first minutes (its estimate is printed first; the run is stopped at
   the step's limit, which is not a failure);
-- index_add, site_kernel, flash, forward, kernel_time: the Triton kernels of issue 47 (benchmarks/kernels_check.py):
-  the histogram's bin-0 hypothesis, the fused site kernel's GB/s and contract, the flash kernel with statistics against
-  SDPA and eager attention, the whole profiled forward (torch and Triton paths, eager and CUDA-graphed), kernel time
-  against wall time. With --cpu-smoke they run under Triton's interpreter (TRITON_INTERPRET=1) on tiny shapes.
+- index_add, site_kernel, flash, forward, kernel_time, diff_attention: the Triton kernels of issue 47
+  (benchmarks/kernels_check.py): the histogram's bin-0 hypothesis, the fused site kernel's GB/s and contract, the flash
+  kernel with statistics against SDPA and eager attention, the whole profiled forward (torch and Triton paths, eager
+  and CUDA-graphed), kernel time against wall time, DIFF's attention in one kernel with 2d-wide values against SDPA.
+  With --cpu-smoke they run under Triton's interpreter (TRITON_INTERPRET=1) on tiny shapes.
 
-`--steps NAME ...` runs some steps only (`--steps kernels`: the five above, about 6 minutes on an H100). The summary
+`--steps NAME ...` runs some steps only (`--steps kernels`: the six above, about 7 minutes on an H100). The summary
 is written after every step, so a stop keeps what finished.
 """
 
@@ -41,8 +42,9 @@ REQUIRED = [("torch", "everything", "2.4"), ("transformers", "models", "5.23"), 
 # seconds per step on a GPU / in the CPU smoke run; the GPU total of each group stays under 8 minutes with start-up
 LIMITS = {"benchmarks": (170, 120), "bf16_profile": (60, 60), "backend": (45, 60), "recipe": (150, 40),
           "index_add": (30, 60), "site_kernel": (60, 90), "flash": (60, 120), "forward": (150, 180),
-          "kernel_time": (60, 120)}
-KERNEL_STEPS = ("index_add", "site_kernel", "flash", "forward", "kernel_time")  # benchmarks/kernels_check.py
+          "kernel_time": (60, 120), "diff_attention": (30, 60)}
+KERNEL_STEPS = ("index_add", "site_kernel", "flash", "forward", "kernel_time",
+                "diff_attention")  # benchmarks/kernels_check.py
 
 
 def _version(v: str) -> tuple:

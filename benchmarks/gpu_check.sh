@@ -2,12 +2,12 @@
 # The first thing to run on a GPU machine (no network): the GPU benchmark sections (results-cuda.json: tokens/s and
 # peak GPU memory of the forward, the profiles, DIFF vs the baseline, a sweep), a bf16 profile compared with the fp32
 # one, one real low-bit backend's kernel on the GPU, and the GPU recipe's first minutes (about 7 minutes on one
-# H100/H200), then the Triton kernels' five steps (about 6 more; `--steps kernels` runs only them, `--steps NAME...`
+# H100/H200), then the Triton kernels' six steps (about 7 more; `--steps kernels` runs only them, `--steps NAME...`
 # any); one JSON summary, $OUT/gpu_check.json, written after every step (benchmarks/gpu_check.py holds the steps and
 # their limits).
 #
 #     bash benchmarks/gpu_check.sh               # on the GPU machine; exit 0 when every step is ok
-#     bash benchmarks/gpu_check.sh --steps kernels   # the Triton kernels' steps only (issue 47; about 6 minutes)
+#     bash benchmarks/gpu_check.sh --steps kernels   # the Triton kernels' steps only (issue 47; about 7 minutes)
 #     bash benchmarks/gpu_check.sh --cpu-smoke   # anywhere: every step on CPU with tiny settings (the suite runs it)
 #
 # The GPU machine reaches no package registry: what its Python lacks travels as wheels in .whl/ in the checkout

@@ -322,5 +322,38 @@ def step_kernel_time(device: str, smoke: bool) -> dict:
     return {"preset": preset, "tokens": ids.numel(), **out, "status": "ok"}
 
 
+def step_diff_attention(device: str, smoke: bool) -> dict:
+    """DIFF's attention in bf16 at `small`'s shape (8 maps of d = 64 on 512 tokens, paired values of 2d for 4
+    differential heads), against the baseline's SDPA: DIFF as diffquant runs it on SDPA (Q and K zero-padded to 2d,
+    one call; models/fused.py), and in one Triton kernel with the 2d-wide paired values (kernels/flash.py, no
+    statistics), each followed by A1·V − λ·A2·V."""
+    from diffquant.kernels import flash
+    from diffquant.models.fused import _sdpa_padded
+
+    batch, heads, seq, d = (1, 4, 72, 16) if smoke else (16, 8, 512, 64)
+    g = torch.Generator(device=device).manual_seed(2)
+    q, k, v = (torch.randn(batch, heads, seq, d, device=device, generator=g).bfloat16() for _ in range(3))
+    vpair = torch.cat([v[:, : heads // 2], v[:, heads // 2:]], dim=-1)  # [V1 | V2] per differential head
+    lam = torch.tensor(0.3, device=device, dtype=torch.bfloat16)
+    half = heads // 2
+
+    def diff_sdpa():
+        out = _sdpa_padded(q, k, v, d**-0.5)
+        return out[:, :, :half] - lam * out[:, :, half:]
+
+    def diff_triton():
+        out = flash.attention(q, k, vpair, flash.Masking(True), d**-0.5, v_div=1, v_mod=half, out_dtype=torch.float32)
+        return (out.out[:, :, :half] - lam.float() * out.out[:, :, half:]).bfloat16()
+
+    baseline = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    t = timed({"baseline_sdpa": baseline, "diff_sdpa_padded": diff_sdpa, "diff_triton": diff_triton}, device,
+              2 if smoke else 20)
+    error = float((diff_sdpa().float() - diff_triton().float()).abs().max())
+    return {"shape": [batch, heads, seq, d], "times_s": t,
+            "baseline_vs_diff_sdpa_padded": spread(t, "baseline_sdpa", "diff_sdpa_padded"),
+            "baseline_vs_diff_triton": spread(t, "baseline_sdpa", "diff_triton"),
+            "max_abs_difference": error, "status": "ok" if error < 5e-2 else "failed"}
+
+
 STEPS = {"index_add": step_index_add, "site_kernel": step_site_kernel, "flash": step_flash, "forward": step_forward,
-         "kernel_time": step_kernel_time}
+         "kernel_time": step_kernel_time, "diff_attention": step_diff_attention}

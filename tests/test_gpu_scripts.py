@@ -80,7 +80,7 @@ def test_gpu_check_kernel_steps_run_on_cpu(tmp_path):
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     steps = summary["steps"]
     assert {k: v["status"] for k, v in steps.items()} == dict.fromkeys(
-        ("index_add", "site_kernel", "flash", "forward", "kernel_time"), "ok")
+        ("index_add", "site_kernel", "flash", "forward", "kernel_time", "diff_attention"), "ok")
     assert all(case["contract"]["ok"] and case["contract"]["deterministic"]
                for name, case in steps["site_kernel"].items() if isinstance(case, dict) and "contract" in case)
     assert steps["flash"]["float32"]["contract"]["exact"] == dict.fromkeys(("histogram", "nonfinite", "maxima", "topk"), True)
