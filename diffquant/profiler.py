@@ -13,8 +13,8 @@ from typing import Iterable
 
 import torch
 
-from diffquant.errors import DiffquantError
 from diffquant import kernels as choose_kernels
+from diffquant.errors import DiffquantError
 from diffquant.frozen import evaluating
 from diffquant.models.describe import describe
 from diffquant.stats import metric_sets as paper_sets
@@ -40,7 +40,7 @@ class StatsObserver:
         self.site_stats(ctx, x.device).update(x, ctx.valid, ctx.batch.input_ids, ctx.batch.row_offset, ctx.block)
 
     def site_stats(self, ctx, device) -> SiteStats:
-        """This site's statistics, made at first use on `device`. The tapped attention's Triton path (taps/flash.py)
+        """This site's statistics, made at first use on `device`. The tapped attention's Triton path (taps/triton_attention.py)
         updates them from its own kernel instead of calling the observer with the logits."""
         if self.stats is None:
             self.stats = SiteStats(ctx.site.dims, self.k, device, compile=self.compile, kernels=self.kernels)

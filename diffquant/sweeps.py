@@ -361,17 +361,9 @@ def run_sweep(models: dict[str, tuple], data: str, out: Path, *, sites: list[str
     `data`), calibration windows (16 of the training split, for fixes, weight solvers and static scales), the
     cells, and their rows, resumably in `out` (the command line and `dq.sweep` both run this). `kernels`: the
     tapped attention's and the kurtosis profile's (diffquant/kernels; None: the choice in force)."""
-    from diffquant.kernels import chosen
-
-    with chosen(kernels):
-        return _run_sweep(models, data, out, sites, bits, granularities, schemes, fixes, weights, wa_grid, per_layer,
-                          evals, seq_len, tokens, kurtosis_tokens, mc_limit, cache, compile, progress)
-
-
-def _run_sweep(models, data, out, sites, bits, granularities, schemes, fixes, weights, wa_grid, per_layer, evals,
-               seq_len, tokens, kurtosis_tokens, mc_limit, cache, compile, progress) -> list[dict]:
     from diffquant.data.tasks import load_task
     from diffquant.data.windows import corpus_text, corpus_windows
+    from diffquant.kernels import chosen
     from diffquant.memory import check_fits
     from diffquant.paths import atomic_write_json
 
@@ -394,7 +386,8 @@ def _run_sweep(models, data, out, sites, bits, granularities, schemes, fixes, we
         calibration[label] = corpus_windows(data, tokenizer, "train", seq_len, 16 * seq_len, cache, chars=200_000)
     layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
     cells = build_cells(list(models), sites, bits, granularities, wa_grid, per_layer, layers, fixes, schemes, weights)
-    if kurtosis_tokens:
-        save_layer_kurtosis(models, val, seq_len, kurtosis_tokens, out)
-    return run_cells(models, cells, evaluators, out, progress=progress, compile=compile, calibration=calibration)
+    with chosen(kernels):
+        if kurtosis_tokens:
+            save_layer_kurtosis(models, val, seq_len, kurtosis_tokens, out)
+        return run_cells(models, cells, evaluators, out, progress=progress, compile=compile, calibration=calibration)
 

@@ -178,10 +178,10 @@ class SiteStats:
     def update_from_kernel(self, entry: torch.Tensor, rowmax: torch.Tensor, shape: torch.Size, fetch_rows,
                            input_ids=None, row_offset: int = 0) -> None:
         """One update whose full-tensor passes a Triton kernel ran where the values were made (the tapped attention's
-        flash kernel, taps/flash.py, which adds to this site's histogram and non-finite count in place): its [count,
-        sum, central power sums, ∞-norm] `entry` (one pass), the row maxima of |x| for x shaped `shape`, and
-        `fetch_rows(rows)` giving (values, counted) of chosen rows (flat indices over shape[:-1]) for the top-k."""
-        self.path = "triton" if self.path in (None, "triton") else "+".join(sorted({*self.path.split("+"), "triton"}))
+        flash kernel, taps/triton_attention.py, which adds to this site's histogram and non-finite count in place):
+        its [count, sum, central power sums, ∞-norm] `entry` (one pass), the row maxima of |x| for x shaped `shape`,
+        and `fetch_rows(rows)` giving (values, counted) of chosen rows (flat indices over shape[:-1]) for the top-k."""
+        self.path = _paths(self.path, "triton")
         self._batches.append(entry)
         if len(self._batches) >= _FOLD_EVERY:
             self._fold()
@@ -287,7 +287,7 @@ class SiteStats:
         self._fold()
         other._fold()
         out = SiteStats(self.dims, self.k, self.nonfinite.device, self.threshold, self.compile, self.kernels)
-        out.path = "+".join(sorted({p for p in (self.path, other.path) if p})) or None
+        out.path = _paths(self.path, other.path)
         out.moments = self.moments.merge(other.moments)
         out.topk = self.topk.merge(other.topk)
         out.hist = self.hist.merge(other.hist)
@@ -352,6 +352,12 @@ def _same_pass(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Two updates' [count, sum, central power sums, ∞-norm] pooled into one (blocks of one pass)."""
     pooled = Moments.pool(*torch.stack([a, b])[:, :5].unbind(1))
     return torch.stack([pooled.n, pooled.mean * pooled.n, pooled.m2, pooled.m3, pooled.m4, torch.maximum(a[5], b[5])])
+
+
+def _paths(*paths: str | None) -> str | None:
+    """The paths that computed statistics merged: "torch", "triton" or both ("torch+triton")."""
+    names = {name for path in paths if path for name in path.split("+")}
+    return "+".join(sorted(names)) or None
 
 
 def _max_along(rowmax: torch.Tensor, dim: int) -> torch.Tensor:
