@@ -11,7 +11,15 @@ Steps, each a dict in the summary's "steps" with its status (ok, failed, timed o
   the device: its logits' signal-to-quantization-noise ratio against the float model's, the weight class and its
   device, tokens/s against the float forward;
 - recipe: experiments/gpu_recipe.py for its first minutes (its estimate is printed first; the run is stopped at
-  the step's limit, which is not a failure).
+  the step's limit, which is not a failure);
+- index_add, site_kernel, flash, forward, kernel_time, diff_attention: the Triton kernels of issue 47
+  (benchmarks/kernels_check.py): the histogram's bin-0 hypothesis, the fused site kernel's GB/s and contract, the flash
+  kernel with statistics against SDPA and eager attention, the whole profiled forward (torch and Triton paths, eager
+  and CUDA-graphed), kernel time against wall time, DIFF's attention in one kernel with 2d-wide values against SDPA.
+  With --cpu-smoke they run under Triton's interpreter (TRITON_INTERPRET=1) on tiny shapes.
+
+`--steps NAME ...` runs some steps only (`--steps kernels`: the six above, about 7 minutes on an H100). The summary
+is written after every step, so a stop keeps what finished.
 """
 
 from __future__ import annotations
@@ -31,8 +39,12 @@ REQUIRED = [("torch", "everything", "2.4"), ("transformers", "models", "5.23"), 
             ("tokenizers", "tokenizers", None), ("accelerate", "loading", None), ("numpy", "statistics", None),
             ("scipy", "statistics", None), ("matplotlib", "figures", None), ("tqdm", "progress", None),
             ("yaml", "schemes", None), ("filelock", "caches", None)]
-# seconds per step on a GPU / in the CPU smoke run; the GPU total stays under 8 minutes with start-up
-LIMITS = {"benchmarks": (170, 120), "bf16_profile": (60, 60), "backend": (45, 60), "recipe": (150, 40)}
+# seconds per step on a GPU / in the CPU smoke run; the GPU total of each group stays under 8 minutes with start-up
+LIMITS = {"benchmarks": (170, 120), "bf16_profile": (60, 60), "backend": (45, 60), "recipe": (150, 40),
+          "index_add": (30, 60), "site_kernel": (60, 90), "flash": (60, 120), "forward": (150, 180),
+          "kernel_time": (60, 120), "diff_attention": (30, 60)}
+KERNEL_STEPS = ("index_add", "site_kernel", "flash", "forward", "kernel_time",
+                "diff_attention")  # benchmarks/kernels_check.py
 
 
 def _version(v: str) -> tuple:
@@ -75,6 +87,12 @@ def prerequisites(smoke: bool, backend: str) -> tuple[list[str], bool]:
             ok = False
     from importlib.util import find_spec
 
+    if find_spec("triton"):
+        from importlib.metadata import version
+
+        lines.append(f"ok triton {version('triton')} (the kernel steps)")
+    else:
+        lines.append("MISSING triton (the kernel steps are skipped): carry its wheel in .whl/")
     package = {"torchao": "torchao", "bnb": "bitsandbytes", "quanto": "optimum.quanto"}[backend.split("-")[0]]
     lines.append(f"ok {package} (backend {backend})" if find_spec(package.split(".")[0]) else
                  f"MISSING {package} (backend {backend}; that step is skipped): carry its wheel in .whl/")
@@ -238,9 +256,12 @@ def run_step(name: str, smoke: bool, out: Path, backend: str) -> dict:
     result_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--step", name, "--out", str(out), "--backend", backend]
     cmd += ["--cpu-smoke"] if smoke else []
+    env = dict(os.environ)
+    if smoke and name in KERNEL_STEPS:  # Triton's interpreter runs the kernels on CPU tensors
+        env["TRITON_INTERPRET"] = "1"
     t = time.perf_counter()
     try:  # the recipe stops itself at its limit; the others are stopped here
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env,
                            timeout=limit + (30 if name == "recipe" else 0))
         status, tail = ("ok" if r.returncode == 0 else "failed"), _tail(r.stdout + r.stderr)
     except subprocess.TimeoutExpired as e:
@@ -255,13 +276,27 @@ def run_step(name: str, smoke: bool, out: Path, backend: str) -> dict:
     return entry
 
 
+def write_summary(summary: dict, out: Path, ok: bool, t0: float) -> None:
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    summary["ok"] = ok and all(s["status"] in ("ok", "skipped") for s in summary["steps"].values())
+    tmp = out / "gpu_check.json.tmp"  # written whole, then renamed (diffquant itself may be what is missing)
+    tmp.write_text(json.dumps(summary, indent=1, default=str))
+    os.replace(tmp, out / "gpu_check.json")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu-smoke", action="store_true", help="every step on CPU with tiny settings (seconds)")
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_check-out")
     p.add_argument("--backend", default=os.environ.get("GPU_CHECK_BACKEND", "torchao-int8wo"))
+    p.add_argument("--steps", nargs="+", default=None, metavar="STEP",
+                   help=f"run these steps only ({', '.join(LIMITS)}; 'kernels' names the Triton ones)")
     p.add_argument("--step", default=None, choices=sorted(LIMITS), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    chosen = [x for name in (a.steps or LIMITS) for x in (KERNEL_STEPS if name == "kernels" else [name])]
+    unknown = [name for name in chosen if name not in LIMITS]
+    if unknown:
+        p.error(f"unknown steps {', '.join(unknown)}; choose from {', '.join(LIMITS)} or kernels")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.step:  # inside a step's own process
@@ -273,6 +308,10 @@ def main(argv=None) -> int:
                  "bf16_profile": lambda: step_bf16_profile(device, smoke, out),
                  "backend": lambda: step_backend(device, smoke, out, a.backend),
                  "recipe": lambda: step_recipe(device, smoke, out, LIMITS["recipe"][1 if smoke else 0])}
+        if a.step in KERNEL_STEPS:
+            from benchmarks.kernels_check import STEPS
+
+            steps[a.step] = lambda: STEPS[a.step](device, smoke)
         result = steps[a.step]()
         work = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check"))
         (work / f"{a.step}.json").write_text(json.dumps(result, default=str))
@@ -286,17 +325,17 @@ def main(argv=None) -> int:
 
         summary.update({"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
                         and not a.cpu_smoke else "cpu"})
-        for name in LIMITS:
+        for name in chosen:
             if name == "backend" and any(x.startswith("MISSING") and "backend" in x for x in lines):
                 summary["steps"][name] = {"status": "skipped", "why": "backend package missing"}
                 continue
+            if name in KERNEL_STEPS and any(x.startswith("MISSING triton") for x in lines):
+                summary["steps"][name] = {"status": "skipped", "why": "triton missing"}
+                continue
             summary["steps"][name] = run_step(name, a.cpu_smoke, out, a.backend)
             print(f"{name}: {summary['steps'][name]['status']} ({summary['steps'][name].get('seconds')} s)", flush=True)
-    summary["seconds"] = round(time.perf_counter() - t0, 1)
-    summary["ok"] = ok and all(s["status"] in ("ok", "skipped") for s in summary["steps"].values())
-    tmp = out / "gpu_check.json.tmp"  # written whole, then renamed (diffquant itself may be what is missing)
-    tmp.write_text(json.dumps(summary, indent=1, default=str))
-    os.replace(tmp, out / "gpu_check.json")
+            write_summary(summary, out, ok, t0)  # after every step: a stop keeps what finished
+    write_summary(summary, out, ok, t0)
     verdict = "ok" if summary["ok"] else "FAILED"
     print(f"gpu_check: {verdict} in {summary['seconds']} s; summary in {out / 'gpu_check.json'}")
     return 0 if summary["ok"] else 1

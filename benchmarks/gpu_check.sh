@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The first thing to run on a GPU machine (about 7 minutes on one H100/H200, no network): the GPU benchmark sections
-# (results-cuda.json: tokens/s and peak GPU memory of the forward, the profiles, DIFF vs the baseline, a sweep), a
-# bf16 profile compared with the fp32 one, one real low-bit backend's kernel on the GPU, and the GPU recipe's
-# first minutes; one JSON summary, $OUT/gpu_check.json (benchmarks/gpu_check.py holds the steps and their limits).
+# The first thing to run on a GPU machine (no network): the GPU benchmark sections (results-cuda.json: tokens/s and
+# peak GPU memory of the forward, the profiles, DIFF vs the baseline, a sweep), a bf16 profile compared with the fp32
+# one, one real low-bit backend's kernel on the GPU, and the GPU recipe's first minutes (about 7 minutes on one
+# H100/H200), then the Triton kernels' six steps (about 7 more; `--steps kernels` runs only them, `--steps NAME...`
+# any); one JSON summary, $OUT/gpu_check.json, written after every step (benchmarks/gpu_check.py holds the steps and
+# their limits).
 #
 #     bash benchmarks/gpu_check.sh               # on the GPU machine; exit 0 when every step is ok
+#     bash benchmarks/gpu_check.sh --steps kernels   # the Triton kernels' steps only (issue 47; about 7 minutes)
 #     bash benchmarks/gpu_check.sh --cpu-smoke   # anywhere: every step on CPU with tiny settings (the suite runs it)
 #
 # The GPU machine reaches no package registry: what its Python lacks travels as wheels in .whl/ in the checkout
@@ -25,11 +28,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=()
+STEPS=()
 for arg in "$@"; do
     case "$arg" in
         --cpu-smoke) SMOKE=(--cpu-smoke) ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument $arg (--cpu-smoke, or none)"; exit 2 ;;
+        --steps) STEPS=(--steps) ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        *) if [ ${#STEPS[@]} -gt 0 ]; then STEPS+=("$arg"); else
+               echo "gpu_check.sh: unknown argument $arg (--cpu-smoke, --steps NAME..., or none)"; exit 2; fi ;;
     esac
 done
 PY=${PYTHON:-python3}
@@ -43,4 +49,4 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export OUT=${OUT:-/tmp/gpu_check-out} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-exec "$PY" -m benchmarks.gpu_check "${SMOKE[@]}" --out "$OUT"
+exec "$PY" -m benchmarks.gpu_check "${SMOKE[@]}" "${STEPS[@]}" --out "$OUT"

@@ -495,6 +495,57 @@ def bench_sweep(model, seqs, device, rounds: int) -> dict:
             "ratio_vs_four_plain_compiled": t["sweep_compiled"] / t["four_plain"], "target": 1.15}
 
 
+def bench_compile_payoff(preset: str, batch: int, seq: int, rounds: int) -> dict:
+    """Whether the compiled statistics (StatsObserver(compile=True)) could be the CPU default (issue 47): the profiled
+    forward (hidden states and Linear inputs) eager and compiled against the plain forward (the run's clock), the
+    one-off compile time (wall time: inductor compiles in worker processes), the tokens after which compiling has paid
+    for itself, and the contract between the two (integers, maxima and top-k the same; std and kurtosis within 1e-6
+    relative). Run it with a cold inductor cache (TORCHINDUCTOR_CACHE_DIR set to an empty folder) to count a first
+    compile."""
+    from diffquant.models.presets import build
+
+    torch.manual_seed(0)
+    model = build(PRESETS[preset], "baseline").eval()
+    ids = torch.randint(0, PRESETS[preset].vocab, (batch, seq))
+    sites = ["*.hidden", *LINEAR_INPUT_SITES]
+    observers = {}
+
+    def observed(compile: bool):
+        observers[compile] = {p: StatsObserver(compile=compile) for p in sites}
+        return tapped(model, observers[compile])
+
+    contexts = {"plain": contextlib.nullcontext, "eager": lambda: observed(False), "compiled": lambda: observed(True)}
+    with torch.inference_mode():
+        walls = []  # compiling runs in worker processes too: its cost in wall time, first forward less the second
+        for _ in range(2):
+            with observed(True):
+                start = time.perf_counter()
+                model(ids, use_cache=False)
+                walls.append(time.perf_counter() - start)
+        t, _ = interleaved({name: (c, lambda: model(ids, use_cache=False)) for name, c in contexts.items()},
+                           torch.device("cpu"), rounds)
+    compile_s = walls[0] - walls[1]
+    saved = t["eager"] - t["compiled"]
+    worst = {"std": 0.0, "kurtosis": 0.0}
+    exact = True
+    for pattern in sites:
+        a, b = observers[False][pattern].stats, observers[True][pattern].stats
+        if a is None:
+            continue
+        x, y = a.summary(), b.summary()
+        for key in worst:
+            worst[key] = max(worst[key], abs(y[key] - x[key]) / abs(x[key]))
+        exact = exact and all(x[k] == y[k] for k in ("count", "nonfinite", "absmax", "top", "quantiles", "topk",
+                                                     "channel_absmax", "position_absmax", "channel_hit_fraction")
+                              if k in x)
+    return {"preset": preset, "tokens": ids.numel(), "plain_s": t["plain"], "eager_ratio": t["eager"] / t["plain"],
+            "eager_ratio_spread": t.spread("eager", "plain"), "compiled_ratio": t["compiled"] / t["plain"],
+            "compiled_ratio_spread": t.spread("compiled", "plain"), "compile_s": compile_s,
+            "pays_off_after_tokens": round(compile_s / saved * ids.numel()) if saved > 0 else None,
+            "contract": {"exact": exact, "worst_relative": worst,
+                         "ok": exact and all(v <= 1e-6 for v in worst.values())}}
+
+
 SMOLLM2_RUNS = (("1", "default"), ("1", "tuned"), ("2", "tuned"))  # threads, malloc settings
 
 
@@ -622,7 +673,8 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="micro preset, few rounds (a smoke test)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results-<device>.json)")
     p.add_argument("--only", nargs="+", help="run these sections only (profiler, profile_ops, launches, fake_quant, diff_vs_baseline, sweep, "
-                                             "memory, tracking, mitigation_speed, gptq_speed, profiler_small, long_context, smollm2, diff_ops)")
+                                             "memory, tracking, mitigation_speed, gptq_speed, profiler_small, long_context, smollm2, diff_ops, "
+                                             "compile_payoff)")
     a = p.parse_args(argv)
     keep_freed_memory()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -668,6 +720,8 @@ def main(argv=None) -> None:
         sections["profiler_small"] = lambda: bench_profiler(small, small_ids, device, 5)
         sections["long_context"] = bench_long_context
         sections["smollm2"] = bench_smollm2
+        sections["compile_payoff"] = lambda: {p: bench_compile_payoff(p, b, n, rounds)
+                                              for p, b, n in (("tiny", 8, 256), ("small", 4, 512))}
     out = Path(a.out or f"benchmarks/results-{device.type}.json")
     load = results["load_average"]
     if only:  # run some sections, keep the others' last figures and the run header they were measured under

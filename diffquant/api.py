@@ -55,13 +55,14 @@ def windows(data: str, tokenizer, *, split: str = "validation", seq_len: int = 2
 
 def profile(model, windows, sites: Iterable[str] = ("*.attn_logits", "*.hidden"), *, batch_size: int = 8,
             k: int = 100, sinks: bool = True, metrics: Iterable[str] = (), compile: bool = False,
-            label: str = "model", progress: bool = False) -> "Profile":
+            kernels: str = "auto", label: str = "model", progress: bool = False) -> "Profile":
     """Streaming statistics of `sites` (globs over `layers.{i}.{point}`; `diffquant sites` lists the points) on
     `windows`: moments, kurtosis, top-k with locations, |x| histogram and quantiles, per-channel maxima; with
     `sinks` (the command line's default too) the attention-sink and massive-activation metrics; `metrics` the
     papers' metric sets (diff-table5, sun2024, gu2024, bondarenko2023, bondarenko2023-linear). Returns a
     Profile: `.table()`, `.save(folder)` (report, figures, and the profile itself), `Profile.load(folder)`,
-    `.merge(other)`.
+    `.merge(other)`. `kernels`: "auto" (Triton on CUDA where it is installed, `pip install 'diffquant[gpu]'`;
+    torch elsewhere), "triton" or "torch"; the report records which one computed each site.
 
     On CPU under Linux, call `dq.keep_freed_memory()` once first, as the command line does: glibc then reuses
     freed memory instead of mapping fresh pages for every large tensor (benchmarks/run.py's `smollm2` section: the
@@ -70,7 +71,8 @@ def profile(model, windows, sites: Iterable[str] = ("*.attn_logits", "*.hidden")
     from diffquant.profiler import profile_model
 
     return profile_model(model, windows, list([sites] if isinstance(sites, str) else sites), batch_size=batch_size,
-                         k=k, sinks=sinks, metrics=metrics, compile=compile, label=label, progress=progress)
+                         k=k, sinks=sinks, metrics=metrics, compile=compile, label=label, progress=progress,
+                         kernels=kernels)
 
 
 def scheme(name: str) -> QuantScheme:
@@ -99,7 +101,8 @@ def sweep(models: dict, data: str, out, *, sites: Iterable[str] = ("attn_logits"
           schemes: Iterable[str] = (), fixes: Iterable[str] = ("none",), weights: Iterable[str] = ("rtn",),
           wa_grid: Iterable[int] | None = None, per_layer: int | None = None, evals: Iterable[str] = ("ppl",),
           seq_len: int = 256, tokens: int = 16384, kurtosis_tokens: int = 0, mc_limit: int = 200,
-          cache_dir: str | None = None, compile: bool = False, progress: bool = False) -> list[dict]:
+          cache_dir: str | None = None, compile: bool = False, kernels: str = "auto",
+          progress: bool = False) -> list[dict]:
     """Evaluate every cell (model × site × bits × granularity, whole-model schemes, a weight × activation grid,
     per-layer sensitivity; × fixes × weight solvers) of `models` ({label: (model, tokenizer)}) on the
     validation split of `data`, resumably into `out` (cells.jsonl, results.csv/json); returns the rows."""
@@ -109,7 +112,7 @@ def sweep(models: dict, data: str, out, *, sites: Iterable[str] = ("attn_logits"
                      schemes=list(schemes), fixes=list(fixes), weights=list(weights),
                      wa_grid=list(wa_grid) if wa_grid else None, per_layer=per_layer, evals=list(evals),
                      seq_len=seq_len, tokens=tokens, kurtosis_tokens=kurtosis_tokens, mc_limit=mc_limit,
-                     cache=cache_dir, compile=compile, progress=progress)
+                     cache=cache_dir, compile=compile, progress=progress, kernels=kernels)
 
 
 def plot_sweep(rows: list[dict], out) -> list[Path]:

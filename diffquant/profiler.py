@@ -13,6 +13,7 @@ from typing import Iterable
 
 import torch
 
+from diffquant import kernels as choose_kernels
 from diffquant.errors import DiffquantError
 from diffquant.frozen import evaluating
 from diffquant.models.describe import describe
@@ -31,14 +32,19 @@ class StatsObserver:
     transforms = False
     cut_keys = True  # takes causal query blocks that end at their last visible key (taps/attention.py)
 
-    def __init__(self, k: int = 100, compile: bool = False):
-        self.k, self.compile = k, compile
+    def __init__(self, k: int = 100, compile: bool = False, kernels: str | None = None):
+        self.k, self.compile, self.kernels = k, compile, kernels
         self.stats: SiteStats | None = None
 
     def __call__(self, x: torch.Tensor, ctx) -> None:
+        self.site_stats(ctx, x.device).update(x, ctx.valid, ctx.batch.input_ids, ctx.batch.row_offset, ctx.block)
+
+    def site_stats(self, ctx, device) -> SiteStats:
+        """This site's statistics, made at first use on `device`. The tapped attention's Triton path (taps/triton_attention.py)
+        updates them from its own kernel instead of calling the observer with the logits."""
         if self.stats is None:
-            self.stats = SiteStats(ctx.site.dims, self.k, x.device, compile=self.compile)
-        self.stats.update(x, ctx.valid, ctx.batch.input_ids, ctx.batch.row_offset, ctx.block)
+            self.stats = SiteStats(ctx.site.dims, self.k, device, compile=self.compile, kernels=self.kernels)
+        return self.stats
 
 
 class SinkObserver:
@@ -167,14 +173,16 @@ def rank_batches(n: int, batch_size: int, rank: int, world: int) -> list[int]:
 
 def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT_SITES, *, batch_size: int = 8,
                   k: int = 100, progress: bool = True, label: str = "model", compile: bool = False,
-                  sinks: bool = False, metrics: Iterable[str] = ()) -> ModelProfile:
+                  sinks: bool = False, metrics: Iterable[str] = (), kernels: str | None = None) -> ModelProfile:
     """Run `sequences` ([n, seq_len] token ids) through `model` with observers on `sites`.
 
     `sinks=True` adds the attention-sink and massive-activation metrics of every layer (stats/sinks.py).
     `metrics` names the papers' metric sets to compute as well (stats/metric_sets.py; names or one
     comma-separated string): the sites they read are profiled too, and nothing is added when none is named.
     `compile=True` fuses the statistics of token sites with torch.compile: several times faster once
-    compiled (a one-off 3–20 s per activation shape on CPU), worth it for long runs."""
+    compiled (a one-off 3–20 s per activation shape on CPU), worth it for long runs. `kernels` ("auto", "triton",
+    "torch"; None: the choice in force, diffquant/kernels) picks the statistics' kernels and, for attention logits,
+    the attention kernel; the report records which path computed each site (provenance and each site's summary)."""
     from tqdm.auto import tqdm
 
     if sequences.numel() == 0:
@@ -188,7 +196,10 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
     k = max(k, need_k)
     table = site_table(model)
     selected = table.match(list(dict.fromkeys([*sites, *extra_sites])))
-    observers = {s.name: StatsObserver(k, compile) for s in selected if not s.is_weight}
+    device = input_device(model)
+    kernels = choose_kernels.check(choose_kernels.current() if kernels is None else kernels)
+    path = choose_kernels.resolve(kernels, device)  # "triton" where it cannot run: one clear error, before any work
+    observers = {s.name: StatsObserver(k, compile, kernels) for s in selected if not s.is_weight}
     weight_observers = {s.name: StatsObserver(k) for s in selected if s.is_weight}
     layer_sinks: dict[int, LayerSinks] = {}
     taps: dict[str, list] = {name: [o] for name, o in {**observers, **weight_observers}.items()}
@@ -205,8 +216,7 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
         print(f"profile {label}: {batches} batches of {batch_size} for {world} ranks; {world - batches} ranks idle "
               "(a smaller --batch-size would use them)")
     batch = Batch()
-    device = input_device(model)
-    with tapped(model, taps, batch), evaluating(model):
+    with choose_kernels.chosen(kernels), tapped(model, taps, batch), evaluating(model):
         bar = tqdm(total=sequences[starts[0]:starts[-1] + batch_size].numel() if starts else 0, unit="tok",
                    desc=f"profile {label}", disable=not progress or rank != 0)
         for start in starts:
@@ -227,5 +237,6 @@ def profile_model(model, sequences: torch.Tensor, sites: Iterable[str] = DEFAULT
                         {s.name: s.kind for s in selected},
                         {"tokens": int(sequences.numel()), "sequences": int(sequences.shape[0]),
                          "seq_len": int(sequences.shape[1]), "world_size": world, "k": k,
+                         "kernels": {"asked": kernels, "path": path},
                          "bos_first_sequences": None if bos is None else int((sequences[:, 0] == bos).sum())},
                         layer_sinks, metrics, metric_state)

@@ -400,12 +400,14 @@ def run_sweep(models: dict[str, tuple], data: str, out: Path, *, sites: list[str
               granularities: list[str], schemes: list[str], fixes: list[str], weights: list[str],
               wa_grid: list[int] | None, per_layer: int | None, evals: list[str], seq_len: int, tokens: int,
               kurtosis_tokens: int = 0, mc_limit: int = 200, cache: str | None = None, compile: bool = False,
-              progress: bool = True) -> list[dict]:
+              progress: bool = True, kernels: str | None = None) -> list[dict]:
     """The whole sweep of `models` ({label: (model, tokenizer)}): evaluation windows (the validation split of
     `data`), calibration windows (16 of the training split, for fixes, weight solvers and static scales), the
-    cells, and their rows, resumably in `out` (the command line and `dq.sweep` both run this)."""
+    cells, and their rows, resumably in `out` (the command line and `dq.sweep` both run this). `kernels`: the
+    tapped attention's and the kurtosis profile's (diffquant/kernels; None: the choice in force)."""
     from diffquant.data.tasks import load_task
     from diffquant.data.windows import corpus_text, corpus_windows
+    from diffquant.kernels import chosen
     from diffquant.memory import check_fits
     from diffquant.paths import atomic_write_json
 
@@ -431,7 +433,8 @@ def run_sweep(models: dict[str, tuple], data: str, out: Path, *, sites: list[str
         calibration[label] = corpus_windows(data, tokenizer, "train", seq_len, 16 * seq_len, cache, chars=200_000)
     layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
     cells = build_cells(list(models), sites, bits, granularities, wa_grid, per_layer, layers, fixes, schemes, weights)
-    if kurtosis_tokens:
-        save_layer_kurtosis(models, val, seq_len, kurtosis_tokens, out)
-    return run_cells(models, cells, evaluators, out, progress=progress, compile=compile, calibration=calibration)
+    with chosen(kernels):
+        if kurtosis_tokens:
+            save_layer_kurtosis(models, val, seq_len, kurtosis_tokens, out)
+        return run_cells(models, cells, evaluators, out, progress=progress, compile=compile, calibration=calibration)
 

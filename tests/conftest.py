@@ -7,6 +7,11 @@ import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # two workers on two cores: one thread each
+if not torch.cuda.is_available():
+    # Triton's interpreter runs the kernels' tests (tests/test_kernels.py) on CPU tensors. Triton reads the variable when
+    # it decorates a kernel, its own standard functions (tl.zeros, tl.sum) included, which it does when anything first
+    # imports triton.language (torch and torchao may): so it is set here, before any test module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -44,14 +44,18 @@ def test_gpu_recipe_refuses_a_plan_that_does_not_fit(tmp_path, capsys):
     assert not (tmp_path / "pairs").exists()  # nothing trained
 
 
+def _gpu_check_smoke(tmp_path, *steps):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK_WORK": str(tmp_path / "work"), "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu-smoke", "--steps", *steps],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+
+
 @pytest.mark.slow
 def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     """benchmarks/gpu_check.sh --cpu-smoke: every prerequisite checked in one line each, then every step (the
     benchmark section, the bf16 profile against fp32, a real backend's kernel, the GPU recipe's first seconds) ok,
-    and one JSON summary."""
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK_WORK": str(tmp_path / "work"), "PYTHON": sys.executable}
-    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu-smoke"], capture_output=True,
-                       text=True, env=env, cwd=tmp_path, timeout=600)
+    and one JSON summary. (The Triton kernels' steps: the next test, so that the two run side by side.)"""
+    r = _gpu_check_smoke(tmp_path, "benchmarks", "bf16_profile", "backend", "recipe")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert summary["ok"] and summary["mode"] == "cpu-smoke"
@@ -64,6 +68,25 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert bf16["bf16_nonfinite"] == 0 and bf16["worst_relative_difference"]["median"]["rel"] < 0.02
     assert steps["backend"]["sqnr_db"] > 20 and steps["backend"]["weight"] != "Parameter"  # a real low-bit weight
     assert steps["recipe"]["estimate_line"].startswith("gpu_recipe (micro")
+
+
+@pytest.mark.slow
+def test_gpu_check_kernel_steps_run_on_cpu(tmp_path):
+    """The Triton kernels' steps (benchmarks/kernels_check.py) under the interpreter: each ok, the contract held where
+    a step checks it, and the summary written after each step."""
+    pytest.importorskip("triton")
+    r = _gpu_check_smoke(tmp_path, "kernels")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    steps = summary["steps"]
+    assert {k: v["status"] for k, v in steps.items()} == dict.fromkeys(
+        ("index_add", "site_kernel", "flash", "forward", "kernel_time", "diff_attention"), "ok")
+    assert all(case["contract"]["ok"] and case["contract"]["deterministic"]
+               for name, case in steps["site_kernel"].items() if isinstance(case, dict) and "contract" in case)
+    assert steps["flash"]["float32"]["contract"]["exact"] == dict.fromkeys(("histogram", "nonfinite", "maxima", "topk"), True)
+    assert set(steps["forward"]["float32"]["times_s"]) == {"plain", "tokens_torch", "logits_torch", "tokens_triton",
+                                                           "logits_triton"}
+    assert steps["index_add"]["values"] == 2 * 2 * 64 * 64
 
 
 def test_gpu_check_says_what_is_missing(tmp_path):

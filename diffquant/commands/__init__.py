@@ -163,6 +163,14 @@ def recipe_args(p, *, several: bool) -> None:
                    help=f"how the weights reach their grid, after the fix{more}: {choices('solvers')}")
 
 
+def kernels_arg(p, what: str) -> None:
+    from diffquant.kernels import CHOICES
+
+    p.add_argument("--kernels", default="auto", choices=CHOICES,
+                   help=f"the kernels that compute {what}: triton (CUDA; pip install 'diffquant[gpu]'), torch, or auto "
+                        "(default: triton on CUDA where it is installed, torch elsewhere); reports record which ran")
+
+
 def out_args(p, *, required: bool = True, resume: bool = False) -> None:
     p.add_argument("--out", required=required, help="output folder")
     p.add_argument("--force", action="store_true", help="overwrite an output folder that holds results")
@@ -197,6 +205,7 @@ def _profile(sub) -> None:
                         "padding or an eager model, its explicit T × T attention in query blocks)")
     p.add_argument("--compile", action="store_true",
                    help="fuse the statistics with torch.compile (one-off compile, then several times faster)")
+    kernels_arg(p, "the statistics and the tapped attention")
     p.add_argument("--no-plots", action="store_true")
     out_args(p)
     p.set_defaults(func=_lazy("diffquant.commands.profile", "run_cli"))
@@ -248,6 +257,7 @@ def _train(sub) -> None:
                    help="profile every model on a fixed held-out batch at log-spaced steps (emergence.json, plots)")
     p.add_argument("--track-points", type=int, default=16, help="log-spaced tracking points (default 16)")
     p.add_argument("--track-metrics", default="", help="with --track: " + METRICS_HELP)
+    kernels_arg(p, "the --track profiles")
     p.add_argument("--needle-fraction", type=float, default=0.0, help="fraction of training text made of needles")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when this machine has it; "
                                                   "under torchrun each rank its LOCAL_RANK)")
@@ -282,6 +292,7 @@ def _sweep(sub) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--compile", action="store_true",
                    help="fuse each fake quantizer with torch.compile (a few seconds per bit-width, then faster)")
+    kernels_arg(p, "the tapped attention (quantized logits) and the --kurtosis-tokens profile")
     out_args(p, resume=True)
     p.set_defaults(func=_lazy("diffquant.commands.sweep", "run_cli"))
 

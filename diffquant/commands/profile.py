@@ -42,7 +42,8 @@ def run_cli(args) -> None:
                   f"{args.seq_len}, fewer tokens than asked ({args.tokens:,}); profiling {seqs.numel():,}")
         check_fits(model, min(args.batch_size, len(seqs)), args.seq_len, f"profiling {label}")
         prof = profile_model(model, seqs, sites, batch_size=args.batch_size, k=args.k, label=label,
-                             compile=args.compile, sinks=not args.no_sinks, metrics=args.metrics.split(","))
+                             compile=args.compile, sinks=not args.no_sinks, metrics=args.metrics.split(","),
+                             kernels=args.kernels)
         prof.provenance["super_weights"] = profile_entry(model, seqs, label)
         prof.provenance.update({"source": source, "data": args.data, "split": "validation", "dtype": args.dtype,
                                 "device": str(input_device(model))})

@@ -23,13 +23,18 @@ def run_cli(args) -> None:
               if k not in ("func", "resume", "force", "no_plots", "debug", "compile", "verbose")}
     split = lambda text: [x.strip() for x in (text or "").split(",") if x.strip()]  # noqa: E731
     models = load_models(args)
+    from diffquant.kernels import resolve
+    from diffquant.profiler import input_device
+
+    first = next(iter(models.values()))[0]
+    config["kernels"] = {"asked": args.kernels, "path": resolve(args.kernels, input_device(first))}
     atomic_write_json(out / "sweep_config.json", config)
     rows = run_sweep(models, args.data, out, sites=site_points(args.sites), bits=parse_bits(args.bits),
                      granularities=split(args.granularity), schemes=split(args.scheme), fixes=split(args.mitigate),
                      weights=split(args.weights), wa_grid=parse_bits(args.wa_grid) if args.wa_grid else None,
                      per_layer=args.per_layer, evals=split(args.eval), seq_len=args.seq_len, tokens=args.tokens,
                      kurtosis_tokens=args.kurtosis_tokens, mc_limit=args.mc_limit, cache=args.cache_dir,
-                     compile=args.compile)
+                     compile=args.compile, kernels=args.kernels)
     if not args.no_plots:
         from diffquant.report.sweep_plots import plot_sweep
 

@@ -31,7 +31,10 @@ def run_cli(args) -> None:
         from diffquant.models.placement import resolve_device
 
         device = resolve_device(args.device)
-    results = train_pair(cfg, args.out, device, resume=args.resume, force=args.force, cache=args.cache_dir)
+    from diffquant.kernels import chosen
+
+    with chosen(args.kernels):  # the --track profiles' kernels
+        results = train_pair(cfg, args.out, device, resume=args.resume, force=args.force, cache=args.cache_dir)
     if rank_world()[0] == 0:
         print(f"unigram entropy of the training tokens: {results['data']['unigram_entropy']:.3f} nats")
         from diffquant.report.style import display

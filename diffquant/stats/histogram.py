@@ -60,13 +60,17 @@ class AbsHistogram:
         counted = torch.isfinite(x) if ok is None else torch.isfinite(x) & ok
         self.add_bins(torch.where(counted, magnitude_bins(x), 0), zeros_left_out=(~counted).sum())
 
-    def add_bins(self, bins: torch.Tensor, zeros_left_out: torch.Tensor | int | None = None) -> None:
+    def add_bins(self, bins: torch.Tensor, zeros_left_out: torch.Tensor | int | None = None,
+                 counted: torch.Tensor | None = None) -> None:
         """Count precomputed `magnitude_bins` (every one below NBINS), less `zeros_left_out` of the zeros (values
-        that were masked out by setting them to 0: cheaper than a mask on the bins; None when none were). An
+        that were masked out by setting them to 0: cheaper than a mask on the bins; None when none were), or only
+        where `counted` (bool, bins' shape) is True: the others are added with weight 0 in their own bins (on a GPU
+        the zeros' way sends every masked value to one address, where atomic adds wait for each other). An
         index_add_ rather than a bincount, which reads the bins' minimum (and on CUDA their maximum) back to the
         host: as fast on CPU."""
         flat = bins.reshape(-1)
-        self.counts.index_add_(0, flat, self._ones(flat.numel()))
+        weights = self._ones(flat.numel()) if counted is None else counted.reshape(-1).to(self.counts.dtype)
+        self.counts.index_add_(0, flat, weights)
         if zeros_left_out is not None:
             self.counts[0] -= zeros_left_out
 

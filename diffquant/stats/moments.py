@@ -13,6 +13,14 @@ def sum64(t: torch.Tensor) -> torch.Tensor:
     return t.double().sum()
 
 
+def shift_central(n, delta, e1, p2, p3, p4):
+    """Σ(d − δ)^p for p = 2..4 from the power sums of deviations d (Σd = e1, Σd² = p2, ...): the central sums about the
+    exact mean c + δ of values whose deviations were taken from a centre c (a float32 rounding of the mean)."""
+    dd = delta * delta
+    return (p2 - 2 * delta * e1 + n * dd, p3 - 3 * delta * p2 + 3 * dd * e1 - n * dd * delta,
+            p4 - 4 * delta * p3 + 6 * dd * p2 - 4 * dd * delta * e1 + n * dd * dd)
+
+
 class Moments:
     """Moments of every valid value seen; all state lives on the activation's device as float64."""
 

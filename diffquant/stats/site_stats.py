@@ -7,8 +7,9 @@ from typing import NamedTuple
 import torch
 
 from diffquant.compiled import CompiledOrEager
-from diffquant.stats.histogram import AbsHistogram, abs_magnitude_bins
-from diffquant.stats.moments import Moments, sum64
+from diffquant.kernels import resolve as resolve_kernels
+from diffquant.stats.histogram import NBINS, AbsHistogram, abs_magnitude_bins, magnitude_bins
+from diffquant.stats.moments import Moments, shift_central, sum64
 from diffquant.stats.topk import TopK
 from diffquant.taps.context import Block
 
@@ -22,7 +23,7 @@ class Passes(NamedTuple):
     """What one update's full-tensor passes give (`_passes`)."""
 
     ok: torch.Tensor | None  # the values counted (bool, broadcastable to x); None: all of them
-    bins: torch.Tensor  # every value's histogram bin (left-out values in bin 0)
+    bins: torch.Tensor  # every value's histogram bin (left-out values in bin 0; with `spread`, in their own bins)
     left_out: torch.Tensor  # how many values were left out (masked or non-finite)
     n: torch.Tensor  # float64 count of the values counted
     s1: torch.Tensor  # their float64 sum
@@ -47,12 +48,14 @@ def _zero_where_not(t: torch.Tensor, ok: torch.Tensor, dense: int) -> torch.Tens
 
 
 def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: int | None, pos_dim: int | None,
-            threshold: float | None, dense: int = 0) -> Passes:
+            threshold: float | None, dense: int = 0, spread: bool = False) -> Passes:
     """Every full-tensor pass of one update in one function, so torch.compile can fuse them: count, sum and
     central power sums (float32 terms, float64 sums), row maxima of |x|, maxima along the channel and
     position dims, LLM.int8 hit counts per channel. Values outside `valid` (broadcastable) are left out;
     with `check`, non-finite values too (and counted). `dense`: `valid` is True in every column before it (see
-    `_zero_where_not`; 0 when not known). x is not written to."""
+    `_zero_where_not`; 0 when not known). `spread`: left-out values keep the bins of their own |x| (to be added with
+    weight 0, `AbsHistogram.add_bins`' `counted`) instead of bin 0, which on a GPU would take every one of them as
+    atomic adds to one address. x is not written to."""
     ok, left_out = valid, None
     if check:
         finite = torch.isfinite(x)
@@ -76,9 +79,15 @@ def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: 
     # left out: no deviation at all (xz - mean is x - mean wherever ok)
     d = xz - mean if ok is None else _zero_where_not(xz - mean, ok, dense)
     d2 = d * d
-    m2 = sum64(d2)
-    m3 = sum64(d.mul_(d2))  # d³ and d⁴ in place (d and d2 are not read again): the same products as d2 * d and
-    m4 = sum64(d2.mul_(d2))  # d2 * d2, without two more full-size tensors to allocate
+    e1 = sum64(d)
+    p2 = sum64(d2)
+    p3 = sum64(d.mul_(d2))  # d³ and d⁴ in place (d and d2 are not read again): the same products as d2 * d and
+    p4 = sum64(d2.mul_(d2))  # d2 * d2, without two more full-size tensors to allocate
+    # About the exact mean, not its float32 rounding (M₃ would be off by 3δ·M₂: ~6e-5 of Σ|x − μ|³ at a mean 1,000 σ
+    # from 0), and the sum from the deviations (Σd is exact to float32 rounding of values near σ; the row sums of x,
+    # near μ, are not): the mean is mean + Σd/n
+    s1 = n * mean.double() + e1
+    m2, m3, m4 = shift_central(n, e1 / n.clamp_min(1), e1, p2, p3, p4)
     a = xz.abs_() if xz is not x else x.abs()  # xz is not read again once it is our own copy
     rowmax = a.amax(dim=-1)
     chan = pos = hits = None
@@ -95,7 +104,10 @@ def _passes(x: torch.Tensor, valid: torch.Tensor | None, check: bool, chan_dim: 
         # m3); a third of the cost of summing a boolean mask
         below = torch.sub(a, threshold, out=d).view(torch.int32).bitwise_right_shift_(31)
         hits = (x.shape[0] * x.shape[1] + below.sum(dim=(0, 1), dtype=torch.int32)).long()
-    bins = abs_magnitude_bins(a, in_place=True)  # a is not read again
+    if spread and ok is not None:  # NaN's patterns lie past the last bin: clamped (their weight is 0)
+        bins = magnitude_bins(x).clamp_max_(NBINS - 1)
+    else:
+        bins = abs_magnitude_bins(a, in_place=True)  # a is not read again
     return Passes(ok, bins, left_out, n, s1, m2, m3, m4, rowmax, chan, pos, hits, nonfinite, check)
 
 
@@ -116,9 +128,15 @@ class SiteStats:
     """Pooled moments, top-k with locations, |x| histogram, per-channel and per-position absmax,
     non-finite count, and per-pass (Bondarenko et al.) kurtosis and ∞-norm, for one site."""
 
+    kernels: str | None = None  # class defaults: profiles saved before these were recorded read None
+    path: str | None = None
+    _kernel = None  # the Triton path's kernel and buffers (kernels/site.py), made at its first update
+
     def __init__(self, dims: tuple[str, ...], k: int = 100, device=None, outlier_threshold: float = 6.0,
-                 compile: bool = False):
+                 compile: bool = False, kernels: str | None = None):
         self.dims, self.k, self.threshold, self.compile = dims, k, outlier_threshold, compile
+        self.kernels = kernels  # "auto", "triton", "torch" or None (the choice in force): see diffquant/kernels
+        self.path: str | None = None  # the path that computed these statistics: "torch" or "triton"
         self.moments = Moments(device)
         self.topk = TopK(k, len(dims), device)
         self.hist = AbsHistogram(device)
@@ -139,43 +157,115 @@ class SiteStats:
         """Add one activation (values where `valid`, broadcastable to x, is True; non-finite ones counted
         apart). `block` (taps/context.py's `Block`) when x is one query block of an attention call: its positions
         are offset, and the blocks of one call make one pass of the per-pass statistics. Reads nothing back to the
-        host except on the devices in FREE_READS."""
+        host except on the devices in FREE_READS. The first update resolves `kernels` for x's device (`path`)."""
         x = x.detach()
-        if x.dtype != torch.float32:
-            x = x.float()
-        dense = block.dense if isinstance(block, Block) else 0
-        free_reads = x.device.type in FREE_READS
-        if free_reads:
-            out = self._passes(x, valid, False, dense)
-            if not bool(torch.isfinite(out.s1)):  # on CPU a read of host memory, not a wait for a device
-                out = self._passes(x, valid, True, dense)  # inf or NaN among the values: leave them out
+        if self.path is None:
+            self.path = resolve_kernels(self.kernels, x.device)
+        offset = 0 if block is None else block[0]
+        free_reads = x.device.type in FREE_READS and self.path == "torch"
+        if self.path == "triton":
+            entry, rowmax, ok = self._fused_update(x, valid, offset)
         else:
-            out = self._passes(x, valid, True, dense)
-        entry = torch.stack([out.n, out.s1, out.m2, out.m3, out.m4, out.rowmax.max().double()])
+            entry, rowmax, ok = self._torch_update(x, valid, block, free_reads)
         if block is not None and block[0] > 0 and self._batches:
             entry = _same_pass(self._batches.pop(), entry)  # one attention call: one pass
         self._batches.append(entry)
         if len(self._batches) >= _FOLD_EVERY and (block is None or block[1] == block[2]):
             self._fold()
-        offset = 0 if block is None else block[0]
-        self.topk.add(x, out.ok, self.dims, input_ids, row_offset, out.rowmax, offset,
-                      None if block is None else block[2], read_back=free_reads)
-        self.hist.add_bins(out.bins, zeros_left_out=None if out.ok is None else out.left_out)
+        self.topk.add(x, ok, self.dims, input_ids, row_offset, rowmax, offset,
+                      None if block is None else block[2], read_back=free_reads, finite=self.path == "triton")
+
+    def update_from_kernel(self, entry: torch.Tensor, rowmax: torch.Tensor, shape: torch.Size, fetch_rows,
+                           input_ids=None, row_offset: int = 0) -> None:
+        """One update whose full-tensor passes a Triton kernel ran where the values were made (the tapped attention's
+        flash kernel, taps/triton_attention.py, which adds to this site's histogram and non-finite count in place):
+        its [count, sum, central power sums, ∞-norm] `entry` (one pass), the row maxima of |x| for x shaped `shape`,
+        and `fetch_rows(rows)` giving (values, counted) of chosen rows (flat indices over shape[:-1]) for the top-k."""
+        self.path = _paths(self.path, "triton")
+        self._batches.append(entry)
+        if len(self._batches) >= _FOLD_EVERY:
+            self._fold()
+        chan_dim, pos_dim = self._dims()
+        if chan_dim is not None:
+            self.channel_absmax = _elementwise_max(self.channel_absmax, _max_along(rowmax, chan_dim))
+        if pos_dim is not None:
+            self._add_positions(_max_along(rowmax, pos_dim), 0)
+        if rowmax.numel() > min(self.k, shape.numel()):  # as `TopK.add` searches: the rows of the k largest maxima
+            rows = torch.topk(rowmax.reshape(-1), min(self.k, shape.numel())).indices
+            values, counted = fetch_rows(rows)
+            self.topk.add_rows(rows, values, counted, shape, self.dims, input_ids, row_offset, finite=True)
+        else:  # every row: the whole tensor
+            values, counted = fetch_rows(torch.arange(rowmax.numel(), device=rowmax.device))
+            self.topk.add(values.reshape(shape), counted.reshape(shape), self.dims, input_ids, row_offset, finite=True)
+
+    def _torch_update(self, x: torch.Tensor, valid, block, free_reads: bool):
+        """The torch path (`_passes`): every statistic but the top-k. Returns (the update's [count, sum, central power
+        sums, ∞-norm], the row maxima of |x|, the values counted)."""
+        if x.dtype != torch.float32:
+            x = x.float()
+        dense = block.dense if isinstance(block, Block) else 0
+        if free_reads:
+            out = self._passes(x, valid, False, dense)
+            if not bool(torch.isfinite(out.s1)):  # on CPU a read of host memory, not a wait for a device
+                out = self._passes(x, valid, True, dense)  # inf or NaN among the values: leave them out
+            self.hist.add_bins(out.bins, zeros_left_out=None if out.ok is None else out.left_out)
+        else:  # left-out values in their own bins with weight 0: on a GPU, not all of them atomically into bin 0
+            out = self._passes(x, valid, True, dense, spread=True)
+            self.hist.add_bins(out.bins, counted=None if out.ok is None else out.ok.expand(x.shape))
         self.channel_absmax = _elementwise_max(self.channel_absmax, out.chan)
-        pos = out.pos
-        if pos is not None and offset:
-            pos = torch.nn.functional.pad(pos, (offset, 0))
-        self.position_absmax = _elementwise_max(self.position_absmax, pos)
+        self._add_positions(out.pos, 0 if block is None else block[0])
         if out.hits is not None:
             self.channel_hits = out.hits if self.channel_hits is None else self.channel_hits + out.hits
             self.positions += x.shape[0] * x.shape[1] if out.ok is None else out.ok.any(dim=-1).sum()
         if out.checked:
             self.nonfinite += out.nonfinite
+        return torch.stack([out.n, out.s1, out.m2, out.m3, out.m4, out.rowmax.max().double()]), out.rowmax, out.ok
 
-    def _passes(self, x: torch.Tensor, valid: torch.Tensor | None, check: bool, dense: int) -> Passes:
+    def _fused_update(self, x: torch.Tensor, valid, offset: int):
+        """The Triton path (kernels/site.py): one read of x, in its own dtype. The kernel adds the histogram, the
+        non-finite count and, along x's last dim, the channel maxima and LLM.int8 hits to this site's state in place;
+        maxima along other dims come from the row maxima. Returns what `_torch_update` returns (the values counted:
+        `valid`; the top-k leaves non-finite ones out itself)."""
+        if self._kernel is None:
+            from diffquant.kernels.site import SiteKernel
+
+            self._kernel = SiteKernel()
+        if x.dim() == 0:
+            x = x.reshape(1)
+        chan_dim, pos_dim = self._dims()
+        last = chan_dim == x.dim() - 1
+        token = self.dims == TOKEN_DIMS
+        if last and self.channel_absmax is None:
+            self.channel_absmax = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
+        if token and self.channel_hits is None:
+            self.channel_hits = torch.zeros(x.shape[-1], dtype=torch.int64, device=x.device)
+        entry, rowmax = self._kernel(x, valid, self.hist.counts, self.nonfinite, self.channel_absmax if last else None,
+                                     self.channel_hits if token else None, self.positions if token else None,
+                                     self.threshold)
+        if chan_dim is not None and not last:
+            self.channel_absmax = _elementwise_max(self.channel_absmax, _max_along(rowmax, chan_dim))
+        if pos_dim is not None:
+            self._add_positions(_max_along(rowmax, pos_dim), offset)
+        return entry, rowmax, valid
+
+    def _add_positions(self, pos: torch.Tensor | None, offset: int) -> None:
+        if pos is not None and offset:
+            pos = torch.nn.functional.pad(pos, (offset, 0))
+        self.position_absmax = _elementwise_max(self.position_absmax, pos)
+
+    def _dims(self) -> tuple[int | None, int | None]:
+        """The channel (or head) dim and the position (or query) dim of this site, where it has them."""
         chan_dim = next((i for i, d in enumerate(self.dims) if d in _CHANNEL_DIMS), None)
         pos_dim = next((i for i, d in enumerate(self.dims) if d in _POSITION_DIMS), None)
-        args = (x, valid, check, chan_dim, pos_dim, self.threshold if self.dims == TOKEN_DIMS else None, dense)
+        return chan_dim, pos_dim
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_kernel": None}  # buffers on the device: not saved with a profile
+
+    def _passes(self, x: torch.Tensor, valid: torch.Tensor | None, check: bool, dense: int,
+                spread: bool = False) -> Passes:
+        chan_dim, pos_dim = self._dims()
+        args = (x, valid, check, chan_dim, pos_dim, self.threshold if self.dims == TOKEN_DIMS else None, dense, spread)
         return (_COMPILED_PASSES if self.compile else _passes)(*args)
 
     def _fold(self) -> None:
@@ -196,7 +286,8 @@ class SiteStats:
     def merge(self, other: "SiteStats") -> "SiteStats":
         self._fold()
         other._fold()
-        out = SiteStats(self.dims, self.k, self.nonfinite.device, self.threshold, self.compile)
+        out = SiteStats(self.dims, self.k, self.nonfinite.device, self.threshold, self.compile, self.kernels)
+        out.path = _paths(self.path, other.path)
         out.moments = self.moments.merge(other.moments)
         out.topk = self.topk.merge(other.topk)
         out.hist = self.hist.merge(other.hist)
@@ -218,7 +309,7 @@ class SiteStats:
 
     def to(self, device) -> "SiteStats":
         """A copy on another device (for gathering across ranks)."""
-        out = SiteStats(self.dims, self.k, device, self.threshold)
+        out = SiteStats(self.dims, self.k, device, self.threshold, kernels=self.kernels)
         return out.merge(self)
 
     def summary(self, full: bool = True) -> dict:
@@ -230,6 +321,7 @@ class SiteStats:
         s["top"] = {f"top{r}": self.topk.rank(r) for r in (1, 2, 3, 10, 100) if r <= self.k}
         s["quantiles"] = dict(zip(QUANTILES, self.hist.quantiles(list(QUANTILES.values()))))
         s["passes"] = self.passes
+        s["kernels"] = self.path
         if self.passes:
             s["pass_kurtosis_mean"] = float(self.pass_kurt[0]) / self.passes
             s["pass_kurtosis_max"] = float(self.pass_kurt[1])
@@ -260,6 +352,18 @@ def _same_pass(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Two updates' [count, sum, central power sums, ∞-norm] pooled into one (blocks of one pass)."""
     pooled = Moments.pool(*torch.stack([a, b])[:, :5].unbind(1))
     return torch.stack([pooled.n, pooled.mean * pooled.n, pooled.m2, pooled.m3, pooled.m4, torch.maximum(a[5], b[5])])
+
+
+def _paths(*paths: str | None) -> str | None:
+    """The paths that computed statistics merged: "torch", "triton" or both ("torch+triton")."""
+    names = {name for path in paths if path for name in path.split("+")}
+    return "+".join(sorted(names)) or None
+
+
+def _max_along(rowmax: torch.Tensor, dim: int) -> torch.Tensor:
+    """Max over every dim of the row maxima but `dim` (x's dims less its last)."""
+    other = tuple(i for i in range(rowmax.dim()) if i != dim)
+    return (rowmax.amax(dim=other) if other else rowmax).clamp_min(0)
 
 
 def _elementwise_max(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

@@ -39,7 +39,7 @@ class TopK:
 
     def add(self, x: torch.Tensor, ok: torch.Tensor | None, dims: tuple[str, ...], input_ids=None,
             row_offset: int = 0, rowmax: torch.Tensor | None = None, pos_offset: int = 0,
-            pos_total: int | None = None, read_back: bool = False) -> None:
+            pos_total: int | None = None, read_back: bool = False, finite: bool = False) -> None:
         """Offer the values of x (shaped by `dims`) where `ok` (broadcastable) is True (None: all of them).
         `pos_offset` is added to the position coordinate when x holds positions pos_offset.. of `pos_total`.
 
@@ -49,37 +49,62 @@ class TopK:
         nothing: SiteStats' FREE_READS), an update none of whose rows reaches the least of k kept values returns
         at once: merged, its values would all sort after the kept ones, which the stable merge keeps as they are.
         Few are skipped where every update holds a large value (SmolLM2's logits: 52 of 1,290 query blocks per
-        forward, each other block holding a first-key logit as large as the running top-100)."""
+        forward, each other block holding a first-key logit as large as the running top-100). With `finite`, inf and
+        NaN are left out here (the caller's `ok` does not leave them out; its `rowmax` must)."""
         k = min(self.k, x.numel())
         if k == 0:
             return
         if rowmax is not None and x.dim() >= 2 and rowmax.numel() > k:
             if read_back and self._abs.numel() == self.k and not bool((rowmax >= self._abs[-1]).any()):
                 return
-            width = x.shape[-1]
             _, rows = torch.topk(rowmax.reshape(-1), k)
-            cand = x.reshape(-1, width)[rows].abs()
-            if ok is not None:  # index the (maybe broadcast) mask by row coordinates: no full-size copy
-                lead = torch.unravel_index(rows, x.shape[:-1])
-                cand = torch.where(ok.expand(x.shape)[lead], cand, -1.0)
-            top, col = torch.topk(cand.reshape(-1), k)
-            idx = rows[col // width] * width + col % width
-        else:
-            a = x.abs() if ok is None else torch.where(ok, x.abs(), -1.0)
-            top, idx = torch.topk(a.reshape(-1), k)
-        coords = torch.stack(torch.unravel_index(idx, x.shape), dim=1) if x.dim() else idx.new_zeros(len(idx), 0)
-        token = torch.full((len(idx), 1), -1, dtype=torch.int64, device=x.device)
+            # index the (maybe broadcast) mask by row coordinates: no full-size copy
+            mask = None if ok is None else ok.expand(x.shape)[torch.unravel_index(rows, x.shape[:-1])]
+            self.add_rows(rows, x.reshape(-1, x.shape[-1])[rows], mask, x.shape, dims, input_ids, row_offset,
+                          pos_offset, pos_total, finite)
+            return
+        a = x.float().abs() if ok is None else torch.where(ok, x.float().abs(), -1.0)
+        if finite:
+            a = torch.where(a.isfinite(), a, -1.0)
+        top, idx = torch.topk(a.reshape(-1), k)
+        self._offer(top, x.reshape(-1)[idx].float(), idx, x.shape, dims, input_ids, row_offset, pos_offset, pos_total)
+
+    def add_rows(self, rows: torch.Tensor, values: torch.Tensor, ok: torch.Tensor | None, shape: torch.Size,
+                 dims: tuple[str, ...], input_ids=None, row_offset: int = 0, pos_offset: int = 0,
+                 pos_total: int | None = None, finite: bool = False) -> None:
+        """Offer the rows `rows` (flat indices over shape[:-1]) of a tensor shaped `shape`, given as `values`
+        [len(rows), shape[-1]] with `ok` of the same shape (None: all valid): `add`'s search once it chose its rows
+        (the tapped attention's Triton path gives the rows it recomputed, kernels/flash.py)."""
+        k = min(self.k, values.numel())
+        if k == 0:
+            return
+        width = shape[-1]
+        cand = values.float().abs()
+        if ok is not None:
+            cand = torch.where(ok, cand, -1.0)
+        if finite:
+            cand = torch.where(cand.isfinite(), cand, -1.0)
+        top, col = torch.topk(cand.reshape(-1), k)
+        idx = rows[col // width] * width + col % width
+        self._offer(top, values.reshape(-1)[col].float(), idx, shape, dims, input_ids, row_offset, pos_offset,
+                    pos_total)
+
+    def _offer(self, top, values, idx, shape, dims, input_ids, row_offset, pos_offset, pos_total) -> None:
+        """Merge the entries at flat indices `idx` of a tensor shaped `shape` (|x| `top`, signed `values`), with their
+        coordinates and token ids."""
+        coords = torch.stack(torch.unravel_index(idx, shape), dim=1) if len(shape) else idx.new_zeros(len(idx), 0)
+        token = torch.full((len(idx), 1), -1, dtype=torch.int64, device=idx.device)
         pos_dim = dims.index("pos") if "pos" in dims else dims.index("q_pos") if "q_pos" in dims else None
         if pos_dim is not None:
             coords[:, pos_dim] += pos_offset
         if "batch" in dims:
             b = dims.index("batch")
-            total = pos_total if pos_total is not None else (x.shape[pos_dim] if pos_dim is not None else None)
+            total = pos_total if pos_total is not None else (shape[pos_dim] if pos_dim is not None else None)
             if input_ids is not None and pos_dim is not None and input_ids.shape[1] == total:
-                ids = input_ids.to(x.device)
+                ids = input_ids.to(idx.device)
                 token[:, 0] = ids[coords[:, b], coords[:, pos_dim]]
             coords[:, b] += row_offset
-        self._merge_raw(top, x.reshape(-1)[idx].float(), torch.cat([coords, token], dim=1))
+        self._merge_raw(top, values, torch.cat([coords, token], dim=1))
 
     def _merge_raw(self, a, v, c) -> None:
         """Keep the k largest of the kept entries and these, by a stable sort: of equal |x|, those kept before

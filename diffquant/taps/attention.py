@@ -42,6 +42,11 @@ T × T work of a long window, with statistics, softmax and output bit for bit th
 The product with V still runs over every key (the cut-off probabilities as zeros), because a shorter product rounds
 differently: the layer's output is bit for bit what the uncut computation gives.
 
+The Triton path: where the kernels resolve to "triton" (diffquant/kernels; on CUDA by default where Triton is
+installed), a tapped layer whose taps are the profile's observers (logit statistics, sink metrics, λ) runs
+taps/triton_attention.py instead of the explicit computation: one flash-attention kernel that computes each tile of
+logits once, keeps their statistics on the way (visible logits only) and goes on to the output.
+
 Sinks (`s_aux`, gpt-oss and diffquant's `sink` design) are a per-head logit in the softmax denominator:
 they are parameters, not activations, so `attn_logits` never contains them.
 """
@@ -59,6 +64,7 @@ from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from diffquant.errors import DiffquantError
+from diffquant.taps import triton_attention
 from diffquant.taps.context import Block
 from diffquant.taps.sites import CACHE_POINTS
 
@@ -252,6 +258,10 @@ def tapped_attention(module, query, key, value, attention_mask, scaling=None, dr
         if taps:
             first_key_taps(taps, first_key_masses(kernel, module, query, key, scaling, kwargs), key.shape[2])
         return out
+    if triton_attention.usable(module, taps, query, attention_mask, kwargs, dropout):  # logits taps in Triton
+        visible = Visible.of(module, attention_mask, query.shape[2], key.shape[2], kwargs)
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return triton_attention.attend(taps, query, key, value, visible, scaling), None
     return _attend(module, taps, query, key, value, attention_mask, scaling, dropout, kwargs)
 
 
@@ -337,10 +347,12 @@ def diff_attention(module, query, key, vpair, attention_mask, scaling, lam, taps
     """DIFF in one call: the softmax maps of all H heads (taps on logits and probabilities see each once),
     A = P[:, :H/2] − λ·P[:, H/2:] per differential head (the `attn_map` site), and A·[V1 | V2].
     `taps`: the module's taps other than the cache sites (see `cache_taps`).
-    Returns ([batch, pos, H/2, 2d], probabilities or None when computed in blocks)."""
+    Returns ([batch, pos, H/2, 2d], probabilities or None when computed in blocks or by the Triton path)."""
     run_taps(taps.get("lambda"), lam.float(), None)
-    key = repeat_kv(key, query.shape[1] // key.shape[1])
     visible = Visible.of(module, attention_mask, query.shape[2], key.shape[2], kwargs or {})
+    if triton_attention.usable(module, taps, query, attention_mask, kwargs or {}):  # logits taps in Triton
+        return triton_attention.attend(taps, query, key, vpair, visible, scaling, lam), None
+    key = repeat_kv(key, query.shape[1] // key.shape[1])
 
     def combine(probs, rows):
         a = _differential_map(taps, probs, lam, visible, rows)

@@ -1,0 +1,783 @@
+"""The kernels switch (diffquant/kernels) and the Triton kernels against the torch path, under the contract written
+in diffquant/kernels/__init__.py.
+
+The Triton kernels run here in Triton's interpreter on CPU tensors: TRITON_INTERPRET=1 is set by conftest.py before
+any test module is imported (Triton decorates its own standard functions when triton.language is first imported, which
+torch or torchao may do while other modules are collected), and again here for a run of this file alone. References are independent computations written here (float64 sums,
+bincount, full sorts) or the torch path, never the kernel compared with itself; tensors are small and tiles large
+(about 12 ms per program instance in the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib.metadata  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from diffquant import kernels  # noqa: E402
+from diffquant.errors import DiffquantError  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _triton_version() -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in importlib.metadata.version("triton").split(".")[:2])
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+
+
+pytestmark = pytest.mark.skipif(_triton_version() < (3, 8), reason="the kernels' tests run in the interpreter of "
+                                "Triton >= 3.8 (pip install 'diffquant[test]' on Linux; a CUDA torch may pin an older one)")
+
+
+def test_choices_resolve_by_device(monkeypatch):
+    pytest.importorskip("triton")
+    assert kernels.resolve("auto", "cpu") == "torch"  # auto: Triton on CUDA tensors only, also under the interpreter
+    assert kernels.resolve("torch", "cpu") == "torch"
+    assert kernels.resolve("triton", "cpu") == "triton"  # the interpreter is on (this module)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(DiffquantError, match="runs on CUDA tensors, not on cpu"):
+        kernels.resolve("triton", "cpu")
+    with pytest.raises(DiffquantError, match="unknown kernels 'cuda'; choose one of: auto, triton, torch"):
+        kernels.resolve("cuda", "cpu")
+    with kernels.chosen("triton"):
+        assert kernels.current() == "triton"
+        with kernels.chosen(None):
+            assert kernels.current() == "triton"
+    assert kernels.current() == "auto"
+
+
+@pytest.mark.slow
+def test_diffquant_works_without_triton():
+    """Triton hidden (an import of it fails): `import diffquant` and a profile work, "auto" takes torch, and asking
+    for "triton" is one clear error."""
+    code = """
+import sys
+sys.modules["triton"] = None  # `import triton` now raises ImportError
+import torch
+import diffquant as dq
+from diffquant.errors import DiffquantError
+from diffquant.models.presets import PRESETS, build
+model = build(PRESETS["micro"], "baseline", seed=0)
+prof = dq.profile(model, torch.randint(0, 512, (2, 40)), kernels="auto")
+print(prof.provenance["kernels"], prof.sites["layers.0.hidden"].summary(full=False)["kernels"])
+try:
+    dq.profile(model, torch.randint(0, 512, (2, 40)), kernels="triton")
+except DiffquantError as e:
+    print("refused:", e)
+print("triton" in sys.modules and sys.modules["triton"] is not None)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "{'asked': 'auto', 'path': 'torch'} torch"
+    assert lines[1] == "refused: kernels='triton' needs Triton, which does not import here: pip install 'diffquant[gpu]'"
+    assert lines[2] == "False"
+
+
+def test_every_profiling_command_takes_kernels(tmp_path, capsys):
+    from diffquant.cli import build_parser, main
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for command in ("profile", "sweep", "train"):
+        flag = next(a for a in sub[command]._actions if "--kernels" in a.option_strings)
+        assert flag.default == "auto" and tuple(flag.choices) == kernels.CHOICES, command
+    (tmp_path / "t.txt").write_text("In the beginning was the word.\n" * 400)
+    argv = ["profile", "--model", "micro:baseline", "--data", str(tmp_path / "t.txt"), "--tokens", "128", "--seq-len",
+            "64", "--no-plots", "--no-sinks"]
+    assert main([*argv, "--out", str(tmp_path / "p"), "--kernels", "torch"]) == 0
+    import json
+
+    model = json.loads((tmp_path / "p" / "stats.json").read_text())["models"][0]
+    assert model["provenance"]["kernels"] == {"asked": "torch", "path": "torch"}
+    assert {s["kernels"] for s in model["sites"].values()} == {"torch"}
+    os.environ.pop("TRITON_INTERPRET")
+    try:
+        capsys.readouterr()
+        assert main([*argv, "--out", str(tmp_path / "q"), "--kernels", "triton"]) == 2
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "kernels='triton'" in err
+
+
+# ---------------------------------------------------------------- the fused site kernel (kernels/site.py)
+
+LOGIT_DIMS = ("batch", "head", "q_pos", "k_pos")
+WEIGHT_DIMS = ("out_channel", "in_channel")
+
+
+def _heavy(shape, seed, dtype=torch.float32):
+    """Gaussian values with an outlier column and a large mean offset in one row (a mutated centring shows)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3 + 0.7
+    x[..., 5] *= 40
+    x.view(-1, shape[-1])[1] += 250.0
+    return x.to(dtype)
+
+
+def _both(updates, dims, k=40, threshold=6.0):
+    """SiteStats fed the same updates ((x, valid, block) each) on each path."""
+    from diffquant.stats.site_stats import SiteStats
+
+    out = {}
+    for path in ("torch", "triton"):
+        s = SiteStats(dims, k=k, outlier_threshold=threshold, kernels=path)
+        for x, valid, block in updates:
+            s.update(x, valid, block=block)
+        s._fold()
+        out[path] = s
+    return out["torch"], out["triton"]
+
+
+def assert_exact_but_moments(a, b):
+    """Integers, maxima, top-k (values, coordinates, token ids, order) and the per-pass ∞-norm: the same bits."""
+    assert torch.equal(a.hist.counts, b.hist.counts)
+    assert int(a.nonfinite) == int(b.nonfinite) and int(a.positions) == int(b.positions)
+    for name in ("channel_absmax", "position_absmax", "channel_hits"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None and y is None) or torch.equal(x, y), name
+    assert torch.equal(a.topk._abs, b.topk._abs) and torch.equal(a.topk._values, b.topk._values)
+    assert torch.equal(a.topk._coords, b.topk._coords)
+    assert a.passes == b.passes and torch.equal(a.pass_inf, b.pass_inf)
+    assert a.path == "torch" and b.path == "triton"
+
+
+def reference_moments(values: torch.Tensor) -> dict:
+    """Count, mean and Σ(x − μ)^p, Σ|x − μ|^p for p = 2..4 of the values, in float64 (numpy's pairwise sums)."""
+    v = values.double().numpy()
+    mu = v.mean()
+    d = v - mu
+    return {"n": v.size, "mean": mu, **{f"m{p}": (d**p).sum() for p in (2, 3, 4)},
+            **{f"abs{p}": (abs(d) ** p).sum() for p in (2, 3, 4)}}
+
+
+def assert_contract_moments(m, values: torch.Tensor):
+    """|ΔM_p| ≤ 1e-6·Σ|x − μ|^p for p = 2..4, kurtosis and std within 1e-6 relative (diffquant/kernels)."""
+    ref = reference_moments(values)
+    assert float(m.n) == ref["n"]
+    for p in (2, 3, 4):
+        assert abs(float(getattr(m, f"m{p}")) - ref[f"m{p}"]) <= 1e-6 * ref[f"abs{p}"], p
+    s = m.summary()
+    std, kurt = (ref["m2"] / ref["n"]) ** 0.5, ref["m4"] / ref["n"] / (ref["m2"] / ref["n"]) ** 2
+    assert s["std"] == pytest.approx(std, rel=1e-6) and s["kurtosis"] == pytest.approx(kurt, rel=1e-6)
+    assert s["mean"] == pytest.approx(ref["mean"], rel=1e-6, abs=1e-9 * std)
+
+
+def test_site_kernel_token_site_with_padding_and_nonfinite_values():
+    """A padded [batch, pos, channel] batch holding inf, -inf and NaN (some under the padding): every integer, maximum
+    and the top-k equal the torch path's; moments within the contract of the values counted."""
+    x = _heavy((4, 24, 96), 1)
+    x[1, 2, 3], x[2, 3, 4], x[3, 9, 0], x[0, 1, 7] = float("inf"), float("nan"), float("-inf"), float("nan")
+    valid = torch.ones(4, 24, 1, dtype=torch.bool)
+    valid[0, :5] = False  # left padding: x[0, 1, 7] is masked
+    a, b = _both([(x, valid, None), (x * -2, None, None)], ("batch", "pos", "channel"))
+    assert_exact_but_moments(a, b)
+    assert int(b.nonfinite) == 3 + 4 and int(b.positions) == 4 * 24 - 5 + 4 * 24
+    keep = torch.cat([x[valid.expand_as(x) & x.isfinite()], (x * -2)[(x * -2).isfinite()]])
+    assert_contract_moments(b.moments, keep)
+    assert int(b.hist.counts.sum()) == keep.numel()
+
+
+def test_site_kernel_logits_weights_and_bf16():
+    """A causal block of logits (head and query maxima from the row maxima), a weight (channel dim first) and a bf16
+    activation read in its own dtype: equal to the torch path, moments within the contract."""
+    x = _heavy((2, 3, 40, 72), 2)
+    valid = (torch.arange(72)[None, :] <= torch.arange(30, 70)[:, None])[None, None]
+    a, b = _both([(x, valid, None)], LOGIT_DIMS)
+    assert_exact_but_moments(a, b)
+    assert_contract_moments(b.moments, x[valid.expand_as(x)])
+    w = _heavy((48, 80), 3)
+    a, b = _both([(w, None, None)], WEIGHT_DIMS)
+    assert_exact_but_moments(a, b)
+    assert_contract_moments(b.moments, w.flatten())
+    h = _heavy((3, 20, 64), 4, torch.bfloat16)
+    a, b = _both([(h, None, None)], ("batch", "pos", "channel"))
+    assert_exact_but_moments(a, b)
+    assert_contract_moments(b.moments, h.float().flatten())
+
+
+def test_site_kernel_subnormals_and_zeros():
+    """Subnormal magnitudes keep their own histogram bins and maxima (|x| from the bit pattern, not float arithmetic,
+    which a GPU may flush to zero), and ±0 lands in bin 0 as on the torch path."""
+    x = torch.full((2, 8, 32), 1e-40)
+    x[0, :, ::2] = -3e-39
+    x[1, 3] = -0.0
+    x[1, 4, 5] = 2.5
+    a, b = _both([(x, None, None)], ("batch", "pos", "channel"))
+    assert_exact_but_moments(a, b)
+    from diffquant.stats.histogram import magnitude_bins
+
+    assert int(b.hist.counts[int(magnitude_bins(torch.tensor([3e-39])))]) == 8 * 16
+
+
+def test_site_kernel_topk_ties_past_sixteen():
+    """40 values tie at the largest |x| (both signs) across rows, k = 25: which tied entries are kept, and their
+    order, equal the torch path's (one search and a stable merge on both)."""
+    x = _heavy((3, 16, 64), 5) * 0.01
+    g = torch.Generator().manual_seed(6)
+    where = torch.randperm(x.numel(), generator=g)[:40]
+    x.view(-1)[where] = torch.where(torch.arange(40) % 2 == 0, 9.0, -9.0)
+    a, b = _both([(x, None, None), (x.flip(0), None, None)], ("batch", "pos", "channel"), k=25)
+    assert_exact_but_moments(a, b)
+    assert b.topk.values.abs().eq(9.0).all()
+
+
+def test_site_kernel_is_deterministic_and_blocks_equal_the_whole():
+    """Two runs give the same bits; query blocks of one call give the whole tensor's integers and maxima exactly and
+    its moments within the contract (one pass of the per-pass statistics either way)."""
+    from diffquant.stats.site_stats import SiteStats
+    from diffquant.taps.context import Block
+
+    x = _heavy((2, 2, 48, 48), 7)
+    causal = (torch.arange(48)[None, :] <= torch.arange(48)[:, None])[None, None]
+    runs = []
+    for _ in range(2):
+        s = SiteStats(LOGIT_DIMS, k=30, kernels="triton")
+        s.update(x, causal)
+        s._fold()
+        runs.append(s)
+    for key in ("n", "mean", "m2", "m3", "m4"):
+        assert torch.equal(getattr(runs[0].moments, key), getattr(runs[1].moments, key)), key
+    blocked = SiteStats(LOGIT_DIMS, k=30, kernels="triton")
+    for r0 in range(0, 48, 16):
+        blocked.update(x[:, :, r0:r0 + 16], causal[:, :, r0:r0 + 16], block=Block(r0, r0 + 16, 48, 48, r0 + 1))
+    blocked._fold()
+    whole = runs[0]
+    assert torch.equal(whole.hist.counts, blocked.hist.counts) and whole.passes == blocked.passes == 1
+    assert torch.equal(whole.channel_absmax, blocked.channel_absmax)
+    assert torch.equal(whole.position_absmax, blocked.position_absmax)
+    assert torch.equal(whole.topk._abs, blocked.topk._abs) and torch.equal(whole.topk._coords, blocked.topk._coords)
+    assert_contract_moments(blocked.moments, x[causal.expand_as(x)])
+    assert whole.summary()["pass_kurtosis_max"] == pytest.approx(blocked.summary()["pass_kurtosis_max"], rel=1e-6)
+
+
+def test_site_kernel_merges_chunks_and_programs_in_the_contract():
+    """Rows wider than a chunk and more rows than a program takes (several chunks per program, several programs),
+    their means far apart: each chunk's central sums moved to the pooled mean (a mutated merge fails here)."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(40, 6000, generator=g) * torch.linspace(0.5, 4, 6000) + torch.linspace(-30, 90, 40)[:, None]
+    x[:, 4096:] += 200.0  # the second chunk of each row far from the first
+    x[7, 4500] = -900.0
+    a, b = _both([(x, None, None)], WEIGHT_DIMS)
+    assert_exact_but_moments(a, b)
+    assert_contract_moments(b.moments, x.flatten())
+
+
+def test_site_kernel_moments_of_a_large_mean():
+    """Values whose mean is 1,000 standard deviations from 0: the float32 mean each path centres on is off by up to
+    half its last bit, so both move their sums to the exact mean (without that, M₃ is off by ~6e-5 of Σ|x − μ|³)."""
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(9)) + 1000.0
+    a, b = _both([(x, None, None)], WEIGHT_DIMS)
+    assert_exact_but_moments(a, b)
+    assert_contract_moments(a.moments, x.flatten())
+    assert_contract_moments(b.moments, x.flatten())
+
+
+# ---------------------------------------------------------------- compiled for a GPU (no GPU needed)
+
+COMPILED = ["_site_kernel", "_pool_kernel", "_flash_kernel", "_rows_kernel", "_absmax_kernel", "_flash_kernel"]
+COMPILE_CHECK = """
+import itertools, json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from diffquant.kernels import flash, site
+
+specs = [(site._site_kernel, dict(x_ptr=x, mask_ptr="*i8", stats_ptr="*fp64", rowmax_ptr="*fp32", hist_ptr="*i64",
+                                  colmax_ptr="*i32", hits_ptr="*i64", nonfinite_ptr="*i64", positions_ptr="*i64",
+                                  R="i32", W="i32", D1="i32", D2="i32", ms0="i32", ms1="i32", ms2="i32", ms3="i32",
+                                  threshold_bits="i32"),
+          dict(MASKED=masked, COLMAX=colmax, HITS=colmax, BR=8, BW=512, CHUNKS=3))
+         for x, masked, colmax in (("*fp32", True, True),)]
+specs.append((site._pool_kernel, dict(stats_ptr="*fp64", out_ptr="*fp64", P="i32"), dict(BLOCK=site.POOL_BLOCK)))
+strides = {name: "i32" for name in ("sqb", "sqh", "sqm", "skb", "skh", "skn", "smb", "smm", "smn")}
+sizes = dict(H="i32", Q="i32", K="i32", D="i32")
+for x, mask, stats in (("*fp32", 0, True), ("*bf16", 2, False)):
+    common = dict(CAUSAL=mask == 0, MASK=mask, BF16_LOGITS=x == "*bf16", PRECISION="ieee" if x == "*fp32" else "tf32",
+                  WIDEN=False, BM=64, BN=64, DP=64)
+    specs.append((flash._flash_kernel,
+                  dict(q_ptr=x, k_ptr=x, v_ptr=x, out_ptr="*fp32", mask_ptr="*i8", stats_ptr="*fp64", rowmax_ptr="*fp32",
+                       hist_ptr="*i64", nonfinite_ptr="*i64", first_ptr="*i32", mass_ptr="*fp32", logits_ptr="*fp32",
+                       qscale_ptr="*fp32", **strides, svb="i32", svh="i32", svn="i32", sob="i32", som="i32", soh="i32",
+                       **sizes, DV="i32", kv_div="i32", v_div="i32", v_mod="i32", offset="i32", scale="fp32",
+                       qmax="fp32"),
+                  dict(common, STATS=stats, QUANT=stats, STATS_QUANTIZED=stats, WRITE_LOGITS=False, DVP=128)))
+    if x == "*bf16":
+        continue  # the rows and range kernels' tiles are the flash kernel's
+    specs.append((flash._rows_kernel,
+                  dict(q_ptr=x, k_ptr=x, mask_ptr="*i8", sel_ptr="*i64", values_ptr="*fp32", ok_ptr="*i8",
+                       qscale_ptr="*fp32", **strides, **sizes, kv_div="i32", offset="i32", scale="fp32", qmax="fp32"),
+                  dict(common, QUANT=True)))
+    specs.append((flash._absmax_kernel,
+                  dict(q_ptr=x, k_ptr=x, mask_ptr="*i8", rowmax_ptr="*fp32", **strides, **sizes, kv_div="i32",
+                       offset="i32", scale="fp32"), common))
+done = []
+for fn, signature, constexprs in specs:
+    signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    compiled = compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+    done.append((fn.__name__, len(compiled.asm["cubin"]) > 0))
+print(json.dumps(done))
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda():
+    """Every kernel (the flash kernel with float32 and bfloat16 inputs) compiles to a cubin for sm_90 with the Triton here
+    (its own ptxas; no GPU needed): the interpreter accepts programs the compiler refuses (loop-carried types, scalar
+    shapes), so this is the check that the kernels build where they run. In a fresh process without TRITON_INTERPRET,
+    which makes @triton.jit give interpreted functions."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=ROOT, TRITON_DEFAULT_FP_FUSION="1")
+    out = subprocess.run([sys.executable, "-c", COMPILE_CHECK], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    done = json.loads(out.stdout.splitlines()[-1])
+    assert len(done) == len(COMPILED) and all(ok for _, ok in done)
+
+
+def _profiles(arch, sites, kernels_list=("torch", "triton"), ids=None, **kwargs):
+    from diffquant.models.presets import PRESETS, build
+    from diffquant.profiler import profile_model
+
+    model = build(PRESETS["micro"], arch, seed=4)
+    if ids is None:
+        ids = torch.randint(0, 512, (2, 72), generator=torch.Generator().manual_seed(5))
+    return [profile_model(model, ids, sites, batch_size=2, progress=False, k=30, kernels=k, **kwargs)
+            for k in kernels_list]
+
+
+def assert_profiles_agree(a, b, moments_rel=1e-6):
+    """Two profiles of the same model and tokens: every site's integers, maxima and top-k the same, moments within the
+    contract's relative bounds (std, kurtosis, per-pass kurtosis)."""
+    assert set(a.sites) == set(b.sites)
+    for name in a.sites:
+        x, y = a.sites[name].summary(), b.sites[name].summary()
+        assert y.pop("mean") == pytest.approx(x.pop("mean"), abs=moments_rel * x["std"]), name  # a mean near 0: in σ
+        for key in ("std", "kurtosis", "pass_kurtosis_mean", "pass_kurtosis_max"):
+            assert y.pop(key) == pytest.approx(x.pop(key), rel=moments_rel, abs=1e-9), (name, key)
+        x.pop("kernels"), y.pop("kernels")
+        assert x == y, name
+
+
+@pytest.mark.parametrize("arch", ["baseline", "diff"])
+def test_profile_with_triton_site_kernels_equals_torch(arch):
+    """A whole profile of token sites (hidden states, Linear inputs with LLM.int8 hits) with the fused site kernel:
+    the same statistics as the torch path; the report says which path computed each site."""
+    sites = ["*.hidden", "*.attn_in", "*.mlp_in", "*.down_in"]
+    torch_prof, triton_prof = _profiles(arch, sites)
+    assert_profiles_agree(torch_prof, triton_prof)
+    assert triton_prof.provenance["kernels"] == {"asked": "triton", "path": "triton"}
+    assert {s.path for s in triton_prof.sites.values()} == {"triton"}
+
+
+# ---------------------------------------------------------------- the interim eager fix (torch path off the CPU)
+
+
+def test_masked_logits_never_reach_a_histogram_bin_off_the_cpu(monkeypatch):
+    """On the accelerators' path (forced here on CPU) a masked or non-finite logit is added with weight 0 in the bin of
+    its own |x|, not sent to bin 0 and subtracted (on a GPU, every masked value an atomic add to one address): bin 0
+    receives only values that round to it, and the counts equal those of the CPU path and of a bincount of the
+    visible finite values."""
+    from diffquant.stats import site_stats
+    from diffquant.stats.histogram import NBINS, AbsHistogram, magnitude_bins
+    from diffquant.stats.site_stats import SiteStats
+
+    x = _heavy((2, 3, 32, 64), 10)
+    x[0, 1, 2, 3], x[1, 2, 30, 60] = float("nan"), float("inf")  # visible; masked
+    valid = (torch.arange(64)[None, :] <= torch.arange(32, 64)[:, None])[None, None]
+    seen = []
+    add_bins = AbsHistogram.add_bins
+
+    def spy(self, bins, zeros_left_out=None, counted=None):
+        seen.append((bins.reshape(-1).clone(), None if counted is None else counted.reshape(-1).clone()))
+        return add_bins(self, bins, zeros_left_out, counted)
+
+    monkeypatch.setattr(AbsHistogram, "add_bins", spy)
+    counts = {}
+    for free_reads in (frozenset({"cpu"}), frozenset()):
+        monkeypatch.setattr(site_stats, "FREE_READS", free_reads)
+        s = SiteStats(LOGIT_DIMS, kernels="torch")
+        s.update(x, valid)
+        counts[free_reads] = s.hist.counts
+    keep = valid.expand_as(x) & x.isfinite()
+    ref = torch.bincount(magnitude_bins(x[keep]).long(), minlength=NBINS)
+    assert torch.equal(counts[frozenset()], ref) and torch.equal(counts[frozenset({"cpu"})], ref)
+    bins, counted = seen[-1]
+    assert torch.equal(counted, keep.reshape(-1))
+    left_out = ~keep.reshape(-1)
+    rounds_to_zero = magnitude_bins(x).reshape(-1) == 0
+    assert int((bins[left_out] == 0).sum()) == int((rounds_to_zero & left_out).sum()) < 10
+
+
+# ---------------------------------------------------------------- attention logits inside flash attention (kernels/flash.py)
+
+
+def _qkv(batch, heads, kv_heads, q_len, k_len, d, seed, dtype=torch.float32, dv=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, q_len, d, generator=g) * 2
+    k = torch.randn(batch, kv_heads, k_len, d, generator=g)
+    k[:, :, 0] *= 6  # a key every query sees, much larger: a sink and large logits
+    v = torch.randn(batch, kv_heads, k_len, dv or d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _explicit(q, k, v, visible, scale, v_heads=None):
+    """Logits, probabilities and output written out as the explicit attention computes them (taps/attention.py):
+    matmul then scale in the inputs' dtype, an fp32 softmax over the visible keys, probabilities in the inputs' dtype,
+    rows with no visible key all zero."""
+    heads = q.shape[1]
+    kk = k.repeat_interleave(heads // k.shape[1], 1)
+    vv = v.repeat_interleave(heads // v.shape[1], 1) if v_heads is None else v[:, v_heads]
+    logits = torch.matmul(q, kk.transpose(2, 3)).mul_(scale)
+    probs = torch.softmax(logits.float().masked_fill(~visible, float("-inf")), dim=-1)
+    probs = probs.masked_fill(~visible.any(-1, keepdim=True), 0.0).to(q.dtype)
+    return logits.float(), probs, torch.matmul(probs, vv)
+
+
+def assert_close_logits(got, want, dtype):
+    """The kernel's logits against torch's (another summation order): fp32 within 1e-6 of the largest, bf16 within
+    one bfloat16 step (their float32 sums may round to neighbouring bfloat16 values)."""
+    if dtype == torch.float32:
+        assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max())
+    else:
+        assert bool(((got - want).abs() <= 2**-7 * want.abs() + 1e-30).all())
+
+
+def _flash_site(q, k, v, masking, visible, scale, ids, k_top=20, **kwargs):
+    """The flash kernel with statistics into a SiteStats, and the torch path's SiteStats of the kernel's own logits
+    (written out) given as one tensor: (flash stats, reference stats, the kernel's result)."""
+    from diffquant.kernels import flash
+    from diffquant.stats.site_stats import SiteStats
+
+    s = SiteStats(LOGIT_DIMS, k=k_top)
+    r = flash.attention(q, k, v, masking, scale, hist=s.hist.counts, nonfinite=s.nonfinite, write_logits=True,
+                        **kwargs)
+    shape = torch.Size((q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    s.update_from_kernel(r.entry, r.rowmax, shape,
+                         lambda rows: flash.logit_rows(q, k, masking, scale, rows, kwargs.get("quant")), ids)
+    s._fold()
+    ref = SiteStats(LOGIT_DIMS, k=k_top, kernels="torch")
+    ref.update(r.logits, visible, ids)
+    ref._fold()
+    return s, ref, r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_logit_statistics_gqa_causal(dtype):
+    """GQA (4 query heads on 2 KV heads), causal, 72 queries over 72 keys (tiles of 64: a window that is not a multiple
+    of the tile). The kernel's logits are the explicit attention's (fp32: ieee dot; bf16: rounded where torch rounds),
+    its statistics of the visible logits are the torch path's of those logits (integers, maxima, top-k with token ids
+    exact; moments within the contract), the first-key masses and the output are the explicit attention's."""
+    from diffquant.kernels.flash import Masking
+
+    q, k, v = _qkv(2, 4, 2, 72, 72, 16, 11, dtype)
+    ids = torch.randint(0, 500, (2, 72), generator=torch.Generator().manual_seed(12))
+    visible = torch.ones(72, 72, dtype=torch.bool).tril()[None, None]
+    s, ref, r = _flash_site(q, k, v, Masking(True), visible, 0.25, ids, v_div=2, v_mod=2)
+    assert_exact_but_moments(ref, s)
+    assert_contract_moments(s.moments, r.logits[visible.expand_as(r.logits)])
+    assert int(s.hist.counts.sum()) == 2 * 4 * 72 * 73 // 2  # visible logits only
+    logits, probs, out = _explicit(q, k, v, visible, 0.25)
+    seen = visible.expand_as(logits)
+    assert_close_logits(r.logits[seen], logits[seen], dtype)
+    assert torch.equal(r.first, torch.zeros_like(r.first))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(r.mass.to(dtype).float(), probs[..., 0].float(), rtol=tol, atol=tol * 1e-2)
+    assert torch.allclose(r.out.transpose(1, 2).float(), out.float(), rtol=tol, atol=tol)
+
+
+def test_flash_bf16_logits_round_ties_to_even():
+    """bfloat16 logits exactly halfway between two bfloat16 values (1 + 2⁻⁸ and 1 + 3·2⁻⁸): rounded to the even one
+    (1 and 1 + 2⁻⁶), as torch rounds its bfloat16 matmul."""
+    from diffquant.kernels.flash import Masking
+
+    q = torch.zeros(1, 1, 16, 16)
+    k = torch.zeros(1, 1, 16, 16)
+    q[..., 0], q[..., 1] = 1.0, 2.0**-8
+    q[0, 0, 1::2, 1] = 3 * 2.0**-8
+    k[..., 0], k[..., 1] = 1.0, 1.0
+    q, k = q.bfloat16(), k.bfloat16()
+    visible = torch.ones(16, 16, dtype=torch.bool).tril()[None, None]
+    _, _, r = _flash_site(q, k, k, Masking(True), visible, 1.0, None, v_div=1, v_mod=1)
+    want = torch.matmul(q, k.transpose(2, 3)).float()
+    assert sorted(set(want[visible].tolist())) == [1.0, 1.015625]
+    assert torch.equal(r.logits[visible], want[visible])
+
+
+@pytest.mark.parametrize("kind", ["key", "full"])
+def test_flash_logit_statistics_padded_batch(kind):
+    """Left padding, as flash-attention's [batch, key] mask (with causality) or a 4-D mask (SDPA's boolean mask): the
+    padded keys are invisible, a fully padded query row attends nothing (output 0, no first key), and nothing masked
+    reaches a statistic."""
+    from diffquant.kernels.flash import FULL_MASK, KEY_MASK, Masking
+
+    q, k, v = _qkv(2, 2, 2, 100, 100, 16, 13)
+    keys = torch.ones(2, 100, dtype=torch.bool)
+    keys[1, :70] = False  # its rows 70.. see nothing in their first tile of keys (0-63)
+    causal = torch.ones(100, 100, dtype=torch.bool).tril()
+    visible = causal[None, None] & keys[:, None, None, :]
+    if kind == "key":
+        masking = Masking(True, KEY_MASK, keys.to(torch.int8))
+    else:
+        masking = Masking(False, FULL_MASK, visible.view(torch.int8))
+    s, ref, r = _flash_site(q, k, v, masking, visible, 0.25, None, v_div=1, v_mod=2)
+    assert_exact_but_moments(ref, s)
+    assert_contract_moments(s.moments, r.logits[visible.expand_as(r.logits)])
+    assert int(s.hist.counts.sum()) == int(visible.expand(2, 2, 100, 100).sum())
+    logits, probs, out = _explicit(q, k, v, visible, 0.25)
+    assert torch.equal(r.first[1, 0], torch.where(torch.arange(100) >= 70, 70, 100).int())  # rows 0-69: no key
+    assert torch.allclose(r.out.transpose(1, 2), out, rtol=1e-5, atol=1e-6)
+    assert bool((r.out[1, :70] == 0).all())
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, in the interpreter: inf - inf
+def test_flash_nonfinite_logits_are_counted_apart():
+    """inf in one key: its logits are ±inf or NaN; they are counted as non-finite, enter no other statistic, and the
+    torch path of the same logits agrees."""
+    from diffquant.kernels.flash import Masking
+
+    q, k, v = _qkv(1, 2, 2, 24, 24, 16, 14)
+    k[0, 1, 5, 3] = float("inf")
+    visible = torch.ones(24, 24, dtype=torch.bool).tril()[None, None]
+    s, ref, r = _flash_site(q, k, v, Masking(True), visible, 0.25, None, v_div=1, v_mod=2)
+    assert_exact_but_moments(ref, s)
+    assert int(s.nonfinite) == 24 - 5
+    finite = r.logits[visible.expand_as(r.logits)]
+    assert_contract_moments(s.moments, finite[finite.isfinite()])
+
+
+def test_flash_diff_paired_values_and_masses():
+    """DIFF's layout: 4 maps on 4 KV heads, paired values [V1 | V2] of width 2d read by maps j and j + 2: the output
+    of each map is its probabilities times its paired value (the explicit attention's), over 3 query tiles."""
+    from diffquant.kernels.flash import Masking
+
+    q, k, _ = _qkv(1, 4, 4, 150, 150, 16, 15)
+    vpair = torch.randn(1, 2, 150, 32, generator=torch.Generator().manual_seed(16))
+    visible = torch.ones(150, 150, dtype=torch.bool).tril()[None, None]
+    s, ref, r = _flash_site(q, k, vpair, Masking(True), visible, 0.25, None, k_top=5, v_div=1, v_mod=2,
+                            out_dtype=torch.float32)
+    assert_exact_but_moments(ref, s)
+    _, probs, out = _explicit(q, k, vpair, visible, 0.25, v_heads=[0, 1, 0, 1])
+    assert torch.allclose(r.out.transpose(1, 2), out, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(r.mass, probs[..., 0], rtol=1e-6, atol=1e-9)
+
+
+def assert_numbers_close(a, b, rel, where=""):
+    """Two report trees (dicts, lists, numbers) equal in structure, every number within `rel` (exact for integers)."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), where
+        for key in a:
+            assert_numbers_close(a[key], b[key], rel, f"{where}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_numbers_close(x, y, rel, f"{where}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert b == pytest.approx(a, rel=rel, abs=2e-6), where  # some are rounded to 6 places
+    else:
+        assert a == b, where
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["baseline", "diff"])
+def test_profile_with_flash_attention_equals_the_explicit_path(arch):
+    """A whole profile (attention logits, hidden states, the sink metrics; DIFF: both maps, the differential map and λ)
+    with kernels="triton": the flash kernel serves every layer's logits and sinks, and the report equals the explicit
+    path's, within the float32 rounding that a differently summed attention output carries into later layers."""
+    sites = ["*.attn_logits", "*.hidden"]
+    explicit, fused = _profiles(arch, sites, sinks=True)
+    assert {s.path for name, s in fused.sites.items() if "attn_logits" in name} == {"triton"}
+    summary = lambda p: {name: {k: v for k, v in s.summary().items() if k != "kernels"}  # noqa: E731
+                         for name, s in p.sites.items()}
+    a, b = summary(explicit), summary(fused)
+    for name in a:  # quantiles read bins: a value that moves by one rounding may cross a bin's edge
+        a[name].pop("quantiles"), b[name].pop("quantiles")
+    assert_numbers_close(a, b, rel=1e-5)
+    assert_numbers_close(explicit.sink_summary(), fused.sink_summary(), rel=1e-5)
+    counts = lambda p: sum(int(s.hist.counts.sum()) for n, s in p.sites.items() if "logits" in n)  # noqa: E731
+    assert counts(explicit) == counts(fused)
+
+
+def _tapped_run(model, ids, mask, choice, k=10):
+    """The model run with logit-statistics and sink observers on every layer, under `choice` of kernels: (output
+    logits, {site: summary}, {layer: sink summary})."""
+    from diffquant.profiler import SinkObserver, StatsObserver
+    from diffquant.stats.sinks import LayerSinks
+    from diffquant.taps import Batch, site_table, tapped
+
+    table = site_table(model)
+    stats = {s.name: StatsObserver(k) for s in table if s.kind == "attn_logits"}
+    sinks = {s.layer: LayerSinks() for s in table if s.kind == "attn_probs"}
+    taps = {name: [o] for name, o in stats.items()}
+    for s in table:
+        if s.kind in ("attn_probs", "attn_map", "lambda") and s.layer is not None:
+            taps.setdefault(s.name, []).append(SinkObserver(sinks[s.layer], s.kind))
+    batch = Batch(input_ids=ids, attention_mask=mask)
+    with kernels.chosen(choice), tapped(model, taps, batch), torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=False).logits
+    diff = model.config.model_type == "diffllama"
+    return (out, {n: {k: v for k, v in o.stats.summary().items() if k not in ("kernels", "quantiles")}
+                  for n, o in stats.items()}, {i: s.summary(diff) for i, s in sinks.items()},
+            {o.stats.path for o in stats.values()})
+
+
+@pytest.mark.parametrize("arch", ["baseline", "diff"])
+def test_flash_path_on_a_padded_batch(arch):
+    """A left-padded batch (transformers passes a 4-D mask): the flash path's output at real tokens, its logit
+    statistics and sink metrics equal the explicit path's."""
+    from diffquant.models.presets import PRESETS, build
+
+    model = build(PRESETS["micro"], arch, seed=4).eval()
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(17))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0
+    a, b = _tapped_run(model, ids, mask, "torch"), _tapped_run(model, ids, mask, "triton")
+    assert a[3] == {"torch"} and b[3] == {"triton"}
+    real = mask.bool()
+    assert torch.allclose(a[0][real], b[0][real], rtol=1e-5, atol=1e-6)
+    assert_numbers_close(a[1], b[1], rel=1e-5)
+    assert_numbers_close(a[2], b[2], rel=1e-5)
+
+
+def test_flash_path_gqa_model_and_causality(qwen2):
+    """Qwen2 with 4 query heads on 2 KV heads: the flash path equals the explicit one, and it is causal (a changed
+    last token changes no earlier output: transformers passes no mask for plainly causal input)."""
+    ids = torch.randint(0, 512, (1, 70), generator=torch.Generator().manual_seed(18))
+    a, b = _tapped_run(qwen2, ids, None, "torch"), _tapped_run(qwen2, ids, None, "triton")
+    assert b[3] == {"triton"}
+    assert torch.allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
+    assert_numbers_close(a[1], b[1], rel=1e-5)
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 512
+    c = _tapped_run(qwen2, changed, None, "triton")
+    assert torch.equal(c[0][:, :-1], b[0][:, :-1]) and not torch.equal(c[0][:, -1], b[0][:, -1])
+
+
+# ---------------------------------------------------------------- quantized logits in the flash kernel (step 4)
+
+GRANULARITIES = ["tensor", "head", "token"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_flash_quantized_logits_equal_fake_quant(granularity, dtype):
+    """int4 dynamic absmax per tensor (of a sequence), per head, per token: the logits the kernel's softmax reads are
+    quant/math.py's `dynamic_fake_quantize` of the kernel's own logits (ranges over the visible ones; masked ones kept),
+    bit for bit, and its output is the explicit softmax of them times V."""
+    from diffquant.kernels import flash
+    from diffquant.quant import math as Q
+    from diffquant.quant.granularity import parse_granularity
+    from diffquant.quant.scheme import int_config
+    from diffquant.taps.triton_attention import _scales
+
+    q, k, v = _qkv(2, 4, 2, 72, 72, 16, 19, dtype)
+    keys = torch.ones(2, 72, dtype=torch.bool)
+    keys[1, :5] = False
+    visible = torch.ones(72, 72, dtype=torch.bool).tril()[None, None] & keys[:, None, None, :]
+    masking = flash.Masking(True, flash.KEY_MASK, keys.to(torch.int8))
+    config = int_config(4, parse_granularity(granularity))
+    raw = flash.attention(q, k, v, masking, 0.25, v_div=2, v_mod=2, write_logits=True).logits
+    absmax = flash.row_absmax(q, k, masking, 0.25)
+    assert torch.equal(absmax, torch.where(visible, raw.abs(), 0.0).amax(-1))
+    quant = flash.Quant(_scales(config, absmax), config.format.qmax)
+    r = flash.attention(q, k, v, masking, 0.25, v_div=2, v_mod=2, quant=quant, write_logits=True)
+    logits = raw.to(dtype)  # what the explicit path's taps see (bf16 logits in a bf16 model)
+    want = Q.dynamic_fake_quantize(logits, config.format, config.granularity, LOGIT_DIMS, visible)
+    want = Q.keep_masked(want, logits, visible).float()
+    assert torch.equal(r.logits[visible.expand_as(want)], want[visible.expand_as(want)])
+    assert len(torch.unique(want[0, 0, 40][visible[0, 0, 40]])) <= 15  # int4: 15 codes per scale
+    probs = torch.softmax(want.masked_fill(~visible, float("-inf")), -1).masked_fill(~visible.any(-1, True), 0)
+    out = torch.matmul(probs.to(dtype), v.repeat_interleave(2, 1)).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(r.out.transpose(1, 2).float(), out, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_flash_statistics_before_or_after_the_quantizer(after):
+    """Statistics observed before the quantizer see the logits as computed; after it, the quantized ones (the taps'
+    order, as in the explicit path); the top-k's recomputed rows are quantized alike."""
+    from diffquant.kernels import flash
+    from diffquant.quant.scheme import int_config
+    from diffquant.quant.granularity import PerToken
+    from diffquant.taps.triton_attention import _scales
+
+    q, k, v = _qkv(1, 2, 2, 40, 40, 16, 20)
+    visible = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
+    config = int_config(3, PerToken())
+    quant = flash.Quant(_scales(config, flash.row_absmax(q, k, flash.Masking(True), 0.25)), config.format.qmax, after)
+    s, ref, r = _flash_site(q, k, v, flash.Masking(True), visible, 0.25, None, v_div=1, v_mod=2, quant=quant)
+    if after:  # the written logits are the quantized ones the statistics saw: `_flash_site`'s reference is exact
+        assert_exact_but_moments(ref, s)
+        assert len(torch.unique(r.logits[0, 0, 30, :31])) <= 7  # int3: 7 codes per row
+    else:
+        raw = flash.attention(q, k, v, flash.Masking(True), 0.25, v_div=1, v_mod=2, write_logits=True).logits
+        from diffquant.stats.site_stats import SiteStats
+
+        plain = SiteStats(LOGIT_DIMS, k=20, kernels="torch")
+        plain.update(raw, visible)
+        plain._fold()
+        assert_exact_but_moments(plain, s)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["baseline", "diff"])
+def test_logit_sweep_scheme_through_the_flash_kernel(arch):
+    """The sweep's int4 logit schemes (quant/scheme.py, attached as the sweep attaches them) on micro models: with the
+    Triton path the model's output equals the explicit fake-quant path's (the logits' rounding codes agree, so the
+    outputs differ by float32 summation order only)."""
+    from diffquant.models.presets import PRESETS, build
+    from diffquant.quant.scheme import QuantScheme, attach_scheme, int_config
+    from diffquant.quant.granularity import parse_granularity
+
+    model = build(PRESETS["micro"], arch, seed=4).eval()
+    ids = torch.randint(0, 512, (1, 72), generator=torch.Generator().manual_seed(21))
+    for granularity in GRANULARITIES:
+        scheme = QuantScheme(f"logits-int4-{granularity}",
+                             (("*.attn_logits", int_config(4, parse_granularity(granularity))),))
+        outs = []
+        for choice in ("torch", "triton"):
+            attachment = attach_scheme(model, scheme)
+            try:
+                with kernels.chosen(choice), torch.no_grad():
+                    outs.append(model(ids, use_cache=False).logits)
+            finally:
+                attachment.remove()
+        assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5), granularity
+
+
+@pytest.mark.parametrize("observer_first", [True, False])
+def test_logit_statistics_and_quantizer_in_either_order(observer_first):
+    """A statistics observer and an int4 per-head quantizer on the same logits, in either order: through the flash
+    kernel the observer sees what it sees on the explicit path (the logits as computed, or quantized)."""
+    from diffquant.models.presets import PRESETS, build
+    from diffquant.profiler import StatsObserver
+    from diffquant.quant.fake import FakeQuant
+    from diffquant.quant.granularity import PerHead
+    from diffquant.quant.scheme import int_config
+    from diffquant.taps import Batch, tapped
+
+    model = build(PRESETS["micro"], "baseline", seed=4).eval()
+    ids = torch.randint(0, 512, (2, 72), generator=torch.Generator().manual_seed(22))
+    summaries, outs = [], []
+    for choice in ("torch", "triton"):
+        observer = StatsObserver(k=10)
+        pair = [observer, FakeQuant(int_config(4, PerHead()))]
+        with kernels.chosen(choice), tapped(model, {"layers.0.attn_logits": pair if observer_first else pair[::-1]},
+                                             Batch(input_ids=ids)), torch.no_grad():
+            outs.append(model(ids, use_cache=False).logits)
+        assert observer.stats.path == choice
+        summaries.append({k: v for k, v in observer.stats.summary().items() if k not in ("kernels", "quantiles")})
+    assert_numbers_close(summaries[0], summaries[1], rel=1e-5)
+    assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+    assert (len(summaries[1]["channel_absmax"]) == 4) and (summaries[1]["count"] == 2 * 4 * 72 * 73 // 2)
