@@ -290,13 +290,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_check-out")
     p.add_argument("--backend", default=os.environ.get("GPU_CHECK_BACKEND", "torchao-int8wo"))
     p.add_argument("--steps", nargs="+", default=None, metavar="STEP",
-                   help=f"run these steps only ({', '.join(LIMITS)}; 'kernels' names the Triton ones)")
+                   help=f"run these steps ({', '.join(LIMITS)}; 'kernels', the default, names the Triton ones; "
+                        "'all' every step)")
     p.add_argument("--step", default=None, choices=sorted(LIMITS), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    chosen = [x for name in (a.steps or LIMITS) for x in (KERNEL_STEPS if name == "kernels" else [name])]
+    # default: the Triton kernels' steps (this round's question; their limits sum to 6.5 min, one device session with
+    # start-up); "all" adds the earlier steps (benchmarks, bf16 profile, backend, recipe: about 7 more minutes)
+    names = a.steps or ["kernels"]
+    names = list(LIMITS) if names == ["all"] else names
+    chosen = [x for name in names for x in (KERNEL_STEPS if name == "kernels" else [name])]
     unknown = [name for name in chosen if name not in LIMITS]
     if unknown:
-        p.error(f"unknown steps {', '.join(unknown)}; choose from {', '.join(LIMITS)} or kernels")
+        p.error(f"unknown steps {', '.join(unknown)}; choose from {', '.join(LIMITS)}, kernels or all")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.step:  # inside a step's own process

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The first thing to run on a GPU machine (no network): the GPU benchmark sections (results-cuda.json: tokens/s and
-# peak GPU memory of the forward, the profiles, DIFF vs the baseline, a sweep), a bf16 profile compared with the fp32
-# one, one real low-bit backend's kernel on the GPU, and the GPU recipe's first minutes (about 7 minutes on one
-# H100/H200), then the Triton kernels' six steps (about 7 more; `--steps kernels` runs only them, `--steps NAME...`
-# any); one JSON summary, $OUT/gpu_check.json, written after every step (benchmarks/gpu_check.py holds the steps and
-# their limits).
+# The first thing to run on a GPU machine (no network): by default the Triton kernels' six steps (about 7 minutes
+# on one H100/H200: the bin-0 index_add_ hypothesis, the fused site kernel's GB/s and contract, the flash + statistics
+# kernel against SDPA and eager attention, the whole profiled forward eager and graphed, kernel against wall time,
+# DIFF's attention); `--steps all` adds the earlier steps (the GPU benchmark sections, results-cuda.json; a bf16
+# profile against fp32; one real low-bit backend's kernel; the GPU recipe's first minutes: about 7 more minutes),
+# `--steps NAME...` runs any; one JSON summary, $OUT/gpu_check.json, written after every step
+# (benchmarks/gpu_check.py holds the steps and their limits).
 #
 #     bash benchmarks/gpu_check.sh               # on the GPU machine; exit 0 when every step is ok
 #     bash benchmarks/gpu_check.sh --steps kernels   # the Triton kernels' steps only (issue 47; about 7 minutes)

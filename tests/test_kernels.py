@@ -781,3 +781,20 @@ def test_logit_statistics_and_quantizer_in_either_order(observer_first):
     assert_numbers_close(summaries[0], summaries[1], rel=1e-5)
     assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5)
     assert (len(summaries[1]["channel_absmax"]) == 4) and (summaries[1]["count"] == 2 * 4 * 72 * 73 // 2)
+
+
+def test_auto_checks_the_kernel_on_its_device_first_and_keeps_to_torch_where_it_fails(monkeypatch, capsys):
+    """The contract check "auto" runs once per device before choosing Triton passes here (the interpreter); where it
+    fails, "auto" takes torch and says why once, and an explicit "triton" is not second-guessed."""
+    import torch
+
+    from diffquant import kernels
+
+    assert kernels._contract_check("cpu") is None
+    monkeypatch.setattr(kernels, "_verified", {})
+    monkeypatch.setattr(kernels, "_contract_check", lambda device: "std 1.0 against torch's 2.0")
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    cuda = torch.device("cuda", 0)
+    assert kernels.resolve("auto", cuda) == "torch" and kernels.resolve("auto", cuda) == "torch"
+    assert capsys.readouterr().err.count("failed its check on cuda:0 (std 1.0 against torch's 2.0)") == 1
+    assert kernels.resolve("triton", cuda) == "triton"

@@ -1,6 +1,7 @@
 """Which kernels compute the statistics, Triton's or torch's, and the contract both paths keep.
 
-`kernels` is "auto" (Triton on CUDA tensors where Triton imports, torch elsewhere), "triton" or "torch". Triton is an
+`kernels` is "auto" (Triton on CUDA tensors where Triton imports and its site kernel passes a contract check on that
+device, `verify`; torch elsewhere), "triton" or "torch". Triton is an
 optional extra (`pip install 'diffquant[gpu]'`): nothing imports it until a choice resolves to it, so `import diffquant`
 works without it (and this module imports neither, so the command line can name the choices at once). "triton" on a CPU tensor runs only under Triton's interpreter (TRITON_INTERPRET=1, set before Triton
 is imported: how the test suite runs every kernel without a GPU, at about 12 ms per program instance).
@@ -39,6 +40,7 @@ from diffquant.errors import DiffquantError
 CHOICES = ("auto", "triton", "torch")
 _chosen: contextvars.ContextVar[str] = contextvars.ContextVar("diffquant_kernels", default="auto")
 _triton: list[bool] = []  # whether Triton imports, found once
+_verified: dict[str, str | None] = {}  # device -> None (the site kernel kept the contract there) or why not
 
 
 def check(kernels: str) -> str:
@@ -78,10 +80,58 @@ def resolve(kernels: str | None, device) -> str:
         if kernels == "auto":
             return "torch"
         raise DiffquantError("kernels='triton' needs Triton, which does not import here: pip install 'diffquant[gpu]'")
+    if kernels == "auto" and device.type == "cuda" and verify(device) is not None:
+        return "torch"
     if device.type == "cuda" or (device.type == "cpu" and interpreting()):
         return "triton"
     raise DiffquantError(f"kernels='triton' runs on CUDA tensors, not on {device.type} (on CPU only under Triton's "
                          "interpreter, TRITON_INTERPRET=1); use kernels='auto' or 'torch' here")
+
+
+def verify(device) -> str | None:
+    """None if the fused site kernel keeps the contract on `device`, else why not: checked once per device, the first
+    time "auto" would choose Triton there, on a small tensor with a mask, inf, NaN, a subnormal and ties, against the
+    torch path (integers, maxima and top-k exact, moments within the contract). "auto" keeps to torch where it fails
+    and says so once on stderr: a kernel that is wrong on some GPU or Triton version must not print numbers."""
+    import sys
+
+    key = str(device)
+    if key not in _verified:
+        try:
+            _verified[key] = _contract_check(device)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot run here is a reason too
+            _verified[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if _verified[key] is not None:
+            print(f"diffquant: Triton's statistics kernel failed its check on {key} ({_verified[key]}); using torch's "
+                  "(kernels='auto')", file=sys.stderr)
+    return _verified[key]
+
+
+def _contract_check(device) -> str | None:
+    import torch
+
+    from diffquant.stats.site_stats import SiteStats
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 37, 48, generator=g) * 3
+    x[0, 0, :20] = 2.5  # ties past 16 elements
+    x[1, 2, 3], x[2, 5, 7], x[0, 9, 1] = float("inf"), float("nan"), 1e-40  # non-finite and a subnormal
+    valid = torch.rand(3, 37, 1, generator=g) > 0.2
+    got = {}
+    for path in ("triton", "torch"):
+        stats = SiteStats(("batch", "pos", "channel"), k=24, device=device, kernels=path)
+        for block in (x[:, :20], x[:, 20:]):
+            stats.update(block.to(device), None)
+        stats.update(x.to(device), valid.to(device))
+        got[path] = stats.summary()
+    t, r = got["triton"], got["torch"]
+    for key in ("count", "nonfinite", "absmax", "top", "topk", "channel_absmax", "channel_hit_fraction"):
+        if t.get(key) != r.get(key):
+            return f"{key} differs from torch's"
+    for key in ("std", "kurtosis"):
+        if abs(t[key] - r[key]) > 1e-6 * abs(r[key]):
+            return f"{key} {t[key]!r} against torch's {r[key]!r}"
+    return None
 
 
 def current() -> str:
