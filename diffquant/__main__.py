@@ -2,6 +2,7 @@
 
 import sys
 
-from diffquant_cli import main
+if __name__ == "__main__":
+    from diffquant_cli import main
 
-sys.exit(main())
+    sys.exit(main())

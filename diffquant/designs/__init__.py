@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from diffquant.designs.params import gate_parameters, mlp_narrowing  # noqa: F401 - part of the registry's API
+from diffquant.designs.params import gate_parameters, mlp_narrowing, paper_norm_width  # noqa: F401 - the registry's API
 from diffquant.errors import DiffquantError
 
 
@@ -97,12 +97,6 @@ def _diff_nonorm(common: dict, seq_len: int):
     return diffnonorm.config(common)
 
 
-def _paper_norm_width(hidden: int, heads: int) -> int:
-    from diffquant.designs.headnorm import paper_norm_width
-
-    return paper_norm_width(hidden, heads)
-
-
 def register_auto_classes() -> None:
     """Register the rival designs with transformers' Auto classes (imports transformers)."""
     from diffquant.designs import clipsoftmax, difffrozen, diffgain, diffnonorm, gated, headnorm, sink  # noqa: F401 - each registers itself
@@ -154,4 +148,4 @@ register(Design("diff-frozen", "DIFF, λ frozen", "#7f7f7f", _diff_frozen,
                 added=lambda h, heads: 2 * (h // heads), maps_per_head=2))
 register(Design("baseline-diffnorm", "Transformer + DIFF's norm", "#aec7e8", _diffnorm,
                 "Llama with DIFF's head norm as the paper builds it: RMSNorm over 2d-channel groups of two heads, "
-                "a learnable gain, (1 − λ_init)", added=lambda h, heads: _paper_norm_width(h, heads)))
+                "a learnable gain, (1 − λ_init)", added=paper_norm_width))

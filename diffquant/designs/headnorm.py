@@ -74,7 +74,3 @@ def config(common: dict, paper: bool = False) -> HeadNormConfig:
         return HeadNormConfig(**common)
     return HeadNormConfig(**common, head_norm_group=2 if common["num_attention_heads"] > 1 else 1, head_norm_gain=True)
 
-
-def paper_norm_width(hidden: int, heads: int) -> int:
-    """The channels `baseline-diffnorm`'s norm (and so its gain) spans: two heads', or the one head's."""
-    return 2 * (hidden // heads) if heads > 1 else hidden
