@@ -789,10 +789,11 @@ def test_auto_checks_the_kernel_on_its_device_first_and_keeps_to_torch_where_it_
     import torch
 
     from diffquant import kernels
+    from diffquant.stats.site_stats import contract_check
 
-    assert kernels._contract_check("cpu") is None
+    assert contract_check("cpu") is None and kernels._checks == [contract_check]
     monkeypatch.setattr(kernels, "_verified", {})
-    monkeypatch.setattr(kernels, "_contract_check", lambda device: "std 1.0 against torch's 2.0")
+    monkeypatch.setattr(kernels, "_checks", [lambda device: "std 1.0 against torch's 2.0"])
     monkeypatch.setattr(kernels, "triton_available", lambda: True)
     cuda = torch.device("cuda", 0)
     assert kernels.resolve("auto", cuda) == "torch" and kernels.resolve("auto", cuda) == "torch"

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from diffquant.compiled import CompiledOrEager
-from diffquant.kernels import resolve as resolve_kernels
+from diffquant.kernels import register_check, resolve as resolve_kernels
 from diffquant.stats.histogram import NBINS, AbsHistogram, abs_magnitude_bins, magnitude_bins
 from diffquant.stats.moments import Moments, shift_central, sum64
 from diffquant.stats.topk import TopK
@@ -376,3 +376,31 @@ def _elementwise_max(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Te
         a = torch.nn.functional.pad(a, (0, n - a.numel()))
         b = torch.nn.functional.pad(b, (0, n - b.numel()))
     return torch.maximum(a, b)
+
+
+def contract_check(device) -> str | None:
+    """The Triton path against the torch path on `device`, on a small tensor with a mask, inf, NaN, a subnormal and ties
+    (diffquant.kernels.verify runs it once per device before "auto" chooses Triton): None, or what differs."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 37, 48, generator=g) * 3
+    x[0, 0, :20] = 2.5  # ties past 16 elements
+    x[1, 2, 3], x[2, 5, 7], x[0, 9, 1] = float("inf"), float("nan"), 1e-40  # non-finite and a subnormal
+    valid = torch.rand(3, 37, 1, generator=g) > 0.2
+    got = {}
+    for path in ("triton", "torch"):
+        stats = SiteStats(("batch", "pos", "channel"), k=24, device=device, kernels=path)
+        for block in (x[:, :20], x[:, 20:]):
+            stats.update(block.to(device), None)
+        stats.update(x.to(device), valid.to(device))
+        got[path] = stats.summary()
+    t, r = got["triton"], got["torch"]
+    for key in ("count", "nonfinite", "absmax", "top", "topk", "channel_absmax", "channel_hit_fraction"):
+        if t.get(key) != r.get(key):
+            return f"{key} differs from torch's"
+    for key in ("std", "kurtosis"):
+        if abs(t[key] - r[key]) > 1e-6 * abs(r[key]):
+            return f"{key} {t[key]!r} against torch's {r[key]!r}"
+    return None
+
+
+register_check(contract_check)
