@@ -27,7 +27,7 @@ def test_plan_is_emergences_setting_with_eps_matched_and_the_family_as_stated():
         if key in setting:
             assert setting[key] == value, key
     assert plan["lr"] == setting["lr"]
-    assert family_size(plan) == 24 and len(cells(plan)) == 30
+    assert family_size(plan) == 24 and len(cells(plan)) == 25
     assert f"{minimum_detectable_effect(len(plan['seeds']), 24):.2f}" in plan["test"]
     spec = get_preset(plan["setting"]["train"]["preset"])
     assert {spec.config(a).rms_norm_eps for a in plan["arms"]} == {1e-5}
