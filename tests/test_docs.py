@@ -86,9 +86,11 @@ def test_gpu_breakdown_runs_here_and_renders(tmp_path, monkeypatch):
 
 
 def test_headnorm_finding_says_what_the_results_say(tmp_path, monkeypatch):
-    """The README sentence from a hand-made results file: each metric where DIFF − Transformer is a Holm difference,
-    its factor (exp of the log difference), a top-1/median's ∞-norm where that rose, the part the decision rule
-    gave it with that part's contrasts, what the cost tests could detect (MDE × pooled SD), and the scope."""
+    """The README sentence from a hand-made results file, in magnitudes: DIFF's λ; each metric where DIFF − Transformer
+    is a Holm difference with its factor (exp of the log difference); a top-1/median beside its ∞-norm (not detected:
+    with what could have been) and the component contrasts, never "back to the Transformer's level" from a
+    non-detection; DIFF without norm's smaller ∞-norms; what the cost tests could detect (MDE × pooled SD), with no
+    means of the skewed costs; the eps the arms had; the Transformer's ratio said to be a ratio."""
     import math
     import shutil
 
@@ -98,19 +100,22 @@ def test_headnorm_finding_says_what_the_results_say(tmp_path, monkeypatch):
     names = ["DIFF − Transformer", "head norm − Transformer", "DIFF without norm − Transformer", "DIFF − head norm",
              "DIFF without norm − DIFF"]
     logs = {("down_in_ratio", 0): math.log(0.1), ("down_in_ratio", 1): math.log(0.125),
-            ("down_in_ratio", 4): math.log(8.0), ("down_in_inf_norm", 0): math.log(1.25),
+            ("down_in_ratio", 4): math.log(8.0), ("down_in_ratio", 2): math.log(1.1),
+            ("down_in_inf_norm", 0): math.log(1.25), ("down_in_inf_norm", 2): math.log(0.66),
             ("attn_in_kurtosis", 0): math.log(0.9)}
+    found = {("down_in_ratio", 0), ("down_in_ratio", 1), ("down_in_ratio", 4), ("down_in_inf_norm", 2),
+             ("attn_in_kurtosis", 0)}
     rows = [{"contrast": c, "metric": m, "transform": "raw" if m.endswith("cost") else "log", "n": 5, "mde_sd": 4.0,
              "sd": 3.0 if m.endswith("cost") else 0.1, "diff": logs.get((m, i), 0.0),
-             "p_holm": 0.01 if (m, i) in logs and m != "down_in_inf_norm" else 0.9,
-             "p_tost_holm": 0.001 if m == "attn_in_kurtosis" else 0.9}
+             "p_holm": 0.01 if (m, i) in found else 0.9, "p_tost_holm": 0.001 if m == "attn_in_kurtosis" else 0.9,
+             "verdict": f"no difference detected (n = 5, minimum detectable effect 4.00 SD = ×{math.exp(0.4):.3g})"}
             for i, c in enumerate(names)
             for m in ("down_in_ratio", "down_in_inf_norm", "attn_in_kurtosis", "w8a8_static_cost", "w4a4_static_cost")]
     dec = {"down_in_ratio": "the head norm", "attn_in_kurtosis": "neither alone (no component …)",
            "down_in_inf_norm": "no DIFF − Transformer difference detected"}
     cost = lambda mean: {"w8a8_static_cost": {"mean": mean}, "w4a4_static_cost": {"mean": 2 * mean}}  # noqa: E731
-    doc = {"decomposition": dec, "tests": rows, "family_size": 25, "lambda": {"diff": [-0.5, 0.25]},
-           "rate_sensitive": ["attn_in_kurtosis"],
+    doc = {"decomposition": dec, "tests": rows, "family_size": 25,
+           "lambda": {"diff": [-0.5, 0.25], "diff-nonorm": [0.7, 0.9]}, "rate_sensitive": ["attn_in_kurtosis"],
            "scale": {"baseline": {"parameters": 1000, "train_tokens": 2000}, "diff": {"parameters": 1010}},
            "aggregate": {"baseline": {**cost(6.0), "sink_rate": {"mean": 0.0}, "hidden_ratio": {"mean": 16.2}},
                          "diff": cost(0.5)}}
@@ -118,14 +123,19 @@ def test_headnorm_finding_says_what_the_results_say(tmp_path, monkeypatch):
     monkeypatch.setattr(rr, "ROOT", tmp_path)
     text = rr._headnorm_finding()[0]
     assert "mini preset: 1,000 / 1,010 parameters, 2,000 Bigram-Backcopy tokens each, 5 seeds per arm" in text
-    assert "Holm over 25 tests): of 3 primary metrics DIFF differs from the Transformer in 2 — " in text
-    assert ("the down_proj input top-1 / median ×0.1 (not smaller outliers: its ∞-norm ×1.25), carried by the head "
-            "norm (the Transformer with it ×0.125; removing it from DIFF ×8, back to the Transformer's level)") in text
-    assert ("the q/k/v input kurtosis ×0.9 (inside the plan's equivalence margin) (rate-sensitive: the other sign "
-            "at lr 0.001, one seed)") in text
-    assert "no difference the tests could detect (only 12 / 12 points or more were detectable; W8A8: Transformer " \
-           "6.0% vs DIFF 0.5%)" in text
-    assert "(sink rate 0, hidden top-1/median 16) and DIFF learned λ between -0.50 and 0.25" in text
+    assert "rms_norm_eps 1e-06 in the Transformer arms and 1e-05 in DIFF's" in text
+    assert "DIFF's learned λ ended at -0.50…0.25, below λ_init" in text
+    assert "the q/k/v input kurtosis ×0.9 (inside the plan's equivalence margin; the other sign at lr 0.001" in text
+    assert ("the down_proj input top-1 / median ×0.1 — through its median: its ∞-norm ×1.25, no difference detected "
+            "(minimum detectable ×1.49), so not smaller outliers; the Transformer with the head norm moves the ratio "
+            "alike (×0.125), DIFF without the norm against DIFF ×8 and against the Transformer ×1.1, no difference "
+            "detected (minimum detectable ×1.49)") in text
+    assert "back to the Transformer's level" not in text and "carried by" not in text
+    assert "DIFF without its norm kept λ at 0.70…0.90 and had smaller ∞-norms than the Transformer, the paper's " \
+           "direction: down_proj input ×0.66, Holm p 0.01" in text
+    assert "(only 12 / 12 percentage points or more were detectable)" in text and "6.0%" not in text
+    assert "hidden top-1/median 16 (a ratio a large median pulls down)" in text
+
 
 def test_emergence_text_says_when_no_setting_reached_the_regime(tmp_path, monkeypatch):
     rr = _module("docs/readme_results.py", "readme_results_under_test")
