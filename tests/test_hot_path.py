@@ -144,25 +144,60 @@ def test_topk_equals_a_full_sort_with_locations(k):
     assert top.rank(1) == float(values.abs().max()) and (top.rank(k) is None) == (k > len(values))
 
 
+def _stable_top(entries, k):
+    """The k entries of largest |value| from (value, coords) offered in order, ties in the order offered: Python's
+    sort is stable, so this is the rule the top-k's merge claims, written without torch."""
+    return sorted(entries, key=lambda e: -abs(e[0]))[:k]
+
+
 def test_topk_skipping_updates_that_cannot_enter_keeps_the_same_entries():
     """Where reading back is free, an update none of whose rows reaches the least kept |x| is skipped: over a
-    stream of causal blocks the kept values and locations are those of the unskipped search and of a full sort,
-    also with ties, whose order the stable merge keeps (kept entries first, then in the order offered)."""
-    blocks = [_causal_block(2, 3, r0, r0 + 16, 160, 160) for r0 in range(0, 160, 16)]
+    stream of causal blocks the kept values and locations are those of a stable sort of everything offered, with
+    and without skipping, also with ties, whose order the stable merge keeps (kept entries first, then in the order
+    offered). The last block comes twice, the second time at query positions offset by 1000, so that each of its
+    values ties with one already kept and the two are told apart by their coordinates."""
+    blocks = [(*_causal_block(2, 3, r0, r0 + 16, 160, 160)[:2], r0) for r0 in range(0, 160, 16)]
     x, valid, _ = blocks[-1]
-    blocks.append((x.clone(), valid, 0))  # the same block again: every candidate ties with a kept value
-    kept = {}
+    blocks.append((x.clone(), valid, 1000))
+    entries = []  # (value, [batch, head, q_pos, k_pos]) in the order offered
+    for x, valid, offset in blocks:
+        where = valid.expand_as(x).nonzero()
+        where[:, 2] += offset
+        entries += list(zip(x[valid.expand_as(x)].tolist(), where.tolist()))
+    want = _stable_top(entries, 20)
+    for x, valid, _ in blocks:  # no two values tie within one block down to the least kept |x|: the order is defined
+        big = x[valid.expand_as(x)].abs()
+        big = big[big >= abs(want[-1][0])]
+        assert len(set(big.tolist())) == len(big)
+    assert any(coords[2] >= 1000 for _, coords in want)  # a tied copy made it into the top 20, after its twin
+    assert len({abs(v) for v, _ in want}) < 20
     for read_back in (False, True):
         top = TopK(20, 4)
-        for x, valid, _ in blocks:
+        for x, valid, offset in blocks:
             rowmax = torch.where(valid, x.abs(), -1.0).amax(-1)
-            top.add(x, valid, LOGIT_DIMS, rowmax=rowmax, read_back=read_back)
-        kept[read_back] = top
-    everything = torch.cat([x[valid.expand_as(x)] for x, valid, _ in blocks])
-    want = everything.abs().sort(descending=True).values[:20]
-    for top in kept.values():
-        assert torch.equal(top.abs, want)
-    assert torch.equal(kept[True].values, kept[False].values) and torch.equal(kept[True].coords, kept[False].coords)
+            top.add(x, valid, LOGIT_DIMS, rowmax=rowmax, pos_offset=offset, read_back=read_back)
+        assert top.values.tolist() == [v for v, _ in want]
+        assert top.coords[:, :4].tolist() == [c for _, c in want]
+
+
+def test_topk_merge_keeps_more_than_16_ties_in_the_order_offered():
+    """30 updates of one value each, |x| = 3 with alternating signs, then a 5 and a −3: k = 20 keeps the 5 first,
+    then the first 19 threes in the order offered (signs and rows as a stable sort of the offers gives them). A sort
+    that is not stable reorders ties past 16 elements on CPU, keeping plausible but wrong rows and signs."""
+    offers = [3.0 * (-1) ** i for i in range(30)] + [5.0, -3.0]
+    top = TopK(20, 3)
+    for row, v in enumerate(offers):
+        x = torch.tensor([[[v]]])
+        top.add(x, None, TOKEN_DIMS, row_offset=row, rowmax=x.abs().amax(-1), read_back=True)
+    want = _stable_top([(v, [row, 0, 0]) for row, v in enumerate(offers)], 20)
+    assert top.values.tolist() == [v for v, _ in want]
+    assert top.coords[:, :3].tolist() == [c for _, c in want]
+    shards = [TopK(20, 3), TopK(20, 3)]  # rows 0..11 and 12..31 in two shards, merged: the first one's ties first
+    for row, v in enumerate(offers):
+        shards[row >= 12].add(torch.tensor([[[v]]]), None, TOKEN_DIMS, row_offset=row)
+    merged = shards[0].merge(shards[1])
+    assert merged.values.tolist() == [v for v, _ in want]
+    assert merged.coords[:, :3].tolist() == [c for _, c in want]
 
 
 @pytest.mark.parametrize("later", [[1.0, 1.0, 0.5], [1.0, 0.5, 3.0]])

@@ -53,7 +53,8 @@ def test_preserves_the_float_model_and_removes_exactly(family, mitigation, tol):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_smoothquant_scales_follow_the_paper():
+@pytest.mark.parametrize("alpha", [0.5, 0.8])  # 0.8: α and 1 − α differ, so a swap of the two shows
+def test_smoothquant_scales_follow_the_paper(alpha):
     """s = max|X|^α / max|W|^(1−α) per channel, with max|X| read by plain hooks here, and the smoothed
     activations equal X / s."""
     model = _with_random_norms(FAMILIES["llama"].build())
@@ -67,7 +68,6 @@ def test_smoothquant_scales_follow_the_paper():
         model(calib)
     for h in hooks:
         h.remove()
-    alpha = 0.5
     x = {k: torch.cat([t.reshape(-1, t.shape[-1]) for t in v]).abs().amax(0).double() for k, v in seen.items()}
     with torch.no_grad():
         w = {"attn": torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
@@ -357,7 +357,8 @@ def test_smoothquant_search_applies_the_alpha_of_least_calibration_loss():
         mitigate_(model, parse("smoothquant:search"), calib)
 
 
-def test_smoothquant_smooths_the_o_proj_input_through_v_proj_per_kv_head():
+@pytest.mark.parametrize("alpha", [0.5, 0.8])
+def test_smoothquant_smooths_the_o_proj_input_through_v_proj_per_kv_head(alpha):
     """GQA (4 query heads on 2 KV heads): s per KV-head channel = (max|X| over the query heads sharing it)^α /
     (max|W_o| over them)^(1−α), read here by plain hooks; o_proj then sees X / s. DIFF is refused, said."""
     model = _with_random_norms(FAMILIES["llama"].build())
@@ -368,7 +369,7 @@ def test_smoothquant_smooths_the_o_proj_input_through_v_proj_per_kv_head():
     with torch.no_grad():
         model(calib)
     h.remove()
-    d, alpha = attn.head_dim, 0.5
+    d = attn.head_dim
     x = seen[0].reshape(-1, 4, d).abs().amax(0).double()  # [query head, d]
     w = attn.o_proj.weight.detach().abs().amax(0).double().view(4, d)
     group = lambda t: torch.stack([t[:2].amax(0), t[2:].amax(0)])  # noqa: E731 - query heads 0,1 → KV 0; 2,3 → 1

@@ -267,9 +267,24 @@ def test_static_calibrations():
     batches = [torch.randn(4, 8, 16, generator=g) * (i + 1) for i in range(3)]
     q = _static("minmax", batches)
     assert float(q.scale) == pytest.approx(max(float(b.abs().max()) for b in batches) / 127, rel=1e-6)
-    q = _static("ema", batches, ema_momentum=0.5)
-    m = [float(b.abs().max()) for b in batches]
-    assert float(q.scale) == pytest.approx(((m[0] * 0.5 + m[1] * 0.5) * 0.5 + m[2] * 0.5) / 127, rel=1e-6)
+    q = _static("ema", batches, ema_momentum=0.8)  # 0.8: m and 1 − m differ, so a swap of the two shows
+    running = None
+    for b in batches:  # the first batch's range, then range ← m·range + (1 − m)·batch range
+        m = float(b.abs().max())
+        running = m if running is None else 0.8 * running + 0.2 * m
+    assert float(q.scale) == pytest.approx(running / 127, rel=1e-6)
+    asym = FakeQuant(QuantConfig(Format("int", 8, False), G.PerTensor(), dynamic=False, calibration="ema",
+                                 ema_momentum=0.7))
+    ctx = TapContext(Site("layers.0.hidden", 0, POINTS["hidden"]))
+    asym.start_calibration()
+    lo = hi = None
+    for b in batches:  # asymmetric: both ends move, each range widened to contain 0
+        asym(b + 1.0, ctx)
+        blo, bhi = min(float((b + 1.0).min()), 0.0), max(float((b + 1.0).max()), 0.0)
+        lo, hi = (blo, bhi) if lo is None else (0.7 * lo + 0.3 * blo, 0.7 * hi + 0.3 * bhi)
+    asym.finish_calibration()
+    assert float(asym.scale) == pytest.approx((hi - lo) / 255, rel=1e-6)
+    assert float(asym.zero) == round(-lo / ((hi - lo) / 255))
     q = _static("percentile", batches, percentile=99.0)
     ref = float(torch.quantile(torch.cat([b.flatten() for b in batches]).abs(), 0.99))
     assert float(q.scale) * 127 == pytest.approx(ref, rel=0.01)

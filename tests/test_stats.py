@@ -359,3 +359,61 @@ def test_welch_against_a_hand_computation():
     assert welch(b, a)["sign"] == -1 and welch(b, a)["diff"] == pytest.approx(-w["diff"])
     assert welch([1.0, 2.0, 3.0], [1.1, 2.2, 2.9])["sign"] == 0  # no difference detected
     assert welch([1.0], [2.0, 3.0]) is None and welch([0.0, 0.0], [0.0, 0.0])["sign"] == 0
+
+
+def test_every_quantile_key_is_torch_quantile_at_the_probability_its_name_states():
+    """Each key of the summary's quantiles against torch.quantile of |x| at the probability written in its name
+    (the table is spelled here, not read from site_stats), on bfloat16-representable values, where the histogram is
+    exact. The values spread over decades, so the four probabilities give four different numbers."""
+    named = {"median": 0.5, "p99": 0.99, "p99.9": 0.999, "p99.99": 0.9999}
+    g = torch.Generator().manual_seed(21)
+    x = (torch.exp(2 * torch.randn(3, 4000, 8, generator=g)) * torch.randn(3, 4000, 8, generator=g).sign())
+    x = x.bfloat16().float()
+    s = SiteStats(("batch", "pos", "channel"))
+    s.update(x[:2])
+    s.update(x[2:])
+    got = s.summary(full=False)["quantiles"]
+    ref = {k: float(torch.quantile(x.abs().double().flatten(), p)) for k, p in named.items()}
+    assert len(set(ref.values())) == 4 and set(got) == set(named)
+    for key in named:
+        assert got[key] == pytest.approx(ref[key], rel=1e-12), key
+
+
+def test_channel_hit_fraction_is_hits_over_the_valid_positions():
+    """LLM.int8's per-channel fraction: positions with |x| >= t over the positions counted (valid tokens of every
+    update), both counted here in numpy, over two updates, one with padding. Never over the values counted (a
+    position holds several channels)."""
+    g = torch.Generator().manual_seed(22)
+    a, b = torch.randn(2, 5, 4, generator=g) * 3, torch.randn(3, 4, 4, generator=g) * 3
+    valid = torch.ones(2, 5, 1, dtype=torch.bool)
+    valid[1, :2] = False  # left padding
+    s = SiteStats(("batch", "pos", "channel"), outlier_threshold=2.5)
+    s.update(a, valid)
+    s.update(b)
+    hits = ((np.abs(a.numpy()) >= 2.5) & valid.numpy()).sum(axis=(0, 1)) + (np.abs(b.numpy()) >= 2.5).sum(axis=(0, 1))
+    positions = int(valid.sum()) + 3 * 4
+    assert positions == 20 and hits.max() > 0
+    assert s.summary()["channel_hit_fraction"] == [round(h / positions, 6) for h in hits.tolist()]
+
+
+def test_per_pass_statistics_merge_over_two_shards():
+    """Two shards fed disjoint halves of the forward passes (one update each pass), merged: the per-pass kurtosis
+    and ∞-norm (mean and maximum over passes) equal one process fed everything and a plain numpy computation. The
+    largest ∞-norm and kurtosis sit in the second shard, so a merge that kept the first shard's would show."""
+    g = torch.Generator().manual_seed(23)
+    passes = [torch.randn(2, 6, 16, generator=g) * (1 + i) for i in range(6)]
+    passes[4][1, 2, 3] = -90.0  # the largest |x| and the most peaked pass
+    one = SiteStats(("batch", "pos", "channel"))
+    shards = [SiteStats(("batch", "pos", "channel")), SiteStats(("batch", "pos", "channel"))]
+    for i, x in enumerate(passes):
+        one.update(x, row_offset=2 * i)
+        shards[i >= 3].update(x, row_offset=2 * i)
+    merged = shards[0].merge(shards[1]).summary(full=False)
+    kurt = [sps.kurtosis(x.double().numpy().ravel(), fisher=False) for x in passes]
+    inf = [float(x.abs().max()) for x in passes]
+    for out in (merged, one.summary(full=False)):
+        assert out["passes"] == 6
+        assert out["pass_kurtosis_mean"] == pytest.approx(np.mean(kurt), rel=1e-6)
+        assert out["pass_kurtosis_max"] == pytest.approx(max(kurt), rel=1e-6)
+        assert out["pass_infnorm_mean"] == pytest.approx(np.mean(inf), rel=1e-12)
+        assert out["pass_infnorm_max"] == 90.0
