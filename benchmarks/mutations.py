@@ -167,6 +167,20 @@ def _diff(ws: Path, name: str) -> str:
                      and not line.startswith(("+++", "---")))
 
 
+def argue(pairs: list[list[str]]) -> None:
+    """Add (mutant name, reason) pairs to EQUIVALENTS, each with the diff it is argued for."""
+    equivalents = json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
+    for name, reason in pairs:
+        module = next((m for m in CORE if name.startswith(m.removesuffix(".py").replace("/", ".") + ".")), None)
+        if module is None:
+            raise SystemExit(f"{name} is not a mutant of a core module")
+        diff = _diff(WORK / module.replace("/", "_").removesuffix(".py"), name)
+        if not diff:
+            raise SystemExit(f"{name}: mutmut shows no diff (run the module first)")
+        equivalents[name] = {"diff": diff, "reason": reason}
+    _write(EQUIVALENTS, json.dumps(dict(sorted(equivalents.items())), indent=1, ensure_ascii=False) + "\n")
+
+
 def report() -> dict:
     """docs/mutations.md and .json from every module's verdicts and the argued equivalents."""
     equivalents = json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
@@ -240,7 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--module", action="append", help="a module path, or part of one (repeatable); default: all")
     p.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     p.add_argument("--report", action="store_true", help="only rewrite the report from the verdicts so far")
+    p.add_argument("--equivalent", nargs=2, metavar=("MUTANT", "REASON"), action="append",
+                   help="record a surviving mutant as equivalent, with its current diff and why (repeatable)")
     args = p.parse_args(argv)
+    if args.equivalent:
+        argue(args.equivalent)
+        return 0
     chosen = [m for m in CORE if not args.module or any(part in m for part in args.module)]
     if not chosen:
         print(f"no module matches {args.module}; the core: {', '.join(CORE)}", file=sys.stderr)

@@ -417,3 +417,33 @@ def test_per_pass_statistics_merge_over_two_shards():
         assert out["pass_kurtosis_max"] == pytest.approx(max(kurt), rel=1e-6)
         assert out["pass_infnorm_mean"] == pytest.approx(np.mean(inf), rel=1e-12)
         assert out["pass_infnorm_max"] == 90.0
+
+
+def test_topk_rank_beyond_what_was_seen_and_of_zeros():
+    """rank(r) is the r-th largest |x| seen: 0.0 where the values were zeros (a real value), None past the values
+    seen (three offered with k = 100) and for left-out entries (masked values kept while fewer than k were valid)."""
+    from diffquant.stats.topk import TopK
+
+    top = TopK(100, 1)
+    top.add(torch.tensor([0.0, -0.0, 0.0]), None, ("channel",))
+    assert [top.rank(r) for r in (1, 3, 4, 100)] == [0.0, 0.0, None, None]
+    masked = TopK(4, 1)
+    masked.add(torch.tensor([2.0, -5.0, 1.0, 7.0]), torch.tensor([True, True, False, False]), ("channel",))
+    assert [masked.rank(r) for r in (1, 2, 3, 4, 5)] == [5.0, 2.0, None, None, None]
+
+
+def test_topk_reads_profiles_pickled_before_its_entries_were_private():
+    """Profiles saved before the kept entries became `_abs`, `_values`, `_coords` (and held only valid entries) load
+    with their entries: a TopK pickled under the old attribute names reads back the same values and coordinates."""
+    import pickle
+
+    from diffquant.stats.topk import TopK
+
+    top = TopK(3, 3)
+    top.add(torch.tensor([[[1.0, -9.0], [4.0, 0.5]]]), None, ("batch", "pos", "channel"), row_offset=2)
+    old = TopK.__new__(TopK)
+    old.__dict__.update({"k": 3, "abs": top.abs.clone(), "values": top.values.clone(), "coords": top.coords.clone()})
+    back = pickle.loads(pickle.dumps(old))
+    assert back.k == 3 and back.values.tolist() == [-9.0, 4.0, 1.0] and back.abs.tolist() == [9.0, 4.0, 1.0]
+    assert back.coords.tolist() == [[2, 0, 1, -1], [2, 1, 0, -1], [2, 0, 0, -1]]
+    assert back.rank(1) == 9.0 and back.rank(4) is None
