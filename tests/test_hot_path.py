@@ -390,3 +390,23 @@ def test_masked_scores_write_only_past_dense():
     out = A.masked_scores(logits, logits, valid, dense=41)
     assert torch.equal(out, ref) and out.data_ptr() == logits.data_ptr()
     assert np.isfinite(out[..., :41].numpy()).all()
+
+
+def test_topk_row_search_takes_what_beats_the_least_kept_and_never_a_masked_value():
+    """With rows searched (`rowmax`) and reading back free: an update whose largest |x| lies between the least and the
+    second-least kept value enters (k = 2: 5 and 3 kept, then a 4: 5 and 4; k = 1: 3, then a 4); masked values never
+    enter, even where every valid value is small (0.3 and 0.2 under masked 9s)."""
+    for k, offers, want in ((2, [5.0, 3.0, 4.0], [5.0, 4.0]), (1, [3.0, 4.0], [4.0])):
+        top = TopK(k, 3)
+        for row, v in enumerate(offers):
+            x = torch.tensor([[[v], [0.0], [0.0]]])
+            top.add(x, None, TOKEN_DIMS, row_offset=row, rowmax=x.abs().amax(-1), read_back=True)
+        assert top.values.tolist() == want
+    x = torch.full((1, 1, 6, 4), 9.0)
+    x[0, 0, 0, 0], x[0, 0, 1, 0] = 0.3, -0.2
+    valid = torch.zeros(1, 1, 6, 4, dtype=torch.bool)
+    valid[0, 0, :2, 0] = True
+    top = TopK(3, 4)
+    top.add(x, valid, LOGIT_DIMS, rowmax=torch.where(valid, x.abs(), -1.0).amax(-1), read_back=True)
+    assert top.values.tolist() == pytest.approx([0.3, -0.2]) and top.coords[:, :4].tolist() == [[0, 0, 0, 0],
+                                                                                                 [0, 0, 1, 0]]
