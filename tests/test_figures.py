@@ -1,6 +1,7 @@
 """The figures draw the numbers they were given: each figure read back from its matplotlib artists (titles, axis
 labels, the plotted x and y data, the interval bars) against the rows or series it was drawn from."""
 
+import numpy as np
 import pytest
 
 from diffquant.report.plots import plot_layer_series, plot_sinks
@@ -88,3 +89,48 @@ def test_metric_vs_bits_draws_each_point_and_its_interval(tmp_path, drawn):
             ends = [end for seg in bars.get_segments() for end in (seg[0][1], seg[1][1])]
             assert ends == pytest.approx([end for _, r in want for end in r["ppl_ci95"]])
         assert sorted(c.get_label() for c in ax.containers) == ["D", "T"]
+
+
+def _emergence_check(doc, drawn):
+    """The emergence figures against the document drawn: a panel per metric with one line per model over tokens
+    seen (initialisation at x = 1), and per model the layer × snapshot heat maps."""
+    from diffquant.report.emergence_plots import HEATMAPS, PANELS
+
+    models = {label: pts for label, pts in doc["models"].items() if pts}
+    for ax, (key, _, log) in zip(drawn["emergence"].axes, PANELS):
+        assert ax.get_xscale() == "log" and ax.get_yscale() == ("log" if log else "linear")
+        lines = _lines(ax)
+        for label, pts in models.items():
+            want = [p["loss"] if key == "loss" else p["model"].get(key) for p in pts]
+            assert lines[label][0] == [max(p["tokens"], 1) for p in pts]
+            assert lines[label][1] == pytest.approx(want, nan_ok=True), (key, label)
+    maps = [ax for ax in drawn["emergence_layers"].axes if ax.get_images()]
+    assert len(maps) == len(HEATMAPS) * len(models)
+    for j, (label, pts) in enumerate(models.items()):
+        layers = sorted({int(k) for p in pts for k in p["layers"]})
+        for i, (kind, key, _) in enumerate(HEATMAPS):
+            ax = maps[i * len(models) + j]
+            assert ax.get_title().startswith(f"{label}: ")
+            entry = lambda p, layer: p["layers"].get(str(layer), {})  # noqa: E731
+            want = [[(entry(p, layer).get(kind) or {}).get(key) if kind else entry(p, layer).get(key) for p in pts]
+                    for layer in layers]
+            got = np.ma.filled(ax.get_images()[0].get_array().astype(float), np.nan)
+            np.testing.assert_allclose(got, [[np.nan if v is None else v for v in row] for row in want])
+
+
+def test_emergence_figures_draw_the_tracked_points(tmp_path, drawn):
+    from diffquant.report.emergence_plots import plot_emergence
+
+    def point(tokens, loss, ratio, rate, layers):
+        return {"tokens": tokens, "loss": loss,
+                "model": {"hidden_ratio_max": ratio, "attn_logits_top1_max": 2 * ratio, "hidden_kurtosis_max": 3 + ratio,
+                          "sink_rate": rate, "massive_ratio_max": ratio / 2},
+                "layers": {str(i): {"hidden": {"ratio": r}, "first_share": s} for i, (r, s) in enumerate(layers)}}
+
+    doc = {"models": {"Transformer": [point(0, 6.0, 5.0, 0.0, [(4.0, 0.1), (5.0, 0.2)]),
+                                      point(4096, 4.0, 90.0, 0.5, [(60.0, 0.5), (90.0, 0.7)])],
+                      "DIFF": [point(0, 6.1, 4.0, 0.0, [(3.0, 0.05), (4.0, None)]),
+                               point(4096, 3.9, 12.0, 0.25, [(9.0, 0.2), (12.0, 0.3)])]},
+           "track_sequences": 4}
+    plot_emergence(doc, tmp_path)
+    _emergence_check(doc, drawn)
