@@ -39,12 +39,13 @@ EQUIVALENTS = ROOT / "benchmarks" / "mutations_equivalent.json"
 REPORT = ROOT / "docs" / "mutations"  # .md and .json
 COPIED = ("diffquant", "tests", "experiments", "benchmarks", "docs", "diffquant_cli.py", "README.md")
 
-# module -> its fast test files. A test that reaches the mutated function runs; these files bound the choice.
+# module -> its fast test files (or single tests). Of these, the tests that reach the mutated function run.
 CORE = {
     "diffquant/stats/moments.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
     "diffquant/stats/histogram.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
     "diffquant/stats/topk.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
-    "diffquant/stats/site_stats.py": ("tests/test_stats.py", "tests/test_hot_path.py", "tests/test_profile.py"),
+    "diffquant/stats/site_stats.py": ("tests/test_stats.py", "tests/test_hot_path.py",
+                                      "tests/test_profile.py::test_the_profiler_counts_llm_int8_outliers_at_six"),
     "diffquant/stats/sinks.py": ("tests/test_sinks.py", "tests/test_diff_sinks.py", "tests/test_hot_path.py"),
     "diffquant/stats/distributed.py": ("tests/test_stats.py",),
     "diffquant/stats/outlier_regime.py": ("tests/test_regime.py", "tests/test_fair_rivals.py"),
