@@ -92,7 +92,8 @@ def test_metric_vs_bits_draws_each_point_and_its_interval(tmp_path, drawn):
 
 
 def _emergence_check(doc, drawn):
-    """The emergence figures against the document drawn: a panel per metric with one line per model over tokens
+    """The emergence figures against the document drawn (test_emergence's tracked run: saving them takes seconds, so
+    no second run here): a panel per metric with one line per model over tokens
     seen (initialisation at x = 1), and per model the layer × snapshot heat maps."""
     from diffquant.report.emergence_plots import HEATMAPS, PANELS
 
@@ -117,20 +118,3 @@ def _emergence_check(doc, drawn):
             got = np.ma.filled(ax.get_images()[0].get_array().astype(float), np.nan)
             np.testing.assert_allclose(got, [[np.nan if v is None else v for v in row] for row in want])
 
-
-def test_emergence_figures_draw_the_tracked_points(tmp_path, drawn):
-    from diffquant.report.emergence_plots import plot_emergence
-
-    def point(tokens, loss, ratio, rate, layers):
-        return {"tokens": tokens, "loss": loss,
-                "model": {"hidden_ratio_max": ratio, "attn_logits_top1_max": 2 * ratio, "hidden_kurtosis_max": 3 + ratio,
-                          "sink_rate": rate, "massive_ratio_max": ratio / 2},
-                "layers": {str(i): {"hidden": {"ratio": r}, "first_share": s} for i, (r, s) in enumerate(layers)}}
-
-    doc = {"models": {"Transformer": [point(0, 6.0, 5.0, 0.0, [(4.0, 0.1), (5.0, 0.2)]),
-                                      point(4096, 4.0, 90.0, 0.5, [(60.0, 0.5), (90.0, 0.7)])],
-                      "DIFF": [point(0, 6.1, 4.0, 0.0, [(3.0, 0.05), (4.0, None)]),
-                               point(4096, 3.9, 12.0, 0.25, [(9.0, 0.2), (12.0, 0.3)])]},
-           "track_sequences": 4}
-    plot_emergence(doc, tmp_path)
-    _emergence_check(doc, drawn)
