@@ -159,11 +159,13 @@ def test_topk_skipping_updates_that_cannot_enter_keeps_the_same_entries():
     blocks = [(*_causal_block(2, 3, r0, r0 + 16, 160, 160)[:2], r0) for r0 in range(0, 160, 16)]
     x, valid, _ = blocks[-1]
     blocks.append((x.clone(), valid, 1000))
-    entries = []  # (value, [batch, head, q_pos, k_pos]) in the order offered
+    cutoff = torch.cat([x[valid.expand_as(x)].abs() for x, valid, _ in blocks]).sort(descending=True).values[19]
+    entries = []  # (value, [batch, head, q_pos, k_pos]) in the order offered, those that can be among the top 20
     for x, valid, offset in blocks:
-        where = valid.expand_as(x).nonzero()
+        big = valid.expand_as(x) & (x.abs() >= cutoff)
+        where = big.nonzero()
         where[:, 2] += offset
-        entries += list(zip(x[valid.expand_as(x)].tolist(), where.tolist()))
+        entries += list(zip(x[big].tolist(), where.tolist()))
     want = _stable_top(entries, 20)
     for x, valid, _ in blocks:  # no two values tie within one block down to the least kept |x|: the order is defined
         big = x[valid.expand_as(x)].abs()
