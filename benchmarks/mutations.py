@@ -90,11 +90,12 @@ def workspace(module: str) -> Path:
     pyproject.toml that tells mutmut what to mutate and which tests to choose from."""
     ws = WORK / module.replace("/", "_").removesuffix(".py")
     ws.mkdir(parents=True, exist_ok=True)
-    for name in COPIED:
-        src = ROOT / name
-        files = [src] if src.is_file() else [p for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
-        for f in files:
-            dest = ws / f.relative_to(ROOT)
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", "--", *COPIED],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout  # ignored files stay out
+    for rel in filter(None, listed.split("\0")):
+        f = ROOT / rel
+        if f.is_file():
+            dest = ws / rel
             if not dest.exists() or dest.read_bytes() != f.read_bytes():
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(f, dest)
@@ -103,7 +104,7 @@ def workspace(module: str) -> Path:
         for f in stale.rglob("*.py"):
             if f.relative_to(ws / "mutants").as_posix() != module:
                 f.unlink()
-    pytest_ini = json.loads(json.dumps(_pytest_options()))
+    pytest_ini = _pytest_options()
     (ws / "pyproject.toml").write_text(
         "[tool.mutmut]\n"
         'source_paths = ["diffquant"]\n'
