@@ -118,3 +118,31 @@ def _emergence_check(doc, drawn):
             got = np.ma.filled(ax.get_images()[0].get_array().astype(float), np.nan)
             np.testing.assert_allclose(got, [[np.nan if v is None else v for v in row] for row in want])
 
+
+
+def test_wa_grid_and_layer_sensitivity_draw_the_rows(tmp_path, drawn):
+    """W×A grid: log10 perplexity per (weight bits, activation bits), each cell's text the value; per-layer
+    sensitivity: a bar per layer of the perplexity increase over the float row, its error bar the row's interval."""
+    from matplotlib.container import ErrorbarContainer
+
+    from diffquant.report.sweep_plots import plot_sensitivity, plot_wa
+
+    wa = [{"model": "T", "kind": "wa", "scheme": "w", "wbits": w, "bits": a, "ppl": p}
+          for (w, a), p in {(8, 8): 20.5, (8, 4): 31.0, (4, 8): 24.0, (4, 4): 52.0}.items()]
+    plot_wa(wa, tmp_path)
+    (ax,) = [a for a in drawn["wa_grid"].axes if a.get_images()]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["A8", "A4"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["W8", "W4"]
+    np.testing.assert_allclose(ax.get_images()[0].get_array(), np.log10([[20.5, 31.0], [24.0, 52.0]]))
+    assert sorted(t.get_text() for t in ax.texts) == sorted(f"{p:.3g}" for p in (20.5, 31.0, 24.0, 52.0))
+    layer = [{"model": "T", "kind": "layer", "scheme": "q", "site": "hidden", "bits": 4, "layer": i, "ppl": p,
+              "ppl_ci95": [p - 0.5, p + 1.0]} for i, p in enumerate([22.0, 20.5, 21.0])]
+    plot_sensitivity(layer + [{"model": "T", "kind": "act", "scheme": "fp", "ppl": 20.0}], tmp_path)
+    (ax,) = drawn["layer_sensitivity"].axes
+    assert ax.get_title() == "T: hidden int4" and ax.get_ylabel() == "perplexity increase"
+    assert [b.get_x() + b.get_width() / 2 for b in ax.patches] == pytest.approx([0, 1, 2])
+    assert [b.get_height() for b in ax.patches] == pytest.approx([2.0, 0.5, 1.0])
+    (errorbar,) = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    (bars,) = errorbar.lines[2]  # the error bars: the row's interval, moved down by the float perplexity
+    ends = [end for seg in bars.get_segments() for end in (seg[0][1], seg[1][1])]
+    assert ends == pytest.approx([end for r in layer for end in (r["ppl_ci95"][0] - 20.0, r["ppl_ci95"][1] - 20.0)])
