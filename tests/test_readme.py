@@ -41,13 +41,7 @@ def test_the_python_block_runs_verbatim(tmp_path):
     and wrote, recomputed here by plain torch on the same model and windows: the Table 5 row of the hidden states
     (decoder-layer outputs read by forward hooks: top-1 |h|, median |h|, kurtosis, count), the attention-logit count
     (causal positions), the float perplexity in the sweep's CSV, and the recipe's perplexity it printed."""
-    import csv
-
-    import numpy as np
     import torch
-    from scipy import stats as sps
-
-    import diffquant as dq
 
     code = "\n".join(python_blocks(README))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread, as every test worker (see test_notebook_runs)
@@ -58,11 +52,28 @@ def test_the_python_block_runs_verbatim(tmp_path):
     assert (tmp_path / "runs/python/profile/table5.md").is_file()
     assert (tmp_path / "runs/python/sweep/metric_vs_bits.png").is_file()
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread, as the test workers (and the block above) run
+    try:
+        _check_printed_numbers(run.stdout, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_printed_numbers(stdout: str, tmp_path: Path) -> None:
+    import csv
+
+    import numpy as np
+    import torch
+    from scipy import stats as sps
+
+    import diffquant as dq
+
     model, tok = dq.load("smollm2-135m")
     held_out = dq.windows("kjv", tok, split="validation", seq_len=128, tokens=1024)
     train = dq.windows("kjv", tok, split="train", seq_len=128, tokens=4 * 128)
     table = {}
-    for line in run.stdout.splitlines():  # | model | activation | top-1 | top-2 | top-3 | top-10 | top-100 | median | ...
+    for line in stdout.splitlines():  # | model | activation | top-1 | top-2 | top-3 | top-10 | top-100 | median | ...
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 11 and cells[1] in ("attention logits", "hidden states"):
             table[cells[1]] = cells
@@ -88,7 +99,7 @@ def test_the_python_block_runs_verbatim(tmp_path):
     rows = list(csv.DictReader((tmp_path / "runs/python/sweep/results.csv").open()))
     fp = [float(r["ppl"]) for r in rows if r["scheme"] == "fp"]
     assert fp and all(v == pytest.approx(np.exp(loss), rel=2e-5) for v in fp)
-    printed = float(next(line for line in run.stdout.splitlines() if line.startswith("smoothquant:0.5")).split()[-1])
+    printed = float(next(line for line in stdout.splitlines() if line.startswith("smoothquant:0.5")).split()[-1])
     recipe = dq.Recipe.of([dq.SmoothQuant(alpha=0.5), dq.GPTQ(), "w8a8-static"])
     with dq.quantize_(model, recipe, calibration=train), torch.no_grad():
         q = model(held_out).logits
