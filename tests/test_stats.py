@@ -447,3 +447,22 @@ def test_topk_reads_profiles_pickled_before_its_entries_were_private():
     assert back.k == 3 and back.values.tolist() == [-9.0, 4.0, 1.0] and back.abs.tolist() == [9.0, 4.0, 1.0]
     assert back.coords.tolist() == [[2, 0, 1, -1], [2, 1, 0, -1], [2, 0, 0, -1]]
     assert back.rank(1) == 9.0 and back.rank(4) is None
+
+
+def test_moments_of_nothing_and_of_a_constant():
+    """No values: count 0 and no mean, std or kurtosis. A constant: its mean, std 0 and no kurtosis (0/0), also
+    after merging it with nothing, in either order."""
+    assert Moments().summary() == {"count": 0, "mean": None, "std": None, "kurtosis": None}
+    const = Moments.of(torch.full((2, 5), -2.5), None)
+    for m in (const, Moments().merge(const), const.merge(Moments())):
+        assert m.summary() == {"count": 10, "mean": -2.5, "std": 0.0, "kurtosis": None}
+
+
+def test_histogram_sparse_lists_the_counted_bins():
+    """The non-empty bins by index (numpy's reading of the float32 bits, rounded to 16), with their counts."""
+    x = torch.tensor([1.0, -1.0, 3.0, 0.0, 1e-3, float("nan")])
+    h = AbsHistogram()
+    h.add(x)
+    u = np.abs(x[:5].numpy()).view(np.uint32).astype(np.int64)
+    bins, counts = np.unique((u + 0x8000) >> 16, return_counts=True)
+    assert h.sparse() == {"format": "float32-round16", "bins": {str(b): int(c) for b, c in zip(bins, counts)}}
