@@ -412,3 +412,14 @@ def test_topk_row_search_takes_what_beats_the_least_kept_and_never_a_masked_valu
     top.add(x, valid, LOGIT_DIMS, rowmax=torch.where(valid, x.abs(), -1.0).amax(-1), read_back=True)
     assert top.values.tolist() == pytest.approx([0.3, -0.2]) and top.coords[:, :4].tolist() == [[0, 0, 0, 0],
                                                                                                  [0, 0, 1, 0]]
+
+
+def test_topk_reads_token_ids_of_query_blocks():
+    """A block of query rows 4..8 of a 12-token call (`pos_offset`, `pos_total`): each kept logit's q_pos is its
+    place in the call and its token id that of input_ids there, read here from the ids by hand."""
+    ids = torch.arange(100, 124).reshape(2, 12)
+    x = torch.zeros(2, 1, 4, 12)
+    x[1, 0, 2, 5], x[0, 0, 0, 1] = -7.0, 6.0
+    top = TopK(2, 4)
+    top.add(x, None, LOGIT_DIMS, input_ids=ids, row_offset=10, pos_offset=4, pos_total=12)
+    assert top.coords.tolist() == [[11, 0, 6, 5, int(ids[1, 6])], [10, 0, 4, 1, int(ids[0, 4])]]
