@@ -470,3 +470,27 @@ def test_histogram_sparse_lists_the_counted_bins():
     u = np.abs(x[:5].numpy()).view(np.uint32).astype(np.int64)
     bins, counts = np.unique((u + 0x8000) >> 16, return_counts=True)
     assert h.sparse() == {"format": "float32-round16", "bins": {str(b): int(c) for b, c in zip(bins, counts)}}
+
+
+def test_histogram_bin_edges_are_the_rounding_boundaries():
+    """Bin i holds the bit patterns [(i << 16) − 2^15, (i << 16) + 2^15): its edges read by numpy from those bits,
+    consecutive bins sharing an edge, the last one ending at float32's largest value; abs_magnitude_bins (not in place)
+    gives magnitude_bins' bins and leaves its input alone."""
+    from diffquant.stats.histogram import abs_magnitude_bins
+
+    i = np.array([1, 0x3F80, 0x3F81, 0x4000, NBINS - 2], dtype=np.int64)
+    lo, hi = bin_edges(torch.tensor(i))
+    assert lo.tolist() == ((i << 16) - 0x8000).astype(np.uint32).view(np.float32).astype(np.float64).tolist()
+    assert hi.tolist() == ((i << 16) + 0x8000).astype(np.uint32).view(np.float32).astype(np.float64).tolist()
+    assert bin_edges(torch.tensor(i + 1))[0].tolist() == hi.tolist()
+    assert bin_edges(torch.tensor([NBINS - 1]))[1].tolist() == [float(torch.finfo(torch.float32).max)]
+    x = torch.tensor([0.0, 1e-30, 0.3, 1.0 + 2**-8, 6.0, 1e4, 3e38])
+    kept = x.clone()
+    assert abs_magnitude_bins(x).tolist() == magnitude_bins(x).tolist() and torch.equal(x, kept)
+
+
+def test_histogram_counts_past_float32s_exact_integers():
+    """A bin's count stays exact past 2^24 (where a float32 count would stop adding ones): 2^24 + 3 zeros."""
+    h = AbsHistogram()
+    h.add_bins(torch.zeros(1, dtype=torch.int64).expand(2**24 + 3))
+    assert int(h.counts[0]) == 2**24 + 3 and int(h.counts.sum()) == 2**24 + 3
