@@ -16,7 +16,7 @@ mutant), runs only the tests that reach the mutated function, and names each mut
 Each module runs in its own folder under .mutations/ (a copy of the tree that tests need, and mutmut's
 `mutants/` with its verdicts), against its own fast test files (`CORE`, the one table to change when a module
 moves). A rerun keeps the verdicts of killed mutants whose function is unchanged and runs the rest again
-(survivors too, so new tests are tried on them). Survivors that no test can kill, because they compute the
+(survivors too, so new tests are tried on them; argued equivalents are not rerun). Survivors that no test can kill, because they compute the
 same numbers, are argued in benchmarks/mutations_equivalent.json, keyed by mutant name with the diff they were
 argued for (a changed diff marks the argument stale). The report: killed, survived, equivalent and the score
 (killed / (mutants − equivalent − not run)) per module, each survivor's diff, each equivalent's reason.
@@ -153,7 +153,8 @@ def run_module(module: str, jobs: int) -> None:
     names = _names(ws, module)
     meta = _meta(ws, module)
     done = meta.get("exit_code_by_key", {})
-    pending = [n for n in names if STATUS.get(done.get(n), "other") not in ("killed", "timeout")]
+    argued = json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
+    pending = [n for n in names if STATUS.get(done.get(n), "other") not in ("killed", "timeout") and n not in argued]
     print(f"{module}: {len(names)} mutants, {len(pending)} to run", flush=True)
     if not pending:
         return
