@@ -16,11 +16,11 @@ mutant), runs only the tests that reach the mutated function, and names each mut
 Each module runs in its own folder under .mutations/ (a copy of the tree that tests need, and mutmut's
 `mutants/` with its verdicts), against its own fast test files (`CORE`, the one table to change when a module
 moves). A rerun keeps the verdicts of killed mutants whose function is unchanged and runs the rest again
-(survivors too, so new tests are tried on them; argued equivalents are not rerun). Survivors that no test can kill, because they compute the
-same numbers, are argued in benchmarks/mutations_equivalent.json, keyed by mutant name with the diff they were
-argued for (a changed diff marks the argument stale). The report: killed, survived, equivalent and the score
-(killed / (mutants − equivalent − not run)) per module, each survivor's diff, each equivalent's reason.
-Not run in CI: it takes hours.
+(survivors too, so new tests are tried on them). Survivors that no test can kill, because they compute the same
+numbers, are argued in benchmarks/mutations_equivalent.json (`--equivalent NAME REASON`), keyed by mutant name
+with the diff they were argued for (a changed diff marks the argument stale); they are not rerun. The report:
+killed, survived, equivalent and the score (killed / (mutants − equivalent − not run)) per module, each
+survivor's diff, each equivalent's reason. Not run in CI: it takes hours.
 """
 
 from __future__ import annotations
