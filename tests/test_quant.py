@@ -468,3 +468,23 @@ def test_compile_failure_falls_back_to_eager(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # eager from then on, without a second warning
         assert torch.equal(fallback(x, scale, zero, -7.0, 7.0), y)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_the_fused_round_trip_expression_matches_numpy(symmetric):
+    """The one expression torch.compile fuses (`Q._int_roundtrip`), run eagerly with the scales `dynamic_qparams`
+    takes, against numpy's quantize-dequantize (the compiled test is slow; this one says what it must compute)."""
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(8)) * 3 + 1.0
+    fmt = Format("int", 4, symmetric)
+    scale, zero = Q.dynamic_qparams(x, fmt, G.PerToken(), HIDDEN)
+    got = Q._int_roundtrip(x, scale, zero, fmt.qmin, fmt.qmax)
+    np.testing.assert_allclose(got.numpy(), (np_sym if symmetric else np_asym)(x.numpy(), 4, -1), rtol=1e-5, atol=1e-6)
+
+
+def test_kv_channel_runs_of_one_position_scale_each_value_alone():
+    """KIVI's per-channel keys in runs of G = 1 position: every (position, channel) has its own scale, so each value
+    comes back as itself (to rounding); one scale per channel over all positions would not."""
+    dims = ("batch", "kv_head", "pos", "dim")
+    x = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(9)) * torch.logspace(-2, 2, 6)[:, None]
+    got = Q.dynamic_fake_quantize(x, Format("int", 4), G.KVChannel(1), dims)
+    np.testing.assert_allclose(got.numpy(), x.numpy(), rtol=1e-6)
