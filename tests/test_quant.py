@@ -488,3 +488,13 @@ def test_kv_channel_runs_of_one_position_scale_each_value_alone():
     x = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(9)) * torch.logspace(-2, 2, 6)[:, None]
     got = Q.dynamic_fake_quantize(x, Format("int", 4), G.KVChannel(1), dims)
     np.testing.assert_allclose(got.numpy(), x.numpy(), rtol=1e-6)
+
+
+def test_kv_channel_runs_end_with_a_ragged_run():
+    """Runs of 4 positions over 7: [0:4] and a ragged [4:7], each (run, channel) with its own absmax scale, against
+    numpy per run."""
+    dims = ("batch", "kv_head", "pos", "dim")
+    x = torch.randn(2, 2, 7, 8, generator=torch.Generator().manual_seed(10)) * 3
+    got = Q.dynamic_fake_quantize(x, Format("int", 4), G.KVChannel(4), dims)
+    ref = np.concatenate([np_sym(x[:, :, a:b].numpy(), 4, 2) for a, b in ((0, 4), (4, 7))], axis=2)
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
