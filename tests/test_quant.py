@@ -498,3 +498,30 @@ def test_kv_channel_runs_end_with_a_ragged_run():
     got = Q.dynamic_fake_quantize(x, Format("int", 4), G.KVChannel(4), dims)
     ref = np.concatenate([np_sym(x[:, :, a:b].numpy(), 4, 2) for a, b in ((0, 4), (4, 7))], axis=2)
     np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("fmt", [Format("int", 8), Format("int", 8, False), Format("int", 4, False, True)],
+                         ids=["sym", "asym", "minmax"])
+def test_ranges_leave_out_non_finite_and_masked_values(poison, masked, fmt):
+    """One non-finite value (alone: +inf leaves the minimum finite, -inf the maximum) and, with a mask, a masked
+    1000: per-tensor ranges from the finite valid values only, numpy's min and max of them (widened to contain 0
+    except for min-max formats)."""
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(11)) * 2 + 0.5
+    x[0, 1, 2] = poison
+    valid = None
+    if masked:
+        x[1, 5] = 1000.0
+        valid = torch.ones(2, 6, 1, dtype=torch.bool)
+        valid[1, 5] = False
+    lo, hi = Q.value_range(x, (0, 1, 2), valid, fmt.symmetric, not fmt.minmax)
+    keep = np.isfinite(x.numpy()) & (True if valid is None else valid.expand_as(x).numpy())
+    v = x.numpy()[keep]
+    if fmt.symmetric:
+        want = (-np.abs(v).max(), np.abs(v).max())
+    elif fmt.minmax:
+        want = (v.min(), v.max())
+    else:
+        want = (min(v.min(), 0.0), max(v.max(), 0.0))
+    assert (float(lo), float(hi)) == pytest.approx(want)
