@@ -504,11 +504,13 @@ def test_kv_channel_runs_end_with_a_ragged_run():
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("fmt", [Format("int", 8), Format("int", 8, False), Format("int", 4, False, True)],
                          ids=["sym", "asym", "minmax"])
-def test_ranges_leave_out_non_finite_and_masked_values(poison, masked, fmt):
+@pytest.mark.parametrize("spread", ["mixed", "small positive"])
+def test_ranges_leave_out_non_finite_and_masked_values(poison, masked, fmt, spread):
     """One non-finite value (alone: +inf leaves the minimum finite, -inf the maximum) and, with a mask, a masked
     1000: per-tensor ranges from the finite valid values only, numpy's min and max of them (widened to contain 0
-    except for min-max formats)."""
-    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(11)) * 2 + 0.5
+    except for min-max formats; values all in [0.2, 0.7] show the widening)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 6, 8, generator=g) * 2 + 0.5 if spread == "mixed" else torch.rand(2, 6, 8, generator=g) / 2 + 0.2
     x[0, 1, 2] = poison
     valid = None
     if masked:
@@ -525,3 +527,12 @@ def test_ranges_leave_out_non_finite_and_masked_values(poison, masked, fmt):
     else:
         want = (min(v.min(), 0.0), max(v.max(), 0.0))
     assert (float(lo), float(hi)) == pytest.approx(want)
+
+
+def test_a_constant_group_keeps_its_value_in_every_format():
+    """A group whose values are all equal (a zero range: scale 0 would divide by zero) comes back as itself:
+    symmetric and asymmetric integers, min-max, and a float format."""
+    x = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [2.5, 2.5, 2.5, 2.5], [-1.0, -1.0, -1.0, -1.0]]])
+    for fmt in (Format("int", 8), Format("int", 4, False), Format("int", 4, False, True), Format("nf4")):
+        got = Q.dynamic_fake_quantize(x, fmt, G.PerToken(), HIDDEN)
+        np.testing.assert_allclose(got.numpy(), x.numpy(), rtol=1e-6, err_msg=fmt.label())
