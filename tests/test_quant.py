@@ -536,3 +536,50 @@ def test_a_constant_group_keeps_its_value_in_every_format():
     for fmt in (Format("int", 8), Format("int", 4, False), Format("int", 4, False, True), Format("nf4")):
         got = Q.dynamic_fake_quantize(x, fmt, G.PerToken(), HIDDEN)
         np.testing.assert_allclose(got.numpy(), x.numpy(), rtol=1e-6, err_msg=fmt.label())
+
+
+def test_values_outside_a_static_range_saturate():
+    """A static scale meets values beyond its range (calibrated on other data): integer codes clamp to the format's
+    ends (symmetric, asymmetric with its zero point, min-max), fp8 to ±max (e4m3 has no infinity: an unclamped cast
+    is NaN), nf4 to ±1; numpy's clip(round(x / s)) and the formats' ends written here."""
+    x = torch.tensor([-50.0, -3.0, -0.4, 0.0, 0.7, 2.2, 60.0], dtype=torch.float64)
+    s = torch.tensor(0.5, dtype=torch.float64)
+    cases = [(Format("int", 4), torch.tensor(0.0, dtype=torch.float64), np.clip(np.round(x.numpy() / 0.5), -7, 7)),
+             (Format("int", 4, False), torch.tensor(6.0, dtype=torch.float64),
+              np.clip(np.round(x.numpy() / 0.5) + 6, 0, 15)),
+             (Format("int", 4, False, True), torch.tensor(-1.0, dtype=torch.float64),
+              np.clip(np.round((x.numpy() + 1.0) / 0.5), 0, 15)),
+             (Format("fp8_e4m3"), torch.tensor(0.0, dtype=torch.float64), None),
+             (Format("fp8_e5m2"), torch.tensor(0.0, dtype=torch.float64), None),
+             (Format("nf4"), torch.tensor(0.0, dtype=torch.float64), None)]
+    for fmt, zero, want in cases:
+        q = Q.quantize(x.clone(), s if want is not None else 60 / (2 * fmt.qmax), zero, fmt)  # ±60: twice the max
+        assert q.dtype == torch.float64, fmt.label()  # codes in x's dtype (GPTQ rounds float64 columns)
+        if want is not None:
+            assert q.tolist() == want.tolist(), fmt.label()
+        else:
+            assert float(q.max()) == fmt.qmax and float(q.min()) == -fmt.qmax, fmt.label()
+            assert bool(torch.isfinite(q).all()), fmt.label()
+
+
+@pytest.mark.parametrize("name,tie,even", [("fp8_e4m3", 1.1875, 1.25), ("fp8_e5m2", 1.375, 1.5)])
+def test_fp8_rounds_ties_to_even(name, tie, even):
+    """Halfway between two fp8 values (e4m3: 1.125 and 1.25; e5m2: 1.25 and 1.5) the cast rounds to the one with an
+    even mantissa, as the OCP fp8 formats specify (worked by hand)."""
+    q = Q.quantize(torch.tensor([tie, -tie]), torch.tensor(1.0), torch.tensor(0.0), Format(name))
+    assert q.tolist() == [even, -even]
+
+
+@pytest.mark.parametrize("fmt", [Format("nf4"), Format("int", 4, False, True)], ids=["nf4", "minmax"])
+def test_fake_quantize_asked_to_fuse_a_format_it_cannot(fmt):
+    """`compiled=True` fuses integer round trips only: nf4 and min-max still round as numpy does (per token)."""
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(12)) * 2
+    scale, zero = Q.dynamic_qparams(x, fmt, G.PerToken(), HIDDEN)
+    got = Q.fake_quantize(x, scale, zero, fmt, G.PerToken(), compiled=True, dims=HIDDEN)
+    if fmt.name == "nf4":
+        ref = np_nf4(x.numpy(), -1)
+    else:
+        lo, hi = x.numpy().min(-1, keepdims=True), x.numpy().max(-1, keepdims=True)
+        s = (hi - lo) / 15
+        ref = np.clip(np.round((x.numpy() - lo) / s), 0, 15) * s + lo
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
