@@ -583,3 +583,12 @@ def test_fake_quantize_asked_to_fuse_a_format_it_cannot(fmt):
         s = (hi - lo) / 15
         ref = np.clip(np.round((x.numpy() - lo) / s), 0, 15) * s + lo
     np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fake_quantize_of_an_infinity_with_autograd_on():
+    """Outside no_grad, for a tensor that needs no gradient, nothing is added for the straight-through estimator: an
+    infinite input saturates to the range's end (adding x − x.detach() would turn it into NaN)."""
+    x = torch.tensor([0.5, float("inf"), -float("inf")])
+    with torch.enable_grad():
+        y = Q.fake_quantize(x, torch.tensor(0.01), torch.tensor(0.0), Format("int", 8))
+    assert y.tolist() == pytest.approx([0.5, 1.27, -1.27])
