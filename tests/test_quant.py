@@ -592,3 +592,38 @@ def test_fake_quantize_of_an_infinity_with_autograd_on():
     with torch.enable_grad():
         y = Q.fake_quantize(x, torch.tensor(0.01), torch.tensor(0.0), Format("int", 8))
     assert y.tolist() == pytest.approx([0.5, 1.27, -1.27])
+
+
+@pytest.mark.parametrize("fmt", [Format("int", 8), Format("int", 4, False), Format("int", 4, False, True)],
+                         ids=["sym", "asym", "minmax"])
+def test_group_scales_leave_out_masked_values(fmt):
+    """Groups of 4 over 10 channels (the last one ragged) with masked 1000s inside groups: each group's range from its
+    valid values only (numpy per group), the valid values quantized with it; a mask broadcast over channels
+    ([batch, pos, 1]) works with groups too."""
+    x = torch.randn(2, 3, 10, generator=torch.Generator().manual_seed(13)) * 2
+    valid = torch.ones(2, 3, 10, dtype=torch.bool)
+    for b, p, c in ((0, 1, 2), (1, 2, 9), (1, 0, 5)):
+        x[b, p, c], valid[b, p, c] = 1000.0, False
+    got = Q.dynamic_fake_quantize(x, fmt, G.PerGroup(4), HIDDEN, valid).numpy()
+    qmax = fmt.qmax
+    for b in range(2):
+        for p in range(3):
+            for a, e in ((0, 4), (4, 8), (8, 10)):
+                v, ok = x[b, p, a:e].numpy(), valid[b, p, a:e].numpy()
+                if fmt.symmetric:
+                    s = np.abs(v[ok]).max() / qmax
+                    want = np.clip(np.round(v / s), -qmax, qmax) * s
+                elif fmt.minmax:  # a group of one valid value has a zero range: scale 1
+                    lo = v[ok].min()
+                    s = (v[ok].max() - lo) / qmax or 1.0
+                    want = np.clip(np.round((v - lo) / s), 0, qmax) * s + lo
+                else:
+                    lo, hi = min(v[ok].min(), 0), max(v[ok].max(), 0)
+                    s = (hi - lo) / qmax
+                    z = np.clip(np.round(-lo / s), 0, qmax)
+                    want = (np.clip(np.round(v / s) + z, 0, qmax) - z) * s
+                np.testing.assert_allclose(got[b, p, a:e][ok], want[ok], rtol=1e-5, atol=1e-5)
+    tokens = torch.ones(2, 3, 1, dtype=torch.bool)
+    tokens[1, 1] = False
+    np.testing.assert_allclose(Q.dynamic_fake_quantize(x, fmt, G.PerGroup(4), HIDDEN, tokens).numpy()[0],
+                               Q.dynamic_fake_quantize(x[:1], fmt, G.PerGroup(4), HIDDEN).numpy()[0])
