@@ -41,7 +41,10 @@ def language_modeling(model, sequences: torch.Tensor, batch_size: int = 8, progr
             ids = sequences[start:start + batch_size].to(device)
             logits = model(ids, use_cache=False).logits[:, :-1].float()
             target = ids[:, 1:]
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+            # classes on the last dim: float32 cross-entropy over a strided class dim ([batch, vocab, pos]) came out
+            # 1.4e-4 nats low on average on SmolLM2's 49,152-token vocabulary (up to 2.4e-4 per token, against float64)
+            nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(),
+                                                    reduction="none").view(target.shape)
             losses += nll.double().mean(dim=1).tolist()
             if positions is not None:
                 picked.append(nll.double()[positions[start:start + batch_size].to(nll.device)].cpu())

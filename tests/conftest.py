@@ -68,6 +68,26 @@ def load_script_module(path: str, name: str):
 
 
 @pytest.fixture
+def drawn(monkeypatch):
+    """Every matplotlib figure saved while a test runs, by file stem ("metric_vs_bits"): a spy on Figure.savefig that
+    records the figure and calls matplotlib's own savefig, so the test reads back what was drawn (titles, axis
+    labels, the plotted data) instead of only finding a PNG."""
+    from pathlib import Path
+
+    from matplotlib.figure import Figure
+
+    figures = {}
+    savefig = Figure.savefig
+
+    def spy(self, fname, *args, **kwargs):
+        figures[Path(fname).name.lstrip(".").split(".")[0]] = self
+        return savefig(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    return figures
+
+
+@pytest.fixture
 def load_script():
     return load_script_module
 

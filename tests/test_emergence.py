@@ -70,12 +70,15 @@ def _cfg(tmp, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-def test_tracking_matches_an_independent_profile_and_changes_nothing(tmp_path):
+def test_tracking_matches_an_independent_profile_and_changes_nothing(tmp_path, drawn):
+    from test_figures import _emergence_check
+
     cfg = _cfg(tmp_path)
     res = train_pair(cfg, tmp_path / "tracked", progress=False)
     train_pair(TrainConfig(**{**cfg.__dict__, "track": False}), tmp_path / "plain", progress=False)
     doc = json.loads((tmp_path / "tracked" / "emergence.json").read_text())
     assert (tmp_path / "tracked" / "emergence.png").is_file()
+    _emergence_check(doc, drawn)  # the figure draws the document written
     for arch, label in (("baseline", "Transformer"), ("diff", "DIFF")):
         pts = doc["models"][label]
         assert len(pts) >= 12 and pts[0]["step"] == 0 and pts[-1]["step"] == 30

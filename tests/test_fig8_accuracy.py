@@ -124,7 +124,7 @@ def test_sweep_mcnemar_against_scipy():
     assert row == {"key": "k", "model": "m", "t_acc": 0.44}  # per-example outcomes stay in cells.jsonl
 
 
-def test_scheme_cells_and_accuracy_figure(tmp_path):
+def test_scheme_cells_and_accuracy_figure(tmp_path, drawn):
     from diffquant.report.sweep_plots import plot_sweep
     from diffquant.sweeps import build_cells
 
@@ -145,6 +145,28 @@ def test_scheme_cells_and_accuracy_figure(tmp_path):
                                          "hidden": [{"layer": 0, "kurtosis": 30.0}, {"layer": 1, "kurtosis": 300.0}]}}}))
     written = plot_sweep(rows, tmp_path)
     assert tmp_path / "accuracy_vs_bits.png" in written
+    # read back: accuracy in % per bit width (16 = the float row), each line's band the rows' Wilson interval, the
+    # whole-model scheme as a bar after them, a star where McNemar's p < 0.05, the kurtosis panel from its file
+    acc_ax, kurt_ax = drawn["accuracy_vs_bits"].axes
+    assert acc_ax.get_title() == "m: t (300 examples)" and acc_ax.get_ylabel() == "accuracy (%)"
+    assert [t.get_text() for t in acc_ax.get_xticklabels()] == ["16 (fp)", "8", "4", "w4a16"]
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in acc_ax.get_lines()}
+    assert lines["attn_logits per tensor"] == ([0, 1, 2], pytest.approx([70.0, 69.0, 60.0]))
+    assert lines["attn_logits per head"] == ([0, 1], pytest.approx([70.0, 70.0]))
+    assert lines["chance (50.0%)"][1] == [50.0, 50.0]
+    band = acc_ax.collections[0].get_paths()[0].vertices  # fill_between of the first line (per head): lower, upper
+    assert sorted({round(float(y), 6) for y in band[:, 1]}) == pytest.approx([65.0, 75.0])
+    (scheme_bar,) = [c for c in acc_ax.containers]
+    assert list(scheme_bar.lines[0].get_ydata()) == pytest.approx([66.0])
+    assert [end for seg in scheme_bar.lines[2][0].get_segments() for end in (seg[0][1], seg[1][1])] == \
+        pytest.approx([61.0, 71.0])
+    stars = [(t.get_text(), t.xy) for t in acc_ax.texts]
+    assert all(text == "*" for text, _ in stars)  # every row's p is 0.01: a star on each point (fp on both lines)
+    assert sorted((round(x, 6), round(y, 6)) for _, (x, y) in stars) == \
+        [(0, 75.0), (0, 75.0), (1, 74.0), (1, 75.0), (2, 65.0), (3.5, 71.0)]
+    kurt = {line.get_label(): list(line.get_ydata()) for line in kurt_ax.get_lines()}
+    assert kurt["attention logits"] == [4.0, 9.0] and kurt["hidden states"] == [30.0, 300.0]
+    assert kurt_ax.get_title() == "m: kurtosis per layer (float, 512 tokens)"
 
 
 def test_row_after_a_cut_line_survives(tmp_path):

@@ -150,25 +150,62 @@ def test_topk_equals_a_full_sort_with_locations(k):
     assert top.rank(1) == float(values.abs().max()) and (top.rank(k) is None) == (k > len(values))
 
 
+def _stable_top(entries, k):
+    """The k entries of largest |value| from (value, coords) offered in order, ties in the order offered: Python's
+    sort is stable, so this is the rule the top-k's merge claims, written without torch."""
+    return sorted(entries, key=lambda e: -abs(e[0]))[:k]
+
+
 def test_topk_skipping_updates_that_cannot_enter_keeps_the_same_entries():
     """Where reading back is free, an update none of whose rows reaches the least kept |x| is skipped: over a
-    stream of causal blocks the kept values and locations are those of the unskipped search and of a full sort,
-    also with ties, whose order the stable merge keeps (kept entries first, then in the order offered)."""
-    blocks = [_causal_block(2, 3, r0, r0 + 16, 160, 160) for r0 in range(0, 160, 16)]
+    stream of causal blocks the kept values and locations are those of a stable sort of everything offered, with
+    and without skipping, also with ties, whose order the stable merge keeps (kept entries first, then in the order
+    offered). The last block comes twice, the second time at query positions offset by 1000, so that each of its
+    values ties with one already kept and the two are told apart by their coordinates."""
+    blocks = [(*_causal_block(2, 3, r0, r0 + 16, 160, 160)[:2], r0) for r0 in range(0, 160, 16)]
     x, valid, _ = blocks[-1]
-    blocks.append((x.clone(), valid, 0))  # the same block again: every candidate ties with a kept value
-    kept = {}
+    blocks.append((x.clone(), valid, 1000))
+    cutoff = torch.cat([x[valid.expand_as(x)].abs() for x, valid, _ in blocks]).sort(descending=True).values[19]
+    entries = []  # (value, [batch, head, q_pos, k_pos]) in the order offered, those that can be among the top 20
+    for x, valid, offset in blocks:
+        big = valid.expand_as(x) & (x.abs() >= cutoff)
+        where = big.nonzero()
+        where[:, 2] += offset
+        entries += list(zip(x[big].tolist(), where.tolist()))
+    want = _stable_top(entries, 20)
+    for x, valid, _ in blocks:  # no two values tie within one block down to the least kept |x|: the order is defined
+        big = x[valid.expand_as(x)].abs()
+        big = big[big >= abs(want[-1][0])]
+        assert len(set(big.tolist())) == len(big)
+    assert any(coords[2] >= 1000 for _, coords in want)  # a tied copy made it into the top 20, after its twin
+    assert len({abs(v) for v, _ in want}) < 20
     for read_back in (False, True):
         top = TopK(20, 4)
-        for x, valid, _ in blocks:
+        for x, valid, offset in blocks:
             rowmax = torch.where(valid, x.abs(), -1.0).amax(-1)
-            top.add(x, valid, LOGIT_DIMS, rowmax=rowmax, read_back=read_back)
-        kept[read_back] = top
-    everything = torch.cat([x[valid.expand_as(x)] for x, valid, _ in blocks])
-    want = everything.abs().sort(descending=True).values[:20]
-    for top in kept.values():
-        assert torch.equal(top.abs, want)
-    assert torch.equal(kept[True].values, kept[False].values) and torch.equal(kept[True].coords, kept[False].coords)
+            top.add(x, valid, LOGIT_DIMS, rowmax=rowmax, pos_offset=offset, read_back=read_back)
+        assert top.values.tolist() == [v for v, _ in want]
+        assert top.coords[:, :4].tolist() == [c for _, c in want]
+
+
+def test_topk_merge_keeps_more_than_16_ties_in_the_order_offered():
+    """30 updates of one value each, |x| = 3 with alternating signs, then a 5 and a −3: k = 20 keeps the 5 first,
+    then the first 19 threes in the order offered (signs and rows as a stable sort of the offers gives them). A sort
+    that is not stable reorders ties past 16 elements on CPU, keeping plausible but wrong rows and signs."""
+    offers = [3.0 * (-1) ** i for i in range(30)] + [5.0, -3.0]
+    top = TopK(20, 3)
+    for row, v in enumerate(offers):
+        x = torch.tensor([[[v]]])
+        top.add(x, None, TOKEN_DIMS, row_offset=row, rowmax=x.abs().amax(-1), read_back=True)
+    want = _stable_top([(v, [row, 0, 0]) for row, v in enumerate(offers)], 20)
+    assert top.values.tolist() == [v for v, _ in want]
+    assert top.coords[:, :3].tolist() == [c for _, c in want]
+    shards = [TopK(20, 3), TopK(20, 3)]  # rows 0..11 and 12..31 in two shards, merged: the first one's ties first
+    for row, v in enumerate(offers):
+        shards[row >= 12].add(torch.tensor([[[v]]]), None, TOKEN_DIMS, row_offset=row)
+    merged = shards[0].merge(shards[1])
+    assert merged.values.tolist() == [v for v, _ in want]
+    assert merged.coords[:, :3].tolist() == [c for _, c in want]
 
 
 @pytest.mark.parametrize("later", [[1.0, 1.0, 0.5], [1.0, 0.5, 3.0]])
@@ -361,3 +398,34 @@ def test_masked_scores_write_only_past_dense():
     out = A.masked_scores(logits, logits, valid, dense=41)
     assert torch.equal(out, ref) and out.data_ptr() == logits.data_ptr()
     assert np.isfinite(out[..., :41].numpy()).all()
+
+
+def test_topk_row_search_takes_what_beats_the_least_kept_and_never_a_masked_value():
+    """With rows searched (`rowmax`) and reading back free: an update whose largest |x| lies between the least and the
+    second-least kept value enters (k = 2: 5 and 3 kept, then a 4: 5 and 4; k = 1: 3, then a 4); masked values never
+    enter, even where every valid value is small (0.3 and 0.2 under masked 9s)."""
+    for k, offers, want in ((2, [5.0, 3.0, 4.0], [5.0, 4.0]), (1, [3.0, 4.0], [4.0])):
+        top = TopK(k, 3)
+        for row, v in enumerate(offers):
+            x = torch.tensor([[[v], [0.0], [0.0]]])
+            top.add(x, None, TOKEN_DIMS, row_offset=row, rowmax=x.abs().amax(-1), read_back=True)
+        assert top.values.tolist() == want
+    x = torch.full((1, 1, 6, 4), 9.0)
+    x[0, 0, 0, 0], x[0, 0, 1, 0] = 0.3, -0.2
+    valid = torch.zeros(1, 1, 6, 4, dtype=torch.bool)
+    valid[0, 0, :2, 0] = True
+    top = TopK(3, 4)
+    top.add(x, valid, LOGIT_DIMS, rowmax=torch.where(valid, x.abs(), -1.0).amax(-1), read_back=True)
+    assert top.values.tolist() == pytest.approx([0.3, -0.2]) and top.coords[:, :4].tolist() == [[0, 0, 0, 0],
+                                                                                                 [0, 0, 1, 0]]
+
+
+def test_topk_reads_token_ids_of_query_blocks():
+    """A block of query rows 4..8 of a 12-token call (`pos_offset`, `pos_total`): each kept logit's q_pos is its
+    place in the call and its token id that of input_ids there, read here from the ids by hand."""
+    ids = torch.arange(100, 124).reshape(2, 12)
+    x = torch.zeros(2, 1, 4, 12)
+    x[1, 0, 2, 5], x[0, 0, 0, 1] = -7.0, 6.0
+    top = TopK(2, 4)
+    top.add(x, None, LOGIT_DIMS, input_ids=ids, row_offset=10, pos_offset=4, pos_total=12)
+    assert top.coords.tolist() == [[11, 0, 6, 5, int(ids[1, 6])], [10, 0, 4, 1, int(ids[0, 4])]]

@@ -208,3 +208,29 @@ def test_torchrun_ranks_merge_to_the_one_process_report(checkpoint, tmp_path):
         merged, world = report(tmp_path / f"ranks{tokens}-{n}")
         assert world == n
         _same_statistics(one, merged, f"{n} ranks, {tokens} tokens")
+
+
+def test_the_profiler_counts_llm_int8_outliers_at_six(micro_pair):
+    """LLM.int8's outlier features are |x| >= 6 (Dettmers et al. 2022), and the profiler builds its statistics with
+    the default threshold: channel 3 planted at 5.5 (never counted), channel 5 at −6.0 (always), channel 7 at 6.0 in
+    the first three positions only; every fraction against a count at 6.0 written here, on what the layer output."""
+    model = micro_pair[0]
+    seen = []
+
+    def plant(module, args, out):
+        out = out.index_fill(-1, torch.tensor([3]), 5.5).index_fill(-1, torch.tensor([5]), -6.0)
+        out[:, :3, 7] = 6.0
+        seen.append(out.detach().clone())
+        return out
+
+    handle = model.model.layers[0].register_forward_hook(plant)
+    try:
+        prof = profile_model(model, torch.randint(0, 512, (3, 16), generator=torch.Generator().manual_seed(1)),
+                             ["layers.0.hidden"], batch_size=2, progress=False)
+    finally:
+        handle.remove()
+    h = torch.cat(seen)
+    fraction = (h.abs() >= 6.0).double().mean(dim=(0, 1))
+    got = prof.sites["layers.0.hidden"].summary()["channel_hit_fraction"]
+    assert got == [round(float(f), 6) for f in fraction]
+    assert got[3] == 0.0 and got[5] == 1.0 and got[7] == pytest.approx(3 / 16, abs=1e-6)

@@ -36,6 +36,16 @@ def np_asym(x: np.ndarray, bits: int, axis) -> np.ndarray:
     return (np.clip(np.round(x / scale) + zero, 0, qmax) - zero) * scale
 
 
+def np_nf4(x: np.ndarray, axis) -> np.ndarray:
+    """NF4 reference: scale = max|x| (the grid's largest magnitude is 1), each x / scale to the nearest of QLoRA's 16
+    values (no value here lies on a midpoint), times the scale."""
+    amax = np.abs(x).max(axis=axis, keepdims=True)
+    scale = np.where(amax > 0, amax, 1.0)
+    values = np.array(NF4_VALUES, dtype=np.float64)
+    nearest = values[np.abs((x / scale)[..., None] - values).argmin(-1)]
+    return (nearest * scale).astype(np.float32)
+
+
 # dynamic scales never span sequences: the batch axis (0) is never reduced
 CASES = [(G.PerTensor(), (1, 2)), (G.PerToken(), -1), (G.PerChannel(), (1,))]
 
@@ -70,7 +80,7 @@ def test_ragged_last_group(symmetric, fmt):
     if fmt == "int":
         ref = np.concatenate([(np_sym if symmetric else np_asym)(p.numpy(), 4, -1) for p in parts], -1)
     else:
-        ref = np.concatenate([Q.dynamic_fake_quantize(p, f, G.PerToken(), HIDDEN).numpy() for p in parts], -1)
+        ref = np.concatenate([np_nf4(p.numpy(), -1) for p in parts], -1)
     np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
     # a group larger than the row is one group per row: per token
     torch.testing.assert_close(Q.dynamic_fake_quantize(x, f, G.PerGroup(128), HIDDEN),
@@ -267,9 +277,24 @@ def test_static_calibrations():
     batches = [torch.randn(4, 8, 16, generator=g) * (i + 1) for i in range(3)]
     q = _static("minmax", batches)
     assert float(q.scale) == pytest.approx(max(float(b.abs().max()) for b in batches) / 127, rel=1e-6)
-    q = _static("ema", batches, ema_momentum=0.5)
-    m = [float(b.abs().max()) for b in batches]
-    assert float(q.scale) == pytest.approx(((m[0] * 0.5 + m[1] * 0.5) * 0.5 + m[2] * 0.5) / 127, rel=1e-6)
+    q = _static("ema", batches, ema_momentum=0.8)  # 0.8: m and 1 − m differ, so a swap of the two shows
+    running = None
+    for b in batches:  # the first batch's range, then range ← m·range + (1 − m)·batch range
+        m = float(b.abs().max())
+        running = m if running is None else 0.8 * running + 0.2 * m
+    assert float(q.scale) == pytest.approx(running / 127, rel=1e-6)
+    asym = FakeQuant(QuantConfig(Format("int", 8, False), G.PerTensor(), dynamic=False, calibration="ema",
+                                 ema_momentum=0.7))
+    ctx = TapContext(Site("layers.0.hidden", 0, POINTS["hidden"]))
+    asym.start_calibration()
+    lo = hi = None
+    for b in batches:  # asymmetric: both ends move, each range widened to contain 0
+        asym(b + 1.0, ctx)
+        blo, bhi = min(float((b + 1.0).min()), 0.0), max(float((b + 1.0).max()), 0.0)
+        lo, hi = (blo, bhi) if lo is None else (0.7 * lo + 0.3 * blo, 0.7 * hi + 0.3 * bhi)
+    asym.finish_calibration()
+    assert float(asym.scale) == pytest.approx((hi - lo) / 255, rel=1e-6)
+    assert float(asym.zero) == round(-lo / ((hi - lo) / 255))
     q = _static("percentile", batches, percentile=99.0)
     ref = float(torch.quantile(torch.cat([b.flatten() for b in batches]).abs(), 0.99))
     assert float(q.scale) * 127 == pytest.approx(ref, rel=0.01)
@@ -443,3 +468,162 @@ def test_compile_failure_falls_back_to_eager(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # eager from then on, without a second warning
         assert torch.equal(fallback(x, scale, zero, -7.0, 7.0), y)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_the_fused_round_trip_expression_matches_numpy(symmetric):
+    """The one expression torch.compile fuses (`Q._int_roundtrip`), run eagerly with the scales `dynamic_qparams`
+    takes, against numpy's quantize-dequantize (the compiled test is slow; this one says what it must compute)."""
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(8)) * 3 + 1.0
+    fmt = Format("int", 4, symmetric)
+    scale, zero = Q.dynamic_qparams(x, fmt, G.PerToken(), HIDDEN)
+    got = Q._int_roundtrip(x, scale, zero, fmt.qmin, fmt.qmax)
+    np.testing.assert_allclose(got.numpy(), (np_sym if symmetric else np_asym)(x.numpy(), 4, -1), rtol=1e-5, atol=1e-6)
+
+
+def test_kv_channel_runs_of_one_position_scale_each_value_alone():
+    """KIVI's per-channel keys in runs of G = 1 position: every (position, channel) has its own scale, so each value
+    comes back as itself (to rounding); one scale per channel over all positions would not."""
+    dims = ("batch", "kv_head", "pos", "dim")
+    x = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(9)) * torch.logspace(-2, 2, 6)[:, None]
+    got = Q.dynamic_fake_quantize(x, Format("int", 4), G.KVChannel(1), dims)
+    np.testing.assert_allclose(got.numpy(), x.numpy(), rtol=1e-6)
+
+
+def test_kv_channel_runs_end_with_a_ragged_run():
+    """Runs of 4 positions over 7: [0:4] and a ragged [4:7], each (run, channel) with its own absmax scale, against
+    numpy per run."""
+    dims = ("batch", "kv_head", "pos", "dim")
+    x = torch.randn(2, 2, 7, 8, generator=torch.Generator().manual_seed(10)) * 3
+    got = Q.dynamic_fake_quantize(x, Format("int", 4), G.KVChannel(4), dims)
+    ref = np.concatenate([np_sym(x[:, :, a:b].numpy(), 4, 2) for a, b in ((0, 4), (4, 7))], axis=2)
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("fmt", [Format("int", 8), Format("int", 8, False), Format("int", 4, False, True)],
+                         ids=["sym", "asym", "minmax"])
+@pytest.mark.parametrize("spread", ["mixed", "small positive"])
+def test_ranges_leave_out_non_finite_and_masked_values(poison, masked, fmt, spread):
+    """One non-finite value (alone: +inf leaves the minimum finite, -inf the maximum) and, with a mask, a masked
+    1000: per-tensor ranges from the finite valid values only, numpy's min and max of them (widened to contain 0
+    except for min-max formats; values all in [0.2, 0.7] show the widening)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 6, 8, generator=g) * 2 + 0.5 if spread == "mixed" else torch.rand(2, 6, 8, generator=g) / 2 + 0.2
+    x[0, 1, 2] = poison
+    valid = None
+    if masked:
+        x[1, 5] = 1000.0
+        valid = torch.ones(2, 6, 1, dtype=torch.bool)
+        valid[1, 5] = False
+    lo, hi = Q.value_range(x, (0, 1, 2), valid, fmt.symmetric, not fmt.minmax)
+    keep = np.isfinite(x.numpy()) & (True if valid is None else valid.expand_as(x).numpy())
+    v = x.numpy()[keep]
+    if fmt.symmetric:
+        want = (-np.abs(v).max(), np.abs(v).max())
+    elif fmt.minmax:
+        want = (v.min(), v.max())
+    else:
+        want = (min(v.min(), 0.0), max(v.max(), 0.0))
+    assert (float(lo), float(hi)) == pytest.approx(want)
+
+
+def test_a_constant_group_keeps_its_value_in_every_format():
+    """A group whose values are all equal (a zero range: scale 0 would divide by zero) comes back as itself:
+    symmetric and asymmetric integers, min-max, and a float format."""
+    x = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [2.5, 2.5, 2.5, 2.5], [-1.0, -1.0, -1.0, -1.0]]])
+    for fmt in (Format("int", 8), Format("int", 4, False), Format("int", 4, False, True), Format("nf4")):
+        got = Q.dynamic_fake_quantize(x, fmt, G.PerToken(), HIDDEN)
+        np.testing.assert_allclose(got.numpy(), x.numpy(), rtol=1e-6, err_msg=fmt.label())
+
+
+def test_values_outside_a_static_range_saturate():
+    """A static scale meets values beyond its range (calibrated on other data): integer codes clamp to the format's
+    ends (symmetric, asymmetric with its zero point, min-max), fp8 to ±max (e4m3 has no infinity: an unclamped cast
+    is NaN), nf4 to ±1; numpy's clip(round(x / s)) and the formats' ends written here."""
+    x = torch.tensor([-50.0, -3.0, -0.4, 0.0, 0.7, 2.2, 60.0], dtype=torch.float64)
+    s = torch.tensor(0.5, dtype=torch.float64)
+    cases = [(Format("int", 4), torch.tensor(0.0, dtype=torch.float64), np.clip(np.round(x.numpy() / 0.5), -7, 7)),
+             (Format("int", 4, False), torch.tensor(6.0, dtype=torch.float64),
+              np.clip(np.round(x.numpy() / 0.5) + 6, 0, 15)),
+             (Format("int", 4, False, True), torch.tensor(-1.0, dtype=torch.float64),
+              np.clip(np.round((x.numpy() + 1.0) / 0.5), 0, 15)),
+             (Format("fp8_e4m3"), torch.tensor(0.0, dtype=torch.float64), None),
+             (Format("fp8_e5m2"), torch.tensor(0.0, dtype=torch.float64), None),
+             (Format("nf4"), torch.tensor(0.0, dtype=torch.float64), None)]
+    for fmt, zero, want in cases:
+        q = Q.quantize(x.clone(), s if want is not None else 60 / (2 * fmt.qmax), zero, fmt)  # ±60: twice the max
+        assert q.dtype == torch.float64, fmt.label()  # codes in x's dtype (GPTQ rounds float64 columns)
+        if want is not None:
+            assert q.tolist() == want.tolist(), fmt.label()
+        else:
+            assert float(q.max()) == fmt.qmax and float(q.min()) == -fmt.qmax, fmt.label()
+            assert bool(torch.isfinite(q).all()), fmt.label()
+
+
+@pytest.mark.parametrize("name,tie,even", [("fp8_e4m3", 1.1875, 1.25), ("fp8_e5m2", 1.375, 1.5)])
+def test_fp8_rounds_ties_to_even(name, tie, even):
+    """Halfway between two fp8 values (e4m3: 1.125 and 1.25; e5m2: 1.25 and 1.5) the cast rounds to the one with an
+    even mantissa, as the OCP fp8 formats specify (worked by hand)."""
+    q = Q.quantize(torch.tensor([tie, -tie]), torch.tensor(1.0), torch.tensor(0.0), Format(name))
+    assert q.tolist() == [even, -even]
+
+
+@pytest.mark.parametrize("fmt", [Format("nf4"), Format("int", 4, False, True)], ids=["nf4", "minmax"])
+def test_fake_quantize_asked_to_fuse_a_format_it_cannot(fmt):
+    """`compiled=True` fuses integer round trips only: nf4 and min-max still round as numpy does (per token)."""
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(12)) * 2
+    scale, zero = Q.dynamic_qparams(x, fmt, G.PerToken(), HIDDEN)
+    got = Q.fake_quantize(x, scale, zero, fmt, G.PerToken(), compiled=True, dims=HIDDEN)
+    if fmt.name == "nf4":
+        ref = np_nf4(x.numpy(), -1)
+    else:
+        lo, hi = x.numpy().min(-1, keepdims=True), x.numpy().max(-1, keepdims=True)
+        s = (hi - lo) / 15
+        ref = np.clip(np.round((x.numpy() - lo) / s), 0, 15) * s + lo
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fake_quantize_of_an_infinity_with_autograd_on():
+    """Outside no_grad, for a tensor that needs no gradient, nothing is added for the straight-through estimator: an
+    infinite input saturates to the range's end (adding x − x.detach() would turn it into NaN)."""
+    x = torch.tensor([0.5, float("inf"), -float("inf")])
+    with torch.enable_grad():
+        y = Q.fake_quantize(x, torch.tensor(0.01), torch.tensor(0.0), Format("int", 8))
+    assert y.tolist() == pytest.approx([0.5, 1.27, -1.27])
+
+
+@pytest.mark.parametrize("fmt", [Format("int", 8), Format("int", 4, False), Format("int", 4, False, True)],
+                         ids=["sym", "asym", "minmax"])
+def test_group_scales_leave_out_masked_values(fmt):
+    """Groups of 4 over 10 channels (the last one ragged) with masked 1000s inside groups: each group's range from its
+    valid values only (numpy per group), the valid values quantized with it; a mask broadcast over channels
+    ([batch, pos, 1]) works with groups too."""
+    x = torch.randn(2, 3, 10, generator=torch.Generator().manual_seed(13)) * 2
+    valid = torch.ones(2, 3, 10, dtype=torch.bool)
+    for b, p, c in ((0, 1, 2), (1, 2, 9), (1, 0, 5)):
+        x[b, p, c], valid[b, p, c] = 1000.0, False
+    got = Q.dynamic_fake_quantize(x, fmt, G.PerGroup(4), HIDDEN, valid).numpy()
+    qmax = fmt.qmax
+    for b in range(2):
+        for p in range(3):
+            for a, e in ((0, 4), (4, 8), (8, 10)):
+                v, ok = x[b, p, a:e].numpy(), valid[b, p, a:e].numpy()
+                if fmt.symmetric:
+                    s = np.abs(v[ok]).max() / qmax
+                    want = np.clip(np.round(v / s), -qmax, qmax) * s
+                elif fmt.minmax:  # a group of one valid value has a zero range: scale 1
+                    lo = v[ok].min()
+                    s = (v[ok].max() - lo) / qmax or 1.0
+                    want = np.clip(np.round((v - lo) / s), 0, qmax) * s + lo
+                else:
+                    lo, hi = min(v[ok].min(), 0), max(v[ok].max(), 0)
+                    s = (hi - lo) / qmax
+                    z = np.clip(np.round(-lo / s), 0, qmax)
+                    want = (np.clip(np.round(v / s) + z, 0, qmax) - z) * s
+                np.testing.assert_allclose(got[b, p, a:e][ok], want[ok], rtol=1e-5, atol=1e-5)
+    tokens = torch.ones(2, 3, 1, dtype=torch.bool)
+    tokens[1, 1] = False
+    np.testing.assert_allclose(Q.dynamic_fake_quantize(x, fmt, G.PerGroup(4), HIDDEN, tokens).numpy()[0],
+                               Q.dynamic_fake_quantize(x[:1], fmt, G.PerGroup(4), HIDDEN).numpy()[0])

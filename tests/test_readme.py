@@ -37,7 +37,12 @@ def test_every_python_block_uses_only_the_public_api():
 
 @pytest.mark.slow
 def test_the_python_block_runs_verbatim(tmp_path):
-    """In a fresh interpreter, in an empty folder, exactly as a reader would paste it."""
+    """In a fresh interpreter, in an empty folder, exactly as a reader would paste it; then the numbers it printed
+    and wrote, recomputed here by plain torch on the same model and windows: the Table 5 row of the hidden states
+    (decoder-layer outputs read by forward hooks: top-1 |h|, median |h|, kurtosis, count), the attention-logit count
+    (causal positions), the float perplexity in the sweep's CSV, and the recipe's perplexity it printed."""
+    import torch
+
     code = "\n".join(python_blocks(README))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread, as every test worker (see test_notebook_runs)
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900,
@@ -46,6 +51,60 @@ def test_the_python_block_runs_verbatim(tmp_path):
     assert "smoothquant:0.5 → gptq → w8a8-static" in run.stdout and "attention logits" in run.stdout
     assert (tmp_path / "runs/python/profile/table5.md").is_file()
     assert (tmp_path / "runs/python/sweep/metric_vs_bits.png").is_file()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread, as the test workers (and the block above) run
+    try:
+        _check_printed_numbers(run.stdout, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_printed_numbers(stdout: str, tmp_path: Path) -> None:
+    import csv
+
+    import numpy as np
+    import torch
+    from scipy import stats as sps
+
+    import diffquant as dq
+
+    model, tok = dq.load("smollm2-135m")
+    held_out = dq.windows("kjv", tok, split="validation", seq_len=128, tokens=1024)
+    train = dq.windows("kjv", tok, split="train", seq_len=128, tokens=4 * 128)
+    table = {}
+    for line in stdout.splitlines():  # | model | activation | top-1 | top-2 | top-3 | top-10 | top-100 | median | ...
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 11 and cells[1] in ("attention logits", "hidden states"):
+            table[cells[1]] = cells
+    hidden = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: hidden.append(out[0] if isinstance(out, tuple) else out))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        logits = model(held_out).logits
+    for h in hooks:
+        h.remove()
+    h = torch.cat([t.flatten() for t in hidden]).double()
+    top1, median = float(h.abs().max()), float(torch.quantile(h.abs()[::7], 0.5))  # every 7th: quantile's size limit
+    row = table["hidden states"]
+    assert float(row[2]) == pytest.approx(top1, rel=1e-4)
+    assert float(row[7]) == pytest.approx(median, rel=0.01)  # a histogram bin (0.4%) of a subsample's median
+    assert float(row[8]) == pytest.approx(sps.kurtosis(h.numpy(), fisher=False), rel=1e-3)
+    assert int(row[9].replace(",", "")) == h.numel()
+    n, t = held_out.shape
+    config = model.config
+    assert int(table["attention logits"][9].replace(",", "")) == \
+        n * config.num_hidden_layers * config.num_attention_heads * t * (t + 1) // 2
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), held_out[:, 1:].flatten()).item()
+    rows = list(csv.DictReader((tmp_path / "runs/python/sweep/results.csv").open()))
+    fp = [float(r["ppl"]) for r in rows if r["scheme"] == "fp"]
+    assert fp and all(v == pytest.approx(np.exp(loss), rel=2e-5) for v in fp)
+    printed = float(next(line for line in stdout.splitlines() if line.startswith("smoothquant:0.5")).split()[-1])
+    recipe = dq.Recipe.of([dq.SmoothQuant(alpha=0.5), dq.GPTQ(), "w8a8-static"])
+    with dq.quantize_(model, recipe, calibration=train), torch.no_grad():
+        q = model(held_out).logits
+    q_loss = torch.nn.functional.cross_entropy(q[:, :-1].flatten(0, 1), held_out[:, 1:].flatten()).item()
+    assert printed == pytest.approx(np.exp(q_loss), rel=2e-5)
 
 
 def test_generated_parts_and_the_results_page_are_current():

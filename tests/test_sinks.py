@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffquant.profiler import profile_model
-from diffquant.stats.sinks import first_key_mass, norm_ratio
+from diffquant.stats.sinks import LayerSinks, first_key_mass, norm_ratio
 
 BOS = 1
 
@@ -139,3 +139,73 @@ def test_diff_sink_per_map_and_differential_map(micro_pair):
         assert got["sink_A1"]["heads"] == got["sink_A2"]["heads"] == h
     assert set(s["model"]) >= {"sink_rate", "sink_rate_A1", "sink_rate_A2", "lambda", "massive_ratio_max"}
     assert "sink_rate_map" not in s["model"]  # ε on the unnormalised differential map is no one's criterion
+
+
+def _massive_reference(batches, valid):
+    """Plain numpy: per sequence max‖h_t‖ / median‖h_t‖ over valid tokens; their mean; the largest with its row,
+    position, channel of largest |value| and norm (the first of equal ratios)."""
+    ratios, best = [], None
+    for i, h in enumerate(batches):
+        n = np.linalg.norm(h.numpy(), axis=-1)
+        for b in range(h.shape[0]):
+            ok = np.flatnonzero(valid[b].numpy())
+            r = n[b, ok].max() / np.median(n[b, ok])
+            ratios.append(r)
+            if best is None or r > best["ratio"]:
+                p = int(ok[n[b, ok].argmax()])
+                best = {"ratio": r, "row": 3 * i + b, "position": p, "channel": int(np.abs(h[b, p].numpy()).argmax()),
+                        "norm": float(n[b, p])}
+    return float(np.mean(ratios)), best
+
+
+def test_massive_activation_channel_is_that_of_the_largest_magnitude():
+    """The massive token's channel is where |value| is largest, here a negative extreme (−80) in a token that also
+    holds a large positive value (+30): numpy's argmax of |h| says channel 9, a signed argmax would say 2."""
+    h = torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(3))
+    h[1, 5, 9], h[1, 5, 2] = -80.0, 30.0
+    sinks = LayerSinks()
+    sinks.add_hidden(h, None, row_offset=6)
+    best = sinks.summary(diff=False)["massive_max"]
+    n = np.linalg.norm(h.numpy(), axis=-1)
+    assert (best["row"], best["position"], best["channel"]) == (7, 5, 9)
+    assert best["ratio"] == pytest.approx(n[1].max() / np.median(n[1]), rel=1e-5)
+    assert best["norm"] == pytest.approx(float(n[1, 5]), rel=1e-6)
+
+
+@pytest.mark.parametrize("peak", [0, 3])  # the largest ratio in the first shard's batches, or the second's
+def test_sink_statistics_merge_over_two_shards(peak):
+    """Two shards fed disjoint halves of the batches (the profiler's ranks), merged: the first-key masses, value
+    and massive-activation ratios and the largest massive activation equal one LayerSinks fed everything and a
+    plain numpy computation (the merge keeps the larger maximum, wherever it sits)."""
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randn(3, 10, 16, generator=g) for _ in range(4)]
+    batches[peak][2, 6, 11] = -120.0
+    valid = torch.ones(3, 10, dtype=torch.bool)
+    valid[0, :4] = False  # left padding in each batch's first sequence
+    probs = [torch.softmax(torch.randn(3, 4, 10, 10, generator=g), -1) for _ in range(4)]
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    one, shards = LayerSinks(), [LayerSinks(), LayerSinks()]
+    for i, (h, p) in enumerate(zip(batches, probs)):
+        for s in (one, shards[i >= 2]):
+            s.add_hidden(h, valid, row_offset=3 * i)
+            s.add_values(h, valid)
+            s.add_mass("probs", p, mask)
+    merged = shards[0].merge(shards[1]).summary(diff=False)
+    ratio, best = _massive_reference(batches, valid)
+    values = [np.linalg.norm(h[b].numpy(), axis=-1)[valid[b].numpy()] for h in batches for b in range(3)]
+    mass, queries = np.zeros(4), 0
+    for p in probs:
+        for b in range(3):
+            keys = np.flatnonzero(valid[b].numpy())
+            for q in keys[1:]:  # the first valid token's own row is not counted
+                mass += p[b, :, q, keys[0]].numpy()
+                queries += 1
+    for out in (merged, one.summary(diff=False)):
+        assert out["massive_ratio"] == pytest.approx(ratio, rel=1e-5)
+        assert out["massive_max"]["ratio"] == pytest.approx(best["ratio"], rel=1e-5)
+        assert {k: out["massive_max"][k] for k in ("row", "position", "channel")} == \
+            {k: best[k] for k in ("row", "position", "channel")}
+        assert out["massive_max"]["norm"] == pytest.approx(best["norm"], rel=1e-6)
+        assert out["value_ratio"] == pytest.approx(np.mean([v[0] / np.median(v[1:]) for v in values]), rel=1e-5)
+        np.testing.assert_allclose(out["first_mass"], mass / queries, rtol=1e-6)
+    assert best["row"] == 3 * peak + 2 and best["channel"] == 11

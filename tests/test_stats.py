@@ -45,6 +45,10 @@ def test_moments_merge_equals_one_pass(sizes, shift):
     sums = {k: torch.stack([getattr(m, k) for m in each]) for k in ("n", "mean", "m2", "m3", "m4")}
     pooled = Moments.pool(sums["n"], sums["n"] * sums["mean"], sums["m2"], sums["m3"], sums["m4"])
     ref = torch.cat(parts).double().numpy()
+    d = ref - ref.mean()
+    slack = 12 * (d**2).sum() * np.abs(ref).max() * 2.0**-23  # float32 differences: 3·d²·(x's rounding), four times
+    for m in (merged, pooled):  # the third central power sum too: merges and folds feed it into the fourth
+        assert float(m.m3) == pytest.approx((d**3).sum(), rel=1e-5, abs=slack)
     for s in (merged.summary(), pooled.summary()):
         assert s["count"] == ref.size
         assert s["mean"] == pytest.approx(ref.mean(), rel=1e-6, abs=1e-9)
@@ -359,3 +363,134 @@ def test_welch_against_a_hand_computation():
     assert welch(b, a)["sign"] == -1 and welch(b, a)["diff"] == pytest.approx(-w["diff"])
     assert welch([1.0, 2.0, 3.0], [1.1, 2.2, 2.9])["sign"] == 0  # no difference detected
     assert welch([1.0], [2.0, 3.0]) is None and welch([0.0, 0.0], [0.0, 0.0])["sign"] == 0
+
+
+def test_every_quantile_key_is_torch_quantile_at_the_probability_its_name_states():
+    """Each key of the summary's quantiles against torch.quantile of |x| at the probability written in its name
+    (the table is spelled here, not read from site_stats), on bfloat16-representable values, where the histogram is
+    exact. The values spread over decades, so the four probabilities give four different numbers."""
+    named = {"median": 0.5, "p99": 0.99, "p99.9": 0.999, "p99.99": 0.9999}
+    g = torch.Generator().manual_seed(21)
+    x = (torch.exp(2 * torch.randn(3, 4000, 8, generator=g)) * torch.randn(3, 4000, 8, generator=g).sign())
+    x = x.bfloat16().float()
+    s = SiteStats(("batch", "pos", "channel"))
+    s.update(x[:2])
+    s.update(x[2:])
+    got = s.summary(full=False)["quantiles"]
+    ref = {k: float(torch.quantile(x.abs().double().flatten(), p)) for k, p in named.items()}
+    assert len(set(ref.values())) == 4 and set(got) == set(named)
+    for key in named:
+        assert got[key] == pytest.approx(ref[key], rel=1e-12), key
+
+
+def test_channel_hit_fraction_is_hits_over_the_valid_positions():
+    """LLM.int8's per-channel fraction: positions with |x| >= t over the positions counted (valid tokens of every
+    update), both counted here in numpy, over two updates, one with padding. Never over the values counted (a
+    position holds several channels)."""
+    g = torch.Generator().manual_seed(22)
+    a, b = torch.randn(2, 5, 4, generator=g) * 3, torch.randn(3, 4, 4, generator=g) * 3
+    valid = torch.ones(2, 5, 1, dtype=torch.bool)
+    valid[1, :2] = False  # left padding
+    s = SiteStats(("batch", "pos", "channel"), outlier_threshold=2.5)
+    s.update(a, valid)
+    s.update(b)
+    hits = ((np.abs(a.numpy()) >= 2.5) & valid.numpy()).sum(axis=(0, 1)) + (np.abs(b.numpy()) >= 2.5).sum(axis=(0, 1))
+    positions = int(valid.sum()) + 3 * 4
+    assert positions == 20 and hits.max() > 0
+    assert s.summary()["channel_hit_fraction"] == [round(h / positions, 6) for h in hits.tolist()]
+
+
+def test_per_pass_statistics_merge_over_two_shards():
+    """Two shards fed disjoint halves of the forward passes (one update each pass), merged: the per-pass kurtosis
+    and ∞-norm (mean and maximum over passes) equal one process fed everything and a plain numpy computation. The
+    largest ∞-norm and kurtosis sit in the second shard, so a merge that kept the first shard's would show."""
+    g = torch.Generator().manual_seed(23)
+    passes = [torch.randn(2, 6, 16, generator=g) * (1 + i) for i in range(6)]
+    passes[4][1, 2, 3] = -90.0  # the largest |x| and the most peaked pass
+    one = SiteStats(("batch", "pos", "channel"))
+    shards = [SiteStats(("batch", "pos", "channel")), SiteStats(("batch", "pos", "channel"))]
+    for i, x in enumerate(passes):
+        one.update(x, row_offset=2 * i)
+        shards[i >= 3].update(x, row_offset=2 * i)
+    merged = shards[0].merge(shards[1]).summary(full=False)
+    kurt = [sps.kurtosis(x.double().numpy().ravel(), fisher=False) for x in passes]
+    inf = [float(x.abs().max()) for x in passes]
+    for out in (merged, one.summary(full=False)):
+        assert out["passes"] == 6
+        assert out["pass_kurtosis_mean"] == pytest.approx(np.mean(kurt), rel=1e-6)
+        assert out["pass_kurtosis_max"] == pytest.approx(max(kurt), rel=1e-6)
+        assert out["pass_infnorm_mean"] == pytest.approx(np.mean(inf), rel=1e-12)
+        assert out["pass_infnorm_max"] == 90.0
+
+
+def test_topk_rank_beyond_what_was_seen_and_of_zeros():
+    """rank(r) is the r-th largest |x| seen: 0.0 where the values were zeros (a real value), None past the values
+    seen (three offered with k = 100) and for left-out entries (masked values kept while fewer than k were valid)."""
+    from diffquant.stats.topk import TopK
+
+    top = TopK(100, 1)
+    top.add(torch.tensor([0.0, -0.0, 0.0]), None, ("channel",))
+    assert [top.rank(r) for r in (1, 3, 4, 100)] == [0.0, 0.0, None, None]
+    masked = TopK(4, 1)
+    masked.add(torch.tensor([2.0, -5.0, 1.0, 7.0]), torch.tensor([True, True, False, False]), ("channel",))
+    assert [masked.rank(r) for r in (1, 2, 3, 4, 5)] == [5.0, 2.0, None, None, None]
+
+
+def test_topk_reads_profiles_pickled_before_its_entries_were_private():
+    """Profiles saved before the kept entries became `_abs`, `_values`, `_coords` (and held only valid entries) load
+    with their entries: a TopK pickled under the old attribute names reads back the same values and coordinates."""
+    import pickle
+
+    from diffquant.stats.topk import TopK
+
+    top = TopK(3, 3)
+    top.add(torch.tensor([[[1.0, -9.0], [4.0, 0.5]]]), None, ("batch", "pos", "channel"), row_offset=2)
+    old = TopK.__new__(TopK)
+    old.__dict__.update({"k": 3, "abs": top.abs.clone(), "values": top.values.clone(), "coords": top.coords.clone()})
+    back = pickle.loads(pickle.dumps(old))
+    assert back.k == 3 and back.values.tolist() == [-9.0, 4.0, 1.0] and back.abs.tolist() == [9.0, 4.0, 1.0]
+    assert back.coords.tolist() == [[2, 0, 1, -1], [2, 1, 0, -1], [2, 0, 0, -1]]
+    assert back.rank(1) == 9.0 and back.rank(4) is None
+
+
+def test_moments_of_nothing_and_of_a_constant():
+    """No values: count 0 and no mean, std or kurtosis. A constant: its mean, std 0 and no kurtosis (0/0), also
+    after merging it with nothing, in either order."""
+    assert Moments().summary() == {"count": 0, "mean": None, "std": None, "kurtosis": None}
+    const = Moments.of(torch.full((2, 5), -2.5), None)
+    for m in (const, Moments().merge(const), const.merge(Moments())):
+        assert m.summary() == {"count": 10, "mean": -2.5, "std": 0.0, "kurtosis": None}
+
+
+def test_histogram_sparse_lists_the_counted_bins():
+    """The non-empty bins by index (numpy's reading of the float32 bits, rounded to 16), with their counts."""
+    x = torch.tensor([1.0, -1.0, 3.0, 0.0, 1e-3, float("nan")])
+    h = AbsHistogram()
+    h.add(x)
+    u = np.abs(x[:5].numpy()).view(np.uint32).astype(np.int64)
+    bins, counts = np.unique((u + 0x8000) >> 16, return_counts=True)
+    assert h.sparse() == {"format": "float32-round16", "bins": {str(b): int(c) for b, c in zip(bins, counts)}}
+
+
+def test_histogram_bin_edges_are_the_rounding_boundaries():
+    """Bin i holds the bit patterns [(i << 16) − 2^15, (i << 16) + 2^15): its edges read by numpy from those bits,
+    consecutive bins sharing an edge, the last one ending at float32's largest value; abs_magnitude_bins (not in place)
+    gives magnitude_bins' bins and leaves its input alone."""
+    from diffquant.stats.histogram import abs_magnitude_bins
+
+    i = np.array([1, 0x3F80, 0x3F81, 0x4000, NBINS - 2], dtype=np.int64)
+    lo, hi = bin_edges(torch.tensor(i))
+    assert lo.tolist() == ((i << 16) - 0x8000).astype(np.uint32).view(np.float32).astype(np.float64).tolist()
+    assert hi.tolist() == ((i << 16) + 0x8000).astype(np.uint32).view(np.float32).astype(np.float64).tolist()
+    assert bin_edges(torch.tensor(i + 1))[0].tolist() == hi.tolist()
+    assert bin_edges(torch.tensor([NBINS - 1]))[1].tolist() == [float(torch.finfo(torch.float32).max)]
+    x = torch.tensor([0.0, 1e-30, 0.3, 1.0 + 2**-8, 6.0, 1e4, 3e38])
+    kept = x.clone()
+    assert abs_magnitude_bins(x).tolist() == magnitude_bins(x).tolist() and torch.equal(x, kept)
+
+
+def test_histogram_counts_past_float32s_exact_integers():
+    """A bin's count stays exact past 2^24 (where a float32 count would stop adding ones): 2^24 + 3 zeros."""
+    h = AbsHistogram()
+    h.add_bins(torch.zeros(1, dtype=torch.int64).expand(2**24 + 3))
+    assert int(h.counts[0]) == 2**24 + 3 and int(h.counts.sum()) == 2**24 + 3

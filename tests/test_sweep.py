@@ -61,7 +61,7 @@ def test_multiple_choice_acc_and_acc_norm(micro_pair):
     assert r["acc_se"] == pytest.approx((p * (1 - p) / 3) ** 0.5)  # sample SE of four 0/1 outcomes
 
 
-def test_sweep_cli_resumes(tmp_path, micro_pair, capsys):
+def test_sweep_cli_resumes(tmp_path, micro_pair, capsys, drawn):
     from diffquant.data.tokens import train_tokenizer
 
     text = "\n".join(f"the {w} of the {v} is good and {u}." for w, v, u in
@@ -85,6 +85,23 @@ def test_sweep_cli_resumes(tmp_path, micro_pair, capsys):
     assert all("ppl" in r and "task_acc" in r for r in rows)
     for name in ("metric_vs_bits.png", "wa_grid.png", "layer_sensitivity.png", "results.csv"):
         assert (out / name).exists()
+    # the perplexity panels drawn are the CSV's numbers: per (site, granularity) a line per model over the bit widths,
+    # 16 being the model's float row, and each point's bar its perplexity interval
+    import csv
+
+    table = [r for r in csv.DictReader((out / "results.csv").open()) if r["kind"] == "act"]
+    panels = sorted({(r["site"], r["granularity"]) for r in table})
+    widths = sorted({int(r["bits"]) for r in table}, reverse=True)
+    for ax, (site, gran) in zip(drawn["metric_vs_bits"].axes, panels):  # the first row of panels: perplexity
+        assert ax.get_title() == f"{site}, per {gran}" and ax.get_ylabel() == "perplexity"
+        assert sorted(c.get_label() for c in ax.containers) == ["D", "T"]
+        for container in ax.containers:
+            mine = {int(r["bits"]): r for r in table if r["model"] == container.get_label()
+                    and (int(r["bits"]) == 16 or (r["site"], r["granularity"]) == (site, gran))}
+            assert list(container.lines[0].get_ydata()) == [float(mine[b]["ppl"]) for b in widths]
+            ci = [json.loads(mine[b]["ppl_ci95"]) for b in widths]
+            bars = [end for seg in container.lines[2][0].get_segments() for end in (seg[0][1], seg[1][1])]
+            assert bars == pytest.approx([end for lo_hi in ci for end in lo_hi], rel=1e-12)
     fp = {r["model"]: r["ppl"] for r in rows if r["scheme"] == "fp"}
     assert all(r["ppl"] == fp[r["model"]] for r in rows if r["bits"] == 16 and r["kind"] == "act")
     # the paired change from float, against numpy on the per-sequence losses kept in cells.jsonl

@@ -90,12 +90,3 @@ class Moments:
         kurt = (float(self.m4) / n) / var**2 if var > 0 else None
         return {"count": int(n), "mean": float(self.mean), "std": var**0.5, "kurtosis": kurt}
 
-    def state(self) -> dict:
-        return {k: float(getattr(self, k)) for k in ("n", "mean", "m2", "m3", "m4")}
-
-    @staticmethod
-    def from_state(state: dict, device=None) -> "Moments":
-        m = Moments(device)
-        for k, v in state.items():
-            setattr(m, k, torch.tensor(v, dtype=torch.float64, device=device))
-        return m

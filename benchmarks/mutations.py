@@ -1,0 +1,292 @@
+"""Mutation testing of the numeric core: does the suite fail when a formula is changed? (issue 50)
+
+    python -m benchmarks.mutations --module diffquant/stats/topk.py     # one module (resumes where it stopped)
+    python -m benchmarks.mutations --module stats --jobs 2              # every module whose path contains "stats"
+    python -m benchmarks.mutations                                      # the whole core (hours on two cores)
+    python -m benchmarks.mutations --report                             # only rewrite docs/mutations.md and .json
+
+mutmut 3 (https://github.com/boxed/mutmut) makes the mutants: an operator, comparison, number, string, keyword
+or call argument changed, one at a time, inside a function (module-level constants and decorated functions other
+than static and class methods are not mutated: the constants a statistic reads, such as the quantile names, have
+their own tests). mutmut rather than cosmic-ray because it forks each mutant's test run from a process that has
+imported torch and transformers and collected the tests (about 5 s a process here, which cosmic-ray pays per
+mutant), runs only the tests that reach the mutated function, and names each mutant by its function and number
+(`diffquant.stats.topk.xǁTopKǁ_merge_raw__mutmut_3`), invalidating a verdict when that function's text changes.
+
+Each module runs in its own folder under .mutations/ (a copy of the tree that tests need, and mutmut's
+`mutants/` with its verdicts), against its own fast test files (`CORE`, the one table to change when a module
+moves). A rerun keeps the verdicts of killed mutants whose function is unchanged and runs the rest again
+(survivors too, so new tests are tried on them). Survivors that no test can kill, because they compute the same
+numbers, are argued in benchmarks/mutations_equivalent.json (`--equivalent NAME REASON`), keyed by mutant name
+with the diff they were argued for (a changed diff marks the argument stale); they are not rerun. The report:
+killed, survived, equivalent and the score (killed / (mutants − equivalent − not run)) per module, each
+survivor's diff, each equivalent's reason. Not run in CI: it takes hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / ".mutations"
+EQUIVALENTS = ROOT / "benchmarks" / "mutations_equivalent.json"
+REPORT = ROOT / "docs" / "mutations"  # .md and .json
+COPIED = ("diffquant", "tests", "experiments", "benchmarks", "docs", "diffquant_cli.py", "README.md")
+
+# module -> its fast test files (or single tests). Of these, the tests that reach the mutated function run.
+CORE = {
+    "diffquant/stats/moments.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
+    "diffquant/stats/histogram.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
+    "diffquant/stats/topk.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
+    "diffquant/stats/site_stats.py": ("tests/test_stats.py", "tests/test_hot_path.py",
+                                      "tests/test_profile.py::test_the_profiler_counts_llm_int8_outliers_at_six"),
+    "diffquant/stats/sinks.py": ("tests/test_sinks.py", "tests/test_diff_sinks.py", "tests/test_hot_path.py"),
+    "diffquant/stats/distributed.py": ("tests/test_stats.py",),
+    "diffquant/stats/outlier_regime.py": ("tests/test_regime.py", "tests/test_fair_rivals.py"),
+    "diffquant/stats/intervals.py": ("tests/test_stats.py", "tests/test_binomial_stats.py", "tests/test_reporting.py",
+                                     "tests/test_fair_rivals.py", "tests/test_wa_table.py"),
+    "diffquant/stats/metric_sets.py": ("tests/test_metric_sets.py",),
+    "diffquant/quant/math.py": ("tests/test_quant.py", "tests/test_kv_cache.py"),
+    "diffquant/quant/fake.py": ("tests/test_quant.py", "tests/test_kv_cache.py"),
+    "diffquant/quant/formats.py": ("tests/test_quant.py",),
+    "diffquant/quant/granularity.py": ("tests/test_quant.py", "tests/test_kv_cache.py"),
+    "diffquant/quant/gptq.py": ("tests/test_gptq.py",),
+    "diffquant/quant/awq.py": ("tests/test_awq.py",),
+    "diffquant/quant/mitigate.py": ("tests/test_mitigate.py",),
+    "diffquant/taps/attention.py": ("tests/test_hot_path.py", "tests/test_taps.py", "tests/test_sinks.py"),
+}
+# taps/attention.py: only the functions that shape what the statistics see (masks, blocks, first-key masses)
+FUNCTIONS = {"diffquant/taps/attention.py": ("xǁVisibleǁrows", "xǁVisibleǁdense", "xǁVisibleǁkey_end",
+                                             "xǁVisibleǁkeys", "x_first_key_only", "x_first_key_masses",
+                                             "x_first_key_taps", "x__block_of", "x__widen", "x_masked_scores",
+                                             "x__differential_map")}
+# Tests too slow to run once per mutant (seconds measured on two cores); the fast ones beside them cover the same code
+SLOW = ("tests/test_hot_path.py::test_blocks_cut_at_their_last_key_equal_uncut_blocks",  # 64 s
+        "tests/test_quant.py::test_dynamic_scales_do_not_depend_on_batch_size",  # 57 s
+        "tests/test_gptq.py::test_quantize_cli_with_gptq_round_trip",  # 25 s
+        "tests/test_stats.py::test_merge_across_two_gloo_ranks",  # 20 s, and spawns processes
+        "tests/test_gptq.py::test_gptq_layer_zero_solves_its_own_inputs",  # 17 s
+        "tests/test_awq.py::test_awq_scales_fold_exactly",  # 12 s
+        "tests/test_quant.py::test_quantization_aware_training_lowers_loss",  # 11 s
+        "tests/test_mitigate.py::test_smoothquant_search_applies_the_alpha_of_least_calibration_loss")  # 11 s
+# Error messages are not numbers: lines raising them are not mutated (their wording has tests of its own)
+NOT_MUTATED = (r"raise (DiffquantError|ValueError)\(",)
+STATUS = {1: "killed", 3: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
+          0: "survived", 5: "no tests", 33: "no tests", None: "not run"}
+
+
+def _toml_list(items) -> str:
+    return "[" + ", ".join(json.dumps(str(i)) for i in items) + "]"
+
+
+def workspace(module: str) -> Path:
+    """The module's folder: the files tests need, copied when changed (mtimes kept, which mutmut reads), and a
+    pyproject.toml that tells mutmut what to mutate and which tests to choose from."""
+    ws = WORK / module.replace("/", "_").removesuffix(".py")
+    ws.mkdir(parents=True, exist_ok=True)
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", "--", *COPIED],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout  # ignored files stay out
+    for rel in filter(None, listed.split("\0")):
+        f = ROOT / rel
+        if f.is_file():
+            dest = ws / rel
+            if not dest.exists() or dest.read_bytes() != f.read_bytes():
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, dest)
+    stale = ws / "mutants" / "diffquant"  # mutmut copies the unmutated sources once: refresh them every run
+    if stale.exists():
+        for f in stale.rglob("*.py"):
+            if f.relative_to(ws / "mutants").as_posix() != module:
+                f.unlink()
+    pytest_ini = _pytest_options()
+    (ws / "pyproject.toml").write_text(
+        "[tool.mutmut]\n"
+        'source_paths = ["diffquant"]\n'
+        f"only_mutate = {_toml_list([module])}\n"
+        f"also_copy = {_toml_list(name for name in COPIED[2:])}\n"
+        f"do_not_mutate_patterns = {_toml_list(NOT_MUTATED)}\n"
+        f"pytest_add_cli_args_test_selection = {_toml_list(CORE[module])}\n"
+        "pytest_add_cli_args = " + _toml_list(["-p", "no:cacheprovider", "-p", "no:xdist", "-m",
+                                               "not slow and not cuda and not network", "-W", "ignore"]
+                                              + [a for t in SLOW for a in ("--deselect", t)]) + "\n"
+        'process_isolation = "forkserver"\n'
+        "use_git_change_detection = false\n"
+        "\n[tool.pytest.ini_options]\n"
+        f"pythonpath = {_toml_list(pytest_ini['pythonpath'])}\n"
+        f"markers = {_toml_list(pytest_ini['markers'])}\n")
+    return ws
+
+
+def _pytest_options() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+
+
+def _meta(ws: Path, module: str) -> dict:
+    path = ws / "mutants" / (module + ".meta")
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _names(ws: Path, module: str) -> list[str]:
+    """Every mutant of the module (mutmut's own generator), restricted to `FUNCTIONS` where the table says."""
+    code = f"""
+from pathlib import Path
+from mutmut.mutation.file_mutation import mutate_file_contents
+print("\\n".join(mutate_file_contents({module!r}, Path({module!r}).read_text()).mutant_names))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ws, capture_output=True, text=True, check=True).stdout
+    prefix = module.removesuffix(".py").replace("/", ".") + "."
+    names = [prefix + n for n in out.split()]
+    keep = FUNCTIONS.get(module)
+    return [n for n in names if keep is None or n.rsplit(".", 1)[1].rsplit("__mutmut_", 1)[0] in keep]
+
+
+def run_module(module: str, jobs: int) -> None:
+    ws = workspace(module)
+    names = _names(ws, module)
+    meta = _meta(ws, module)
+    done = meta.get("exit_code_by_key", {})
+    argued = json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
+    pending = [n for n in names if STATUS.get(done.get(n), "other") not in ("killed", "timeout") and n not in argued]
+    print(f"{module}: {len(names)} mutants, {len(pending)} to run", flush=True)
+    if not pending:
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "PYTHONDONTWRITEBYTECODE": "1"}
+    for i in range(0, len(pending), 400):  # explicitly named mutants always run: the pending ones, in chunks
+        subprocess.run(["mutmut", "run", "--max-children", str(jobs), *pending[i:i + 400]], cwd=ws, env=env)
+
+
+def _diffs(ws: Path, module: str, names: list[str]) -> dict[str, str]:
+    """The changed lines of each mutant (mutmut's own diff, in one process), without the file headers."""
+    if not names:
+        return {}
+    code = f"""
+import json, sys
+from mutmut.mutation.diff_apply import get_diff_for_mutant
+print(json.dumps({{n: get_diff_for_mutant(n, path={module!r}) for n in json.loads(sys.stdin.read())}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ws, input=json.dumps(names), capture_output=True,
+                         text=True, check=True, env={**os.environ, "PYTHONPATH": ""}).stdout
+    return {n: "\n".join(line for line in d.splitlines() if line.startswith(("+", "-"))
+                         and not line.startswith(("+++", "---"))) for n, d in json.loads(out).items()}
+
+
+def argue(pairs: list[list[str]]) -> None:
+    """Add (mutant name, reason) pairs to EQUIVALENTS, each with the diff it is argued for."""
+    equivalents = json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
+    for name, reason in pairs:
+        module = next((m for m in CORE if name.startswith(m.removesuffix(".py").replace("/", ".") + ".")), None)
+        if module is None:
+            raise SystemExit(f"{name} is not a mutant of a core module")
+        diff = _diffs(WORK / module.replace("/", "_").removesuffix(".py"), module, [name])[name]
+        if not diff:
+            raise SystemExit(f"{name}: mutmut shows no diff (run the module first)")
+        equivalents[name] = {"diff": diff, "reason": reason}
+    _write(EQUIVALENTS, json.dumps(dict(sorted(equivalents.items())), indent=1, ensure_ascii=False) + "\n")
+
+
+def report() -> dict:
+    """docs/mutations.md and .json from every module's verdicts and the argued equivalents."""
+    equivalents = json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
+    modules, survivors = {}, {}
+    for module in CORE:
+        ws = WORK / module.replace("/", "_").removesuffix(".py")
+        if not (ws / "mutants").exists():
+            modules[module] = {"run": False}
+            continue
+        names = _names(ws, module)
+        done = _meta(ws, module).get("exit_code_by_key", {})
+        counts = {"mutants": len(names), "killed": 0, "timeout": 0, "survived": 0, "equivalent": 0, "no tests": 0,
+                  "not run": 0, "other": 0}
+        diffs = _diffs(ws, module, [n for n in names if STATUS.get(done.get(n)) in ("survived", "no tests")])
+        for n in names:
+            status = STATUS.get(done.get(n), "other")
+            if status in ("survived", "no tests"):
+                diff = diffs[n]
+                argued = equivalents.get(n)
+                if argued and argued["diff"] == diff:
+                    status = "equivalent"
+                else:
+                    survivors[n] = {"module": module, "status": status, "diff": diff,
+                                    "stale argument": bool(argued)}
+            counts[status] += 1
+        tried = counts["mutants"] - counts["equivalent"] - counts["not run"]
+        counts["score"] = round((counts["killed"] + counts["timeout"]) / tried, 4) if tried else None
+        modules[module] = {"run": True, **counts}
+    doc = {"tool": "mutmut 3.8", "modules": modules, "survivors": survivors,
+           "equivalents": {k: v for k, v in equivalents.items()}}
+    _write(REPORT.with_suffix(".json"), json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    _write(REPORT.with_suffix(".md"), _markdown(doc))
+    return doc
+
+
+def _markdown(doc: dict) -> str:
+    lines = ["# Mutation testing of the numeric core", "",
+             "Written by `python -m benchmarks.mutations` (see its docstring): each mutant is one small change of a "
+             "function, run against the module's fast tests. Killed includes timeouts (a mutant that made a test "
+             "hang); the score is killed / (mutants − equivalent − not run).", "",
+             "| module | mutants | killed | survived | no tests | equivalent | not run | score |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for module, m in doc["modules"].items():
+        if not m["run"]:
+            lines.append(f"| {module} | | | | | | not run | |")
+            continue
+        score = "" if m["score"] is None else f"{100 * m['score']:.1f}%"
+        lines.append(f"| {module} | {m['mutants']} | {m['killed'] + m['timeout']} | {m['survived']} | "
+                     f"{m['no tests']} | {m['equivalent']} | {m['not run']} | {score} |")
+    lines += ["", "## Survivors", ""]
+    if not doc["survivors"]:
+        lines.append("None.")
+    for name, s in doc["survivors"].items():
+        stale = " (its equivalence argument no longer matches the diff)" if s["stale argument"] else ""
+        lines += [f"- `{name}`: {s['status']}{stale}", "", "  ```diff", *("  " + d for d in s["diff"].splitlines()),
+                  "  ```"]
+    lines += ["", "## Equivalent mutants", "", "Argued in benchmarks/mutations_equivalent.json: they compute the "
+              "same numbers as the code, so no test can tell them apart.", ""]
+    for name, e in doc["equivalents"].items():
+        lines += [f"- `{name}`: {e['reason']}", "", "  ```diff", *("  " + d for d in e["diff"].splitlines()), "  ```"]
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: Path, text: str) -> None:
+    from diffquant.paths import atomic_write_text
+
+    atomic_write_text(path, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--module", action="append", help="a module path, or part of one (repeatable); default: all")
+    p.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
+    p.add_argument("--report", action="store_true", help="only rewrite the report from the verdicts so far")
+    p.add_argument("--equivalent", nargs=2, metavar=("MUTANT", "REASON"), action="append",
+                   help="record a surviving mutant as equivalent, with its current diff and why (repeatable)")
+    args = p.parse_args(argv)
+    if args.equivalent:
+        argue(args.equivalent)
+        return 0
+    chosen = [m for m in CORE if not args.module or any(part in m for part in args.module)]
+    if not chosen:
+        print(f"no module matches {args.module}; the core: {', '.join(CORE)}", file=sys.stderr)
+        return 2
+    if not args.report:
+        for module in chosen:
+            run_module(module, args.jobs)
+    doc = report()
+    for module in chosen:
+        m = doc["modules"][module]
+        print(module, "not run" if not m["run"] else
+              f"killed {m['killed'] + m['timeout']}, survived {m['survived']}, no tests {m['no tests']}, "
+              f"equivalent {m['equivalent']}, not run {m['not run']}, score {m['score']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
