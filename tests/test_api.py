@@ -89,6 +89,7 @@ def test_a_recipe_that_needs_calibration_is_refused_without_it_before_anything_c
         pass
 
 
+@pytest.mark.slow
 def test_profile_merges_saves_and_loads_exactly(model, tmp_path):
     ids = _ids(6, 16, seed=3)
     whole = dq.profile(model, ids, sites=["*.attn_logits", "*.hidden"], k=5)

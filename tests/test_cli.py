@@ -169,6 +169,7 @@ def test_argument_errors_load_no_heavy_module():
         assert rc == "0" or out.stderr.count("\n") == 1  # one line
 
 
+@pytest.mark.slow
 def test_commands_are_quiet_and_pipes_end_quietly(tmp_path):
     (tmp_path / "t.txt").write_text("In the beginning was the word.\n" * 400)
     out = subprocess.run([sys.executable, "-m", "diffquant_cli", "profile", "--model", "micro:diff", "--data",

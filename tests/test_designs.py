@@ -66,6 +66,7 @@ def test_parameters_matched_within_0_1_percent(preset):
         assert PRESETS[preset].parameters(arch) == n  # the formula `diffquant models` prints
 
 
+@pytest.mark.slow
 def test_every_design_loads_through_the_auto_classes_after_import_diffquant(tmp_path):
     """In a fresh interpreter, `import diffquant` and nothing else from it: every design builds by
     AutoModelForCausalLM.from_config and loads by from_pretrained of a saved checkpoint, with the logits it was

@@ -70,6 +70,7 @@ def _cfg(tmp, **kw):
     return TrainConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_tracking_matches_an_independent_profile_and_changes_nothing(tmp_path, drawn):
     from test_figures import _emergence_check
 
@@ -99,6 +100,7 @@ def test_tracking_matches_an_independent_profile_and_changes_nothing(tmp_path, d
     assert res["models"]["baseline"]["track_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_tracking_resumes(tmp_path):
     cfg = _cfg(tmp_path, archs=("diff",))
     straight = train_pair(cfg, tmp_path / "a", progress=False)

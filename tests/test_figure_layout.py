@@ -39,6 +39,7 @@ def _relabel(rows, label=LONG):
             for i, r in enumerate(rows)]
 
 
+@pytest.mark.slow
 def test_sweep_figures_with_long_labels(tmp_path, checked, monkeypatch):
     from diffquant.report import accuracy_plots, sweep_plots
 
@@ -59,6 +60,7 @@ def test_sweep_figures_with_long_labels(tmp_path, checked, monkeypatch):
     assert not bad, "\n".join(f"{stem}: {a!r} over {b!r}" for stem, pairs in bad.items() for a, b in pairs)
 
 
+@pytest.mark.slow
 def test_profile_and_emergence_figures_with_long_labels(tmp_path, checked, monkeypatch):
     import torch
 

@@ -42,6 +42,7 @@ def test_summary_against_scipy(load_script):
     assert fx.verdict({**t, "p_holm": 0.2}) == "no difference detected (n = 4)"
 
 
+@pytest.mark.slow
 def test_pair_mode_on_a_trained_pair(tmp_path, load_script):
     """`--pair`: the layout `emergence --only regime --setting NAME` trains (<runs>/<pair>/s<seed>/<design>), two
     seeds of a micro pair trained here in seconds. Each model's float loss equals plain-torch cross-entropy on the

@@ -182,6 +182,7 @@ print(applied, held - rss())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
 def test_keep_freed_memory_keeps_a_freed_block_resident():
     def run(mode):

@@ -61,6 +61,7 @@ def test_multiple_choice_acc_and_acc_norm(micro_pair):
     assert r["acc_se"] == pytest.approx((p * (1 - p) / 3) ** 0.5)  # sample SE of four 0/1 outcomes
 
 
+@pytest.mark.slow
 def test_sweep_cli_resumes(tmp_path, micro_pair, capsys, drawn):
     from diffquant.data.tokens import train_tokenizer
 
@@ -132,6 +133,7 @@ def test_sweep_cli_resumes(tmp_path, micro_pair, capsys, drawn):
     assert main(["plot", str(out)]) == 0
 
 
+@pytest.mark.slow
 def test_lm_eval_adapter_agrees_with_own_scoring(tmp_path, micro_pair):
     pytest.importorskip("lm_eval")
     from diffquant.data.tokens import train_tokenizer
