@@ -215,6 +215,36 @@ def headnorm_part() -> list[str]:
     body = results.read_text().split("\n", 1)[1].strip().replace("\n## ", "\n#### ")  # its own title dropped
     return [title, "", body, ""]
 
+def decomposition_part() -> list[str]:
+    """The second decomposition (experiments/decomposition.py): its results.md, or how many of the plan's cells are in
+    while it runs, and the exploratory λ runs it cites (docs/lambda)."""
+    plan = ROOT / "docs/decomposition/plan.yaml"
+    if not plan.is_file():
+        return []
+    from experiments.decomposition import cells, load_plan
+
+    title = "### Outliers as magnitudes, DIFF kept differential (`python -m experiments.decomposition`)"
+    results = ROOT / "docs/decomposition/results.md"
+    lam = ROOT / "docs/lambda/results.md"
+    lines = [title, ""]
+    if results.is_file():
+        lines += [results.read_text().split("\n", 1)[1].strip().replace("\n## ", "\n#### "), ""]
+    else:
+        total = len(cells(load_plan(plan)))
+        done = len(list((ROOT / "docs/decomposition/cells").glob("*/s*.json")))
+        lines += [f"In progress: {done} of the plan's {total} cells are measured (docs/decomposition/cells, each with "
+                  "its checkpoint under docs/decomposition/checkpoints; plan docs/decomposition/plan.yaml, committed "
+                  "before the first): five arms with every RMSNorm eps at 1e-5 (the Transformer; DIFF with the "
+                  "paper's head norm and gain; DIFF without the norm; DIFF with λ frozen at λ_init; the Transformer "
+                  "with DIFF's norm), outliers measured as ∞-norms and static-grid costs at the o_proj and down_proj "
+                  "inputs. Nothing is reported before every cell is in.", ""]
+    if lam.is_file():
+        lines += ["#### Why DIFF's λ fell below λ_init (exploratory, before the plan)", "",
+                  *lam.read_text().split("\n", 2)[2].strip().splitlines(), "",
+                  "![λ per layer through training](docs/lambda/lambda_vs_step.png)", ""]
+    return lines
+
+
 def rivals_part() -> list[str]:
     lines = []
     for which, title in (("demo", "the demo setting"), ("regime", "the setting the emergence search chose")):
@@ -759,7 +789,7 @@ def peers_part() -> list[str]:
 
 
 def results_block() -> str:
-    parts = (demo_part() + emergence_part() + regime_part() + headnorm_part() + rivals_part() + mitigations_part() + weights_part() + fig8_real_part()
+    parts = (demo_part() + emergence_part() + regime_part() + headnorm_part() + decomposition_part() + rivals_part() + mitigations_part() + weights_part() + fig8_real_part()
              + kv_cache_part() + benchmark_part() + gpu_part() + peers_part())
     return "\n".join(parts).strip()
 
