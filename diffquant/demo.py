@@ -42,7 +42,7 @@ SEQ = 256
 # an empty cache, other work on the machine; `python -m docs.readme_results --run-demo / --run-quick` measures them
 # again, and a test keeps these equal to those files), for the plan the demo prints before it starts.
 STEP_SECONDS = {"full": {"train": 1614, "profile": 9, "sweep": 43, "smollm2": 31, "load": 4.2},
-                "quick": {"train": 281, "profile": 15, "sweep": 60, "smollm2": 70, "load": 8.5}}
+                "quick": {"train": 341, "profile": 23, "sweep": 60, "smollm2": 64, "load": 2.4}}
 
 
 def plan_lines(cfg: DemoConfig, quick: bool) -> list[str]:
