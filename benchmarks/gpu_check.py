@@ -195,7 +195,7 @@ def step_backend(device: str, smoke: bool, out: Path, backend: str) -> dict:
     ids = torch.randint(0, PRESETS[preset].vocab, (4, 64) if smoke else (8, 256), device=device)
     with tempfile.TemporaryDirectory() as tmp:
         build(PRESETS[preset], "baseline").save_pretrained(tmp)
-        from diffquant.models.pretrained import from_pretrained
+        from diffquant.pretrained import from_pretrained
 
         ref = from_pretrained(tmp).to(device).eval()
         kwargs = {"device": device} if "device" in inspect.signature(backends.load_real).parameters else {}

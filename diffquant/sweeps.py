@@ -16,7 +16,7 @@ from diffquant.paths import atomic_write_json, atomic_write_text
 from diffquant.quant import granularity as G
 from diffquant.quant.config import int_config
 from diffquant.quant.scheme import LAYER_WEIGHTS, LINEAR_INPUTS, QuantScheme
-from diffquant.report.tables import to_csv
+from diffquant.report.tables import sample_size, to_csv
 
 NATIVE = 16  # "16 bits": the model's own precision, as in the paper's Figure 8
 
@@ -280,15 +280,6 @@ def _flat(row: dict) -> dict:
     cells.jsonl)."""
     return {**{k: v for k, v in row.items() if k != "metrics"},
             **{k: v for k, v in row["metrics"].items() if k != "per_sequence_loss" and not k.endswith(OUTCOMES)}}
-
-
-def sample_size(r: dict, metric: str) -> int | None:
-    """How many values a row's metric averages: sequences for perplexity and next-token accuracy, examples for a
-    multiple-choice task (`{task}_acc` and `{task}_acc_norm` over `{task}_examples`)."""
-    if metric in ("ppl", "loss", "next_token_acc"):
-        return r.get("sequences")
-    task = metric.removesuffix("_norm").removesuffix("_acc")
-    return r.get(f"{task}_examples")
 
 
 def cell_text(r: dict, metric: str) -> str:

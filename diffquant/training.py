@@ -211,7 +211,7 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
     from transformers import AutoModelForCausalLM
 
     from diffquant.evaluate import language_modeling
-    from diffquant.models.pretrained import from_pretrained
+    from diffquant.pretrained import from_pretrained
     from diffquant.models.presets import get_preset
 
     spec = get_preset(cfg.preset)

@@ -914,11 +914,13 @@ def run_notebook() -> None:
     print(f"executed {NOTEBOOK} with DIFFQUANT_QUICK=1 and wrote it with its outputs")
 
 
-def notebook_numbers(nb) -> list[float]:
-    """Every number the notebook's code cells printed, in order (what the suite compares run against run)."""
+def notebook_numbers(nb) -> list[tuple[str, float]]:
+    """Every number the notebook's code cells printed, in order, each with its output line (what the suite compares
+    run against run)."""
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                    if o.get("name") != "stderr")
-    return [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", text.replace(",", ""))]
+    return [(line, float(x)) for line in text.splitlines()
+            for x in re.findall(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", line.replace(",", ""))]
 
 
 FIGURE = ROOT / "docs/fig8_real/sweep"  # the README's figure: accuracy_vs_bits.png of this sweep

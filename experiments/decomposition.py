@@ -217,7 +217,7 @@ def _read_cell(plan: dict, path: Path) -> dict:
 
 def load_checkpoint(folder: Path, device: str):
     from diffquant.models.fused import fuse
-    from diffquant.models.pretrained import from_pretrained
+    from diffquant.pretrained import from_pretrained
 
     model = from_pretrained(folder).to(device).eval()
     fuse(model)

@@ -83,7 +83,7 @@ def held_out(cfg: TrainConfig, folder: Path, n: int) -> torch.Tensor:
 def train_and_measure(name: str, overrides: dict, seed: int, archs, runs: Path, n_eval: int,
                       schemes=("logits-int4",)) -> dict:
     """Train (or reuse) the designs of one setting and seed; measure each on held-out sequences."""
-    from diffquant.models.pretrained import from_pretrained
+    from diffquant.pretrained import from_pretrained
 
     from experiments.measure import measure
 

@@ -234,7 +234,7 @@ def held_out_and_calibration(e: Experiment, folder: Path) -> tuple[torch.Tensor,
 def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs: Path, device: str,
              seqs: torch.Tensor, calib: torch.Tensor, cells: Path) -> dict:
     """Train (resuming) and measure one cell, or read its measurements (under `cells`) when it is finished."""
-    from diffquant.models.pretrained import from_pretrained
+    from diffquant.pretrained import from_pretrained
 
     from diffquant.training import train_pair
     from experiments.measure import measure

@@ -317,7 +317,7 @@ def main(argv=None) -> None:
     if a.pair:
         return pair_main(a)
     import torch
-    from diffquant.models.pretrained import from_pretrained
+    from diffquant.pretrained import from_pretrained
 
     from experiments import fair_rivals as F
 
@@ -383,7 +383,7 @@ def write_report(doc: dict, out: Path) -> None:
 def pair_main(a) -> None:
     """`--pair`: every seed of the two designs trained under RUNS/<pair>/s<seed>/<design> (the layout of `emergence --runs RUNS`)."""
     import torch
-    from diffquant.models.pretrained import from_pretrained
+    from diffquant.pretrained import from_pretrained
 
     from experiments.emergence import config, held_out
 

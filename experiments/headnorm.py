@@ -132,7 +132,7 @@ def measure_cell(plan: dict, model, seqs, copies, calib) -> dict:
 def run_cell(plan: dict, arm: str, lr: float, seed: int, runs: Path, out: Path, device: str, seqs, copies,
              calib) -> dict:
     """Train (resuming) and measure one cell, or read it when it is done under this plan."""
-    from diffquant.models.pretrained import from_pretrained
+    from diffquant.pretrained import from_pretrained
 
     from diffquant.models.fused import fuse
     from diffquant.training import train_pair

@@ -9,23 +9,29 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # two workers on two cores: one thread each
 
 
-# The longest end-to-end tests, longest first (as `pytest --durations` measured them on 2 cores).
-LONGEST = ("test_demo_quick", "test_the_python_block_runs_verbatim", "test_gpu_check_runs_end_to_end_on_cpu",
-           "test_gpu_recipe_quick_runs_offline", "test_notebook_runs", "test_gpu_check_kernel_steps_run_on_cpu",
-           "test_sigterm_during_training_then_resume", "test_gpu_mode_on_cpu_trains_what_fits_and_keeps_every_checkpoint",
-           "test_quick_run_end_to_end_with_tests_recomputed_and_checkpoints_remeasured",
-           "test_pair_mode_on_a_trained_pair", "test_sigterm_during_sweep_then_resume")
+# The longest tests, longest first (`pytest --durations` on 2 cores, 2026-12-07, under load from other work).
+LONGEST = ("test_the_python_block_runs_verbatim", "test_notebook_runs", "test_simulation_matches_transformers_quanto_cache",
+           "test_experiments_quick", "test_gpu_check_kernel_steps_run_on_cpu", "test_demo_quick",
+           "test_gpu_check_runs_end_to_end_on_cpu", "test_sigterm_during_training_then_resume",
+           "test_gpu_recipe_quick_runs_offline", "test_pair_mode_on_a_trained_pair",
+           "test_torchrun_ranks_merge_to_the_one_process_report", "test_kernels_compile_for_cuda",
+           "test_sigterm_during_sweep_then_resume", "test_experiments_run_as_modules",
+           "test_lm_eval_adapter_agrees_with_own_scoring", "test_rerun_keeps_measured_conditions",
+           "test_gpu_mode_on_cpu_trains_what_fits_and_keeps_every_checkpoint",
+           "test_quick_run_end_to_end_with_tests_recomputed_and_checkpoints_remeasured")
 
 
 def pytest_collection_modifyitems(items):
     """The longest tests first, then the other slow ones, then the rest: xdist deals tests out in collection order, so
-    the long end-to-end runs start at once on both workers and the many short tests fill the gaps, instead of one
-    long run ending the suite alone."""
+    the long end-to-end runs start at once on both workers and the many short tests fill the gaps (worksteal moves
+    queued ones to an idle worker), instead of one long run ending the suite alone."""
     def order(item):
         name = item.name.split("[")[0]
         return (LONGEST.index(name) if name in LONGEST else len(LONGEST), item.get_closest_marker("slow") is None)
 
     items.sort(key=order)
+
+
 if not torch.cuda.is_available():
     # Triton's interpreter runs the kernels' tests (tests/test_kernels.py) on CPU tensors. Triton reads the variable when
     # it decorates a kernel, its own standard functions (tl.zeros, tl.sum) included, which it does when anything first

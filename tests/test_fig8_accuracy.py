@@ -148,7 +148,7 @@ def test_scheme_cells_and_accuracy_figure(tmp_path, drawn):
     # read back: accuracy in % per bit width (16 = the float row), each line's band the rows' Wilson interval, the
     # whole-model scheme as a bar after them, a star where McNemar's p < 0.05, the kurtosis panel from its file
     acc_ax, kurt_ax = drawn["accuracy_vs_bits"].axes
-    assert acc_ax.get_title() == "m: t (300 examples)" and acc_ax.get_ylabel() == "accuracy (%)"
+    assert " ".join(acc_ax.get_title().split()) == "m: t (300 examples)" and acc_ax.get_ylabel() == "accuracy (%)"
     assert [t.get_text() for t in acc_ax.get_xticklabels()] == ["16 (fp)", "8", "4", "w4a16"]
     lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in acc_ax.get_lines()}
     assert lines["attn_logits per tensor"] == ([0, 1, 2], pytest.approx([70.0, 69.0, 60.0]))
@@ -166,7 +166,7 @@ def test_scheme_cells_and_accuracy_figure(tmp_path, drawn):
         [(0, 75.0), (0, 75.0), (1, 74.0), (1, 75.0), (2, 65.0), (3.5, 71.0)]
     kurt = {line.get_label(): list(line.get_ydata()) for line in kurt_ax.get_lines()}
     assert kurt["attention logits"] == [4.0, 9.0] and kurt["hidden states"] == [30.0, 300.0]
-    assert kurt_ax.get_title() == "m: kurtosis per layer (float, 512 tokens)"
+    assert " ".join(kurt_ax.get_title().split()) == "m: kurtosis per layer (float, 512 tokens)"
 
 
 def test_row_after_a_cut_line_survives(tmp_path):

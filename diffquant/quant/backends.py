@@ -239,7 +239,7 @@ def load_real(name: str, model_dir: str | Path, calibration: torch.Tensor | None
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from diffquant.models.pretrained import from_pretrained
+    from diffquant.pretrained import from_pretrained
 
     require(name)
     device, dtype = torch.device(device), dtype or torch.float32
@@ -297,7 +297,7 @@ def load_saved_real(path: Path, device: torch.device | str = "cpu"):
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from diffquant.models.pretrained import from_pretrained
+    from diffquant.pretrained import from_pretrained
 
     name = json.loads((path / "diffquant_backend.json").read_text())["backend"]
     if name.startswith("quanto"):

@@ -55,6 +55,28 @@ class FakeQuant:
     def __repr__(self) -> str:
         return f"FakeQuant({self.config.label()})"
 
+    def kernel_scales(self):
+        """How the flash-attention kernel applies this quantizer inside its tile (taps/triton_attention.py): a
+        function from each logit row's max |logit| [batch, H, Q] to that row's scale, the max over the rows the
+        scale covers (a sequence, a sequence's head, or the row) through `Q.qparams`; None where the kernel cannot
+        apply it (static or calibrating, an asymmetric, min-max or float format, a Hadamard rotation, positions
+        kept in full precision, another granularity). The quantizer answers, so the tap needs no type test."""
+        from diffquant.quant.granularity import PerHead, PerTensor, PerToken
+
+        c = self.config
+        served = (c.dynamic and c.format.is_int and c.format.symmetric and not c.format.minmax and not c.hadamard
+                  and not c.keep_first and not c.keep_last and isinstance(c.granularity, (PerTensor, PerHead, PerToken)))
+        if self.calibrating or not served:
+            return None
+        dims = {PerTensor: (1, 2), PerHead: (2,), PerToken: ()}[type(c.granularity)]
+
+        def scales(absmax: torch.Tensor) -> torch.Tensor:
+            hi = absmax.amax(dim=dims, keepdim=True) if dims else absmax
+            scale, _ = Q.qparams(-hi, hi, c.format)
+            return scale.expand(absmax.shape).contiguous()
+
+        return scales
+
     # ------------------------------------------------------------------ forward
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor | None:
         """The quantized activation; positions a config keeps in full precision (`keep_first`, `keep_last`:

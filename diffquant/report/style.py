@@ -1,26 +1,14 @@
-"""One name and one colour per model kind, in every table and plot: designs from the design registry, zoo models
+"""One name (models/describe.py's `display`) and one colour per model kind, in every table and plot: designs from the design registry, zoo models
 from the zoo (grey)."""
 
 from __future__ import annotations
 
 from diffquant.designs import DESIGNS
-from diffquant.models.zoo import ZOO, zoo_entry
+from diffquant.models.describe import display  # noqa: F401  (the report name; reports import it from here)
+from diffquant.models.zoo import ZOO
 
 ZOO_COLOR = "#7f7f7f"
 _SPARE = ("#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
-
-
-def display(label: str) -> str:
-    """The report name of an architecture key, a zoo name or alias, or a label ("baseline" -> "Transformer",
-    "smollm2-135m" -> "SmolLM2-135M-Instruct (Q4_1 → fp32)"). A zoo alias followed by a qualifier keeps it
-    ("SmolLM2-135M (demo)" -> "SmolLM2-135M-Instruct (Q4_1 → fp32) (demo)")."""
-    if label in DESIGNS:
-        return DESIGNS[label].display
-    head, _, rest = label.partition(" ")
-    entry = zoo_entry(label) or zoo_entry(head)
-    if entry is None:
-        return label
-    return entry.display + ("" if zoo_entry(label) else f" {rest}")
 
 
 def color(label: str) -> str:

@@ -66,7 +66,7 @@ def _errors(rows: list[dict], metric: str):
     """[[below], [above]] of each point's 95% interval: its own where the row holds one (perplexity: exp(loss ± t SE);
     a multiple-choice accuracy: Wilson), else the t-interval of its standard error."""
     from diffquant.stats.intervals import half95
-    from diffquant.sweeps import sample_size
+    from diffquant.report.tables import sample_size
 
     lo, hi = [], []
     for r in rows:

@@ -1,4 +1,4 @@
-"""Markdown and CSV tables."""
+"""Markdown and CSV tables, and how many values a result row's metric averages."""
 
 from __future__ import annotations
 
@@ -58,3 +58,12 @@ def update_between_markers(path, begin: str, end: str, block: str, check: bool, 
     path.write_text(new)
     print(f"wrote {what} into {path}")
     return 0
+
+
+def sample_size(r: dict, metric: str) -> int | None:
+    """How many values a row's metric averages: sequences for perplexity and next-token accuracy, examples for a
+    multiple-choice task (`{task}_acc` and `{task}_acc_norm` over `{task}_examples`)."""
+    if metric in ("ppl", "loss", "next_token_acc"):
+        return r.get("sequences")
+    task = metric.removesuffix("_norm").removesuffix("_acc")
+    return r.get(f"{task}_examples")

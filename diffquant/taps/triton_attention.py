@@ -46,16 +46,8 @@ def usable(module, taps: dict, query: torch.Tensor, attention_mask, kwargs: dict
 
 
 def _served_quantizer(tap) -> bool:
-    """Whether a logit tap is a quantizer the kernel applies: dynamic, symmetric integer, per tensor, head or token
-    (of each sequence), on every position."""
-    from diffquant.quant.fake import FakeQuant
-    from diffquant.quant.granularity import PerHead, PerTensor, PerToken
-
-    if not isinstance(tap, FakeQuant) or tap.calibrating:
-        return False
-    c = tap.config
-    return (c.dynamic and c.format.is_int and c.format.symmetric and not c.format.minmax and not c.hadamard
-            and not c.keep_first and not c.keep_last and isinstance(c.granularity, (PerTensor, PerHead, PerToken)))
+    """Whether a logit tap is a quantizer the kernel applies: the quantizer says so (FakeQuant's `kernel_scales`)."""
+    return getattr(tap, "kernel_scales", None) is not None and tap.kernel_scales() is not None
 
 
 def attend(taps: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible, scaling: float,
@@ -73,8 +65,9 @@ def attend(taps: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     quantizer = next((i for i, (tap, _) in enumerate(logit_taps) if _served_quantizer(tap)), None)
     quant = None
     if quantizer is not None:
-        quant = flash.Quant(_scales(logit_taps[quantizer][0].config, flash.row_absmax(query, key, masking, scaling)),
-                            logit_taps[quantizer][0].config.format.qmax,
+        tap = logit_taps[quantizer][0]
+        quant = flash.Quant(tap.kernel_scales()(flash.row_absmax(query, key, masking, scaling)),
+                            tap.config.format.qmax,
                             stats_quantized=observer is not None and observer > quantizer)
     stats = None
     if observer is not None:
@@ -97,22 +90,6 @@ def attend(taps: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return result.out
     half = heads // 2
     return (result.out[:, :, :half] - lam.float() * result.out[:, :, half:]).to(value.dtype)
-
-
-def _scales(config, absmax: torch.Tensor) -> torch.Tensor:
-    """[batch, H, Q] float32: the quantizer's scale for each row of logits, from each row's max |logit|: the max over
-    the rows its scale covers (a sequence, a sequence's head, or the row), then quant/math.py's `qparams`."""
-    from diffquant.quant import math as Q
-    from diffquant.quant.granularity import PerHead, PerTensor
-
-    if isinstance(config.granularity, PerTensor):
-        hi = absmax.amax(dim=(1, 2), keepdim=True)
-    elif isinstance(config.granularity, PerHead):
-        hi = absmax.amax(dim=2, keepdim=True)
-    else:
-        hi = absmax
-    scale, _ = Q.qparams(-hi, hi, config.format)
-    return scale.expand(absmax.shape).contiguous()
 
 
 def _masking(visible, device):
