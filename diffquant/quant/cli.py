@@ -24,10 +24,10 @@ def list_text() -> str:
         width = max(len(n) for n, _ in reg[registry])
         lines += [f"  {n:<{width}}  {doc}" + (f" [{status[n]}]" if registry == "backends" else "")
                   for n, doc in reg[registry]]
-    from diffquant.quant.export import REFUSED
+    from diffquant.quant.export import refused
 
     lines.append("export (--export compressed-tensors: the simulated model, every weight bit-identical); refused:")
-    lines += [f"  {k:<28} {v}" for k, v in REFUSED.items()]
+    lines += [f"  {k:<28} {v}" for k, v in refused().items()]
     return "\n".join(lines)
 
 

@@ -1,17 +1,28 @@
-"""GPTQ's settings as data (no torch), shared by the solver registry and the solver itself."""
+"""GPTQ's settings as data (no torch): the registered solver step (quant/steps.py); the algorithm is quant/gptq.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from diffquant.errors import DiffquantError
+from diffquant.quant.steps import Solver
 
 
 @dataclass(frozen=True)
-class GPTQ:
+class GPTQ(Solver):
     damp: float = 0.01  # fraction of mean diag H added to the diagonal (the paper's 1%)
     block: int = 128  # columns per lazy batch (the paper's B = 128)
     act_order: bool = False  # columns in order of decreasing diag H (the reference's --act-order)
+    fixes_scales = True
+    words = ("gptq",)
+    docs = {"gptq[:act-order]": "GPTQ (Frantar et al. 2022): Hessian-weighted error feedback, layer by layer on "
+                                "calibration data; act-order: columns by decreasing activation energy"}
+
+    @classmethod
+    def from_text(cls, word: str, arg: str) -> "GPTQ":
+        if arg not in ("", "act-order"):
+            raise ValueError(arg)
+        return cls(act_order=arg == "act-order")
 
     def __post_init__(self) -> None:
         if not 0 <= self.damp < 1:
@@ -21,3 +32,8 @@ class GPTQ:
 
     def label(self) -> str:
         return "gptq" + (":act-order" if self.act_order else "")
+
+    def layer_steps(self, model, table, configs, by_layer, solved, calibration) -> list:
+        from diffquant.quant.solvers import gptq_step
+
+        return [gptq_step(table, configs, by_layer, self, solved)]
