@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
 from diffquant.quant.layout import layers as _layers, readers as _readers
-from diffquant.quant.steps import FIXES, Fix
+from diffquant.quant.steps import FIXES, Fix, number
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +80,7 @@ class SmoothQuant(Fix):
             raise DiffquantError(f"smoothquant's alpha must be in [0, 1], got {self.alpha}")
 
     def label(self) -> str:
-        return "smoothquant:search" if self.alpha is None else f"smoothquant:{self.alpha:g}"
+        return "smoothquant:search" if self.alpha is None else f"smoothquant:{number(self.alpha)}"
 
     def apply(self, model, calibration, scheme, applied: "Applied") -> None:
         if calibration is None or calibration.numel() == 0:
@@ -165,7 +165,7 @@ class Clip(Fix):
             raise DiffquantError(f"clip percentile must be in (0, 100], got {self.percentile}")
 
     def label(self) -> str:
-        return f"clip:percentile:{self.percentile:g}" if self.method == "percentile" else f"clip:{self.method}"
+        return f"clip:percentile:{number(self.percentile)}" if self.method == "percentile" else f"clip:{self.method}"
 
     def adjust(self, scheme):
         """Range search instead of min-max for static activations (and, except `output`, for weights)."""

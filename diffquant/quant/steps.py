@@ -146,6 +146,11 @@ class Registry:
         return re.match(r"[^:+]*", str(text).strip().lower()).group()
 
 
+def number(x: float) -> str:
+    """`x` as a label writes it: short (0.5) where that reads back exactly, else every digit."""
+    return f"{x:g}" if float(f"{x:g}") == x else repr(float(x))
+
+
 FIXES = Registry("fix", "fix", ("none", "no transform"))
 SOLVERS = Registry("solver", "weight solver", ("rtn", "round to nearest (the scheme's own quantizer)"))
 
