@@ -45,6 +45,8 @@ def validate(args) -> None:
 
     for key, (old, new) in RENAMED.items():
         if getattr(args, key, None) is not None:
+            if key == "old_tokens" and not hasattr(args, "eval_tokens"):  # lm-eval: its tasks are what it evaluates
+                new = new.partition(" or ")[2]
             raise DiffquantError(f"{old} is gone from {args.command}: use {new}")
     for key in ("tokens", "eval_tokens", "calib_tokens", "seq_len", "batch_size", "k", "track_points"):
         value = getattr(args, key, None)
