@@ -148,9 +148,9 @@ def _weight_args(site: str, config, in_features: int, act_order: bool) -> dict:
                 "formats, nvfp4 and mxfp4, take fp8 or power-of-two group scales; it has no NF4)")
     if isinstance(gran, G.PerTensor):
         args.update(strategy="tensor")
-    elif isinstance(gran, G.PerToken) or (isinstance(gran, G.PerChannel) and gran.axis % 2 == 0):
+    elif gran.per_row:
         args.update(strategy="channel")
-    elif isinstance(gran, G.PerGroup) and fmt.is_int:
+    elif gran.group_size and fmt.is_int:
         # groups of G from column 0 with a ragged tail are groups of gcd(G, inputs), each scale repeated: exact
         args.update(strategy="group", group_size=math.gcd(gran.size, in_features))
     else:
