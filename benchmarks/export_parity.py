@@ -22,10 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {
-    "w4a16+gptq": ["--scheme", "w4a16", "--weights", "gptq"],
-    "w8a8-static+smoothquant": ["--scheme", "w8a8-static", "--mitigate", "smoothquant:0.5"],
-    "w8a8-dynamic+smoothquant": ["--scheme", "w8a8", "--mitigate", "smoothquant:0.5"],
-    "fp8+smoothquant": ["--scheme", "fp8", "--mitigate", "smoothquant:0.5"],
+    "w4a16+gptq": ["--scheme", "w4a16", "--solver", "gptq"],
+    "w8a8-static+smoothquant": ["--scheme", "w8a8-static", "--fix", "smoothquant:0.5"],
+    "w8a8-dynamic+smoothquant": ["--scheme", "w8a8", "--fix", "smoothquant:0.5"],
+    "fp8+smoothquant": ["--scheme", "fp8", "--fix", "smoothquant:0.5"],
 }
 
 CHILD = r'''
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     rows = []
     for recipe in a.recipes:
         folder = Path(a.work) / f"{label}-{recipe}"
-        code = cli(["quantize", "--model", a.model, *RECIPES[recipe], "--data", a.data, "--tokens", str(a.tokens),
+        code = cli(["quantize", "--model", a.model, *RECIPES[recipe], "--data", a.data, "--eval-tokens", str(a.tokens),
                     "--seq-len", str(a.seq_len), "--export", "compressed-tensors", "--out", str(folder), "--force"]
                    + (["--cache-dir", a.cache_dir] if a.cache_dir else []))
         if code:

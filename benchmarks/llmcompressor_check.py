@@ -22,7 +22,7 @@ error ‖X·Ŵᵀ − X·Wᵀ‖² / ‖X·Wᵀ‖² on float inputs X from the 
 docs/weights/llmcompressor.json and .md.
 
 `--methods export` compares the two checkpoints a user would ship: llm-compressor's GPTQ output as it saves it
-(compressed-tensors, `save_compressed=True`) beside `diffquant quantize --weights gptq --export compressed-tensors`
+(compressed-tensors, `save_compressed=True`) beside `diffquant quantize --solver gptq --export compressed-tensors`
 of the same recipe (int4 symmetric groups of `--group`, every Linear but lm_head), both read back the way a user
 reads them, as `--model DIR` (`diffquant.models.load.load_model`: dequantized on load): safetensors size,
 held-out perplexity, and per-Linear weight error ‖Ŵ − W‖² / ‖W‖² against the float weights.

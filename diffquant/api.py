@@ -102,17 +102,20 @@ def sweep(models: dict, data: str, out, *, sites: Iterable[str] = ("attn_logits"
           wa_grid: Iterable[int] | None = None, per_layer: int | None = None, evals: Iterable[str] = ("ppl",),
           seq_len: int = 256, tokens: int = 16384, kurtosis_tokens: int = 0, mc_limit: int = 200,
           cache_dir: str | None = None, compile: bool = False, kernels: str = "auto",
-          progress: bool = False) -> list[dict]:
+          progress: bool = False, recipes: Iterable = (), calib_tokens: int | None = None) -> list[dict]:
     """Evaluate every cell (model × site × bits × granularity, whole-model schemes, a weight × activation grid,
-    per-layer sensitivity; × fixes × weight solvers) of `models` ({label: (model, tokenizer)}) on the
-    validation split of `data`, resumably into `out` (cells.jsonl, results.csv/json); returns the rows."""
+    per-layer sensitivity; × fixes × weight solvers; one per recipe file of `recipes`) of `models` ({label:
+    (model, tokenizer)}) on `tokens` held-out tokens of the validation split of `data`, calibrated on
+    `calib_tokens` of its training split (default 16 windows), resumably into `out` (cells.jsonl,
+    results.csv/json); returns the rows."""
     from diffquant.sweeps import run_sweep
 
     return run_sweep(models, data, Path(out), sites=list(sites), bits=list(bits), granularities=list(granularities),
                      schemes=list(schemes), fixes=list(fixes), weights=list(weights),
                      wa_grid=list(wa_grid) if wa_grid else None, per_layer=per_layer, evals=list(evals),
                      seq_len=seq_len, tokens=tokens, kurtosis_tokens=kurtosis_tokens, mc_limit=mc_limit,
-                     cache=cache_dir, compile=compile, progress=progress, kernels=kernels)
+                     cache=cache_dir, compile=compile, progress=progress, kernels=kernels, calib_tokens=calib_tokens,
+                     recipes=[str(r) for r in recipes])
 
 
 def plot_sweep(rows: list[dict], out) -> list[Path]:

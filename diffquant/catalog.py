@@ -12,16 +12,15 @@ def entries() -> dict[str, list[tuple[str, str]]]:
     from diffquant.models.presets import PRESETS as MODEL_PRESETS
     from diffquant.models.zoo import ZOO
     from diffquant.quant.backends import BACKENDS
-    from diffquant.quant.mitigate import DOCS as FIXES
     from diffquant.quant.scheme import SCHEME_PRESETS as SCHEMES
-    from diffquant.quant.solvers import DOCS as SOLVERS
+    from diffquant.quant.steps import FIXES, SOLVERS
     from diffquant.stats.metric_sets import REGISTRY as METRIC_SETS
     from diffquant.taps.sites import MODEL_SITES, POINTS
 
     return {
         "schemes": [(s.name, s.description) for s in SCHEMES.values()],
-        "fixes": list(FIXES.items()),
-        "solvers": list(SOLVERS.items()),
+        "fixes": FIXES.docs(),
+        "solvers": SOLVERS.docs(),
         "backends": [("fake", "diffquant's exact simulation of any scheme")]
                     + [(b.name, f"{b.description}; simulated by {b.simulated_by}") for b in BACKENDS.values()],
         "sites": [(f"*.{p.name}", p.doc) for p in POINTS.values()] + [(p.name, p.doc) for p in MODEL_SITES.values()],

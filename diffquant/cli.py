@@ -57,7 +57,9 @@ def _cmd_sites(args) -> None:
     from diffquant.quant.scheme import SCHEME_PRESETS, applies
     from diffquant.taps import site_table
 
-    model, _ = load_model(args.model, hub=args.hub)
+    from diffquant.models.placement import resolve_device
+
+    model, _ = load_model(args.model, dtype=args.dtype, device=resolve_device(args.device), hub=args.hub)
     table = site_table(model)
     sites = table.match(args.select) if args.select else list(table)
     for site in sites:
@@ -97,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "compressed-tensors one such as llm-compressor writes: its weights dequantized) or .gguf")
     p.add_argument("--select", nargs="+", help="glob(s) such as '*.attn_logits'")
     p.add_argument("--hub", action="store_true", help="allow a hub id (needs network)")
+    p.add_argument("--device", default=None, help="where the model loads: cpu, cuda, cuda:N or mps (default: cuda "
+                                                  "when this machine has it)")
+    p.add_argument("--dtype", default="fp32", help="the model's precision: fp32, bf16, fp16 or auto (default fp32)")
     p.set_defaults(func=_cmd_sites)
 
     from diffquant import commands

@@ -54,15 +54,14 @@ def evaluate(model, tokenizer, tasks: list[str], recipe=None, include_path: str 
 
 
 def run_cli(args) -> None:
-    from diffquant.commands.common import load_models
+    from diffquant.commands.common import calib_tokens, command_recipe, load_models
     from diffquant.data.windows import corpus_windows
     from diffquant.paths import atomic_write_json
-    from diffquant.quant.recipe import from_cli
 
-    recipe = from_cli(args.mitigate, args.weights, args.scheme)
+    recipe = command_recipe(args, "fp")
     ((_, (model, tok)),) = load_models(args).items()
-    calibration = (corpus_windows(args.data, tok, "train", args.seq_len, args.tokens, args.cache_dir, chars=200_000)
-                   if recipe.needs_calibration else None)
+    calibration = (corpus_windows(args.data, tok, "train", args.seq_len, calib_tokens(args), args.cache_dir,
+                                  chars=200_000) if recipe.needs_calibration else None)
     results = evaluate(model, tok, [t.strip() for t in args.tasks.split(",")], recipe, args.include_path,
                        args.limit, args.batch_size, calibration)
     out = Path(args.out)

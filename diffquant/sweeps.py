@@ -25,7 +25,7 @@ NATIVE = 16  # "16 bits": the model's own precision, as in the paper's Figure 8
 class Cell:
     model: str
     kind: str  # "act": one site everywhere; "wa": weights × Linear inputs; "layer": one site of one layer;
-    # "scheme": the named scheme (a preset or file) in `site`
+    # "scheme": the named scheme (a preset or file) in `site`; "recipe": the recipe file in `site`, all its steps
     site: str = "attn_logits"
     bits: int = NATIVE  # activation bits
     granularity: str = "tensor"
@@ -46,11 +46,21 @@ class Cell:
             "" if self.weights == "rtn" else f" + {self.weights}")
         if self.kind == "scheme":
             return f"{self.model} {self.site}{fix}"
+        if self.kind == "recipe":
+            return f"{self.model} {Path(self.site).name}"
         if self.kind == "wa":
             return f"{self.model} W{self.wbits}A{self.bits}{fix}"
         where = f"layer {self.layer} " if self.kind == "layer" else ""
         bits = "fp" if self.bits == NATIVE else f"int{self.bits} per {self.granularity}"
         return f"{self.model} {where}{self.site} {bits}{fix}"
+
+    def recipe(self):
+        """The cell's recipe: its file, or its fix and solver before its scheme."""
+        from diffquant.quant.recipe import from_cli, load_recipe
+
+        if self.kind == "recipe":
+            return load_recipe(self.site)
+        return from_cli(self.mitigate, self.weights, self.scheme())
 
     def scheme(self) -> QuantScheme:
         if self.kind == "scheme":
@@ -81,12 +91,14 @@ def parse_bits(text: str) -> list[int]:
 
 def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: list[str], wa: list[int] | None,
                 layer_bits: int | None, layers: dict[str, int], mitigations: list[str] = ("none",),
-                schemes: list[str] = (), solvers: list[str] = ("rtn",)) -> list[Cell]:
+                schemes: list[str] = (), solvers: list[str] = ("rtn",), recipes: list[str] = ()) -> list[Cell]:
     """Every cell of the sweep, the float reference first; `schemes` (presets or files, such as w8a8-static
     and w4a16) add one whole-model cell each, beside the one-site bit-width cells; the weight solvers vary the
-    weight × activation grid only (the other cells quantize no weights, or name their own)."""
+    weight × activation grid only (the other cells quantize no weights, or name their own); each of `recipes`
+    (recipe files, quant/recipe.py) is one cell per model, with its own fixes, solver and scheme."""
     from diffquant.quant import solvers as S
     from diffquant.quant.mitigate import parse
+    from diffquant.quant.recipe import load_recipe
     from diffquant.quant.scheme import get_scheme
 
     for g in grans:
@@ -97,6 +109,8 @@ def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: lis
         get_scheme(name)
     for s in solvers:
         S.parse(s)
+    for r in recipes:
+        load_recipe(r)
     cells = []
     for label in labels:
         cells.append(Cell(label, "act", sites[0] if sites else "attn_logits", NATIVE, grans[0]))  # the float reference
@@ -112,6 +126,7 @@ def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: lis
                 for site in sites:
                     cells += [Cell(label, "layer", site, layer_bits, grans[0], layer=i, mitigate=fix)
                               for i in range(layers[label])]
+        cells += [Cell(label, "recipe", str(r)) for r in recipes]
     return list(dict.fromkeys(cells))  # the float reference may also be one of the requested cells
 
 
@@ -217,7 +232,7 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
     mitigations that calibrate (smoothquant) and static scales."""
     from tqdm.auto import tqdm
 
-    from diffquant.quant.recipe import from_cli, quantize_
+    from diffquant.quant.recipe import quantize_
 
     done = load_done(out)
     fp_cache: dict[str, dict] = {r["model"]: r["metrics"] for r in done.values() if r["scheme"] == "fp"}
@@ -226,7 +241,7 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
     for cell in bar:
         bar.set_postfix_str(cell.label())
         model = models[cell.model][0]
-        recipe = from_cli(cell.mitigate, cell.weights, cell.scheme())
+        recipe = cell.recipe()
         float_cell = recipe.scheme.is_identity and not recipe.fixes
         t0 = time.perf_counter()
         if float_cell and cell.model in fp_cache:
@@ -243,6 +258,9 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
             metrics = {**metrics, **versus_float(fp_cache[cell.model], metrics)}
         row = {"key": cell.key(), **asdict(cell), "scheme": name, "metrics": metrics,
                "seconds": time.perf_counter() - t0}
+        if cell.kind == "recipe":  # its fixes and solver, in the columns the other cells fill from their axes
+            row.update(mitigate=" → ".join(f.label() for f in recipe.fixes) or "none",
+                       weights=recipe.solver.label() if recipe.solver else "rtn")
         append_row(out, row)
         done[cell.key()] = row
         write_results(out, [_flat(done[c.key()]) for c in cells if c.key() in done])
@@ -359,6 +377,10 @@ def _quantizes_weights(row: dict) -> bool:
         from diffquant.quant.scheme import get_scheme
 
         return bool(get_scheme(row["site"]).weights)
+    if row["kind"] == "recipe":
+        from diffquant.quant.recipe import load_recipe
+
+        return bool(load_recipe(row["site"]).scheme.weights)
     return row.get("wbits", NATIVE) != NATIVE
 
 
@@ -391,11 +413,13 @@ def run_sweep(models: dict[str, tuple], data: str, out: Path, *, sites: list[str
               granularities: list[str], schemes: list[str], fixes: list[str], weights: list[str],
               wa_grid: list[int] | None, per_layer: int | None, evals: list[str], seq_len: int, tokens: int,
               kurtosis_tokens: int = 0, mc_limit: int = 200, cache: str | None = None, compile: bool = False,
-              progress: bool = True, kernels: str | None = None) -> list[dict]:
-    """The whole sweep of `models` ({label: (model, tokenizer)}): evaluation windows (the validation split of
-    `data`), calibration windows (16 of the training split, for fixes, weight solvers and static scales), the
-    cells, and their rows, resumably in `out` (the command line and `dq.sweep` both run this). `kernels`: the
-    tapped attention's and the kurtosis profile's (diffquant/kernels; None: the choice in force)."""
+              progress: bool = True, kernels: str | None = None, calib_tokens: int | None = None,
+              recipes: list[str] = ()) -> list[dict]:
+    """The whole sweep of `models` ({label: (model, tokenizer)}): evaluation windows (`tokens` of the validation
+    split of `data`), calibration windows (`calib_tokens` of the training split, by default 16 windows, for fixes,
+    weight solvers and static scales), the cells (`recipes`: one cell per recipe file), and their rows, resumably
+    in `out` (the command line and `dq.sweep` both run this). `kernels`: the tapped attention's and the kurtosis
+    profile's (diffquant/kernels; None: the choice in force)."""
     from diffquant.data.tasks import load_task
     from diffquant.data.windows import corpus_text, corpus_windows
     from diffquant.kernels import chosen
@@ -421,9 +445,11 @@ def run_sweep(models: dict[str, tuple], data: str, out: Path, *, sites: list[str
         check_fits(model, 8, seq_len, f"evaluating {label}")
         evaluators[label] = Evaluator(evals, corpus_windows(data, tokenizer, "validation", seq_len, tokens, cache),
                                       tokenizer, val, mc)
-        calibration[label] = corpus_windows(data, tokenizer, "train", seq_len, 16 * seq_len, cache, chars=200_000)
+        calibration[label] = corpus_windows(data, tokenizer, "train", seq_len, calib_tokens or 16 * seq_len, cache,
+                                            chars=200_000)
     layers = {label: m.config.num_hidden_layers for label, (m, _) in models.items()}
-    cells = build_cells(list(models), sites, bits, granularities, wa_grid, per_layer, layers, fixes, schemes, weights)
+    cells = build_cells(list(models), sites, bits, granularities, wa_grid, per_layer, layers, fixes, schemes, weights,
+                        recipes)
     with chosen(kernels):
         if kurtosis_tokens:
             save_layer_kurtosis(models, val, seq_len, kurtosis_tokens, out)

@@ -125,7 +125,7 @@ def run(s: Settings, out: Path, report_only: bool = False) -> dict:
         folder = out / ("sweep" if len(selection["chosen"]) == 1 else f"sweep-{Path(task).stem}")
         args = ["sweep", "--model", s.model, "--eval", f"mc:{task}", "--mc-limit", str(s.examples), "--bits", s.bits,
                 "--granularity", s.granularity, "--schemes", s.schemes, "--kurtosis-tokens", str(s.kurtosis_tokens),
-                "--data", s.data, "--seq-len", str(s.seq_len), "--tokens", str(s.tokens), "--out", str(folder)]
+                "--data", s.data, "--seq-len", str(s.seq_len), "--eval-tokens", str(s.tokens), "--out", str(folder)]
         result["commands"].append("diffquant " + " ".join(args))
         if (folder / "cells.jsonl").exists():
             args.append("--resume")

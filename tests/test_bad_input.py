@@ -73,7 +73,8 @@ def test_a_command_that_fails_before_its_results_leaves_no_out_folder(tmp_path, 
     if "--data" not in args and args[0] == "profile":
         args += ["--data", str(text)]
     out = tmp_path / "runs" / "x"
-    assert main([*args, "--tokens", "64", "--seq-len", "32", "--out", str(out)]) == 2
+    tokens = "--tokens" if args[0] == "profile" else "--eval-tokens"  # profiled, or evaluated, tokens
+    assert main([*args, tokens, "64", "--seq-len", "32", "--out", str(out)]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()
 

@@ -52,8 +52,8 @@ def test_a_foreign_tokenizer_and_unknown_names_are_refused():
 
 @pytest.mark.parametrize("argv", [
     ["profile", "--data", SOURCE, "--tokens", "64", "--seq-len", "32", "--no-plots", "--sites", "*.hidden"],
-    ["sweep", "--data", SOURCE, "--tokens", "64", "--seq-len", "32", "--no-plots", "--bits", "16,8"],
-    ["quantize", "--data", SOURCE, "--tokens", "64", "--seq-len", "32", "--calib-batches", "2", "--scheme", "w8a8"],
+    ["sweep", "--data", SOURCE, "--eval-tokens", "64", "--seq-len", "32", "--no-plots", "--bits", "16,8"],
+    ["quantize", "--data", SOURCE, "--eval-tokens", "64", "--seq-len", "32", "--calib-tokens", "64", "--scheme", "w8a8"],
 ], ids=["profile", "sweep", "quantize"])
 def test_each_data_command_reads_synth_bb(argv, synth_model, tmp_path, capsys):
     from diffquant.cli import main

@@ -303,12 +303,12 @@ print("RESULT " + json.dumps({"loss": float(loss), "diffquant_imported": "diffqu
 
 @pytest.mark.slow
 def test_cli_export_loads_without_diffquant_and_profiles_as_model(ckpt, tmp_path, capsys):
-    """`diffquant quantize --weights gptq --export compressed-tensors` on a DIFF model: the folder loads in a fresh
+    """`diffquant quantize --solver gptq --export compressed-tensors` on a DIFF model: the folder loads in a fresh
     interpreter without diffquant, with the held-out loss diffquant printed; `diffquant profile --model DIR`
     reads it back, and its report records what the checkpoint held."""
     out = tmp_path / "ct"
-    args = ["quantize", "--model", str(ckpt / "m"), "--scheme", "w4a16", "--weights", "gptq", "--data",
-            str(ckpt / "c.txt"), "--tokens", "256", "--seq-len", "32", "--calib-batches", "2", "--export",
+    args = ["quantize", "--model", str(ckpt / "m"), "--scheme", "w4a16", "--solver", "gptq", "--data",
+            str(ckpt / "c.txt"), "--eval-tokens", "256", "--seq-len", "32", "--calib-tokens", "64", "--export",
             "compressed-tensors", "--out", str(out)]
     assert main(args) == 0
     printed = capsys.readouterr().out
@@ -341,15 +341,15 @@ def test_cli_export_loads_without_diffquant_and_profiles_as_model(ckpt, tmp_path
     text = " ".join(p.read_text() for p in prof.rglob("*.json"))
     assert "compressed-tensors" in text and "int4, symmetric, group 128" in text
     again = tmp_path / "again"  # and quantize takes it as --model, recording what it held
-    assert main(["quantize", "--model", str(out), "--scheme", "w8a16", "--data", str(ckpt / "c.txt"), "--tokens", "64",
-                 "--seq-len", "32", "--calib-batches", "1", "--out", str(again)]) == 0
+    assert main(["quantize", "--model", str(out), "--scheme", "w8a16", "--data", str(ckpt / "c.txt"), "--eval-tokens", "64",
+                 "--seq-len", "32", "--calib-tokens", "32", "--out", str(again)]) == 0
     held = json.loads((again / "quantize.json").read_text())["source_quantization"]
     assert held["compression"] == "pack-quantized" and held["ignore"] == ["lm_head"]
 
 
 def test_cli_refuses_a_recipe_the_format_cannot_hold_before_any_work(ckpt, tmp_path, capsys):
     out = tmp_path / "r"
-    assert main(["quantize", "--model", str(ckpt / "m"), "--scheme", "w4a16", "--mitigate", "rotate", "--data",
+    assert main(["quantize", "--model", str(ckpt / "m"), "--scheme", "w4a16", "--fix", "rotate", "--data",
                  str(ckpt / "c.txt"), "--export", "compressed-tensors", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "online Hadamard" in err and not (out / "quantize.json").exists()
@@ -386,8 +386,8 @@ def test_a_checkpoint_llmcompressor_wrote_loads_profiles_and_sweeps(tmp_path, ca
     text = tmp_path / "c.txt"
     text.write_text("\n".join(f"and {w} went unto the {v}." for w in ("he", "she", "they") * 40
                               for v in ("house", "city", "field")))
-    common = ["--model", str(LLMCOMPRESSOR), "--data", str(text), "--tokens", "128", "--seq-len", "16"]
-    assert main(["profile", *common, "--out", str(tmp_path / "p")]) == 0
+    common = ["--model", str(LLMCOMPRESSOR), "--data", str(text), "--seq-len", "16"]
+    assert main(["profile", *common, "--tokens", "128", "--out", str(tmp_path / "p")]) == 0
     assert "int4, symmetric, group 32" in " ".join(f.read_text() for f in (tmp_path / "p").rglob("*.json"))
     # named in every table as a GGUF model is: what the checkpoint held, and what it runs in
     assert "llmcompressor-micro-llama-gptq-w4g32 (compressed-tensors int4 group 32 → fp32)" in \
@@ -396,14 +396,15 @@ def test_a_checkpoint_llmcompressor_wrote_loads_profiles_and_sweeps(tmp_path, ca
     caveat = "compressed-tensors checkpoint (compressed-tensors int4 group 32 → fp32), dequantized on load"
     assert caveat in (tmp_path / "p" / "table5.md").read_text()
     capsys.readouterr()
-    assert main(["sweep", *common, "--bits", "16,4", "--scheme", "w4a16", "--no-plots", "--out",
+    assert main(["sweep", *common, "--eval-tokens", "128", "--bits", "16,4", "--scheme", "w4a16", "--no-plots", "--out",
                  str(tmp_path / "s")]) == 0
     held = json.loads((tmp_path / "s" / "source_quantization.json").read_text())  # dq.sweep writes it too
     assert [h["groups"][0]["weights"] for h in held.values()] == ["int4, symmetric, group 32, static"]
     assert caveat in json.dumps(json.loads((tmp_path / "s" / "source_caveats.json").read_text()), ensure_ascii=False)
     printed = capsys.readouterr().out
     assert "Whole-model schemes" in printed and "| w4a16 |" in printed and f"caveat: {LLMCOMPRESSOR}: " in printed
-    assert main(["quantize", *common, "--scheme", "w8a16", "--calib-batches", "1", "--out", str(tmp_path / "q")]) == 0
+    assert main(["quantize", *common, "--eval-tokens", "128", "--scheme", "w8a16", "--calib-tokens", "16", "--out",
+                 str(tmp_path / "q")]) == 0
     result = json.loads((tmp_path / "q" / "quantize.json").read_text())
     held = result["source_quantization"]
     assert held["compression"] == "pack-quantized" and held["ignore"] == ["lm_head"]

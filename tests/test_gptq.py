@@ -151,7 +151,7 @@ def test_gptq_layer_zero_solves_its_own_inputs(micro_pair):
 
 
 def test_quantize_cli_with_gptq_round_trip(micro_pair, tmp_path):
-    """`quantize --weights awq+gptq` on a DiffLlama with rotate: the saved folder (AWQ's folded norms, GPTQ's
+    """`quantize --solver awq+gptq` on a DiffLlama with rotate: the saved folder (AWQ's folded norms, GPTQ's
     weights and scales) reloads to the same loss, and `remove()` gives back the float model."""
     import json
 
@@ -165,11 +165,11 @@ def test_quantize_cli_with_gptq_round_trip(micro_pair, tmp_path):
     byte_tokenizer().save_pretrained(tmp_path / "m")
     (tmp_path / "c.txt").write_text("\n".join(f"line {i}: and the lord spake unto moses" for i in range(2000)))
     out = tmp_path / "q"
-    assert main(["quantize", "--model", str(tmp_path / "m"), "--scheme", "w4a8", "--mitigate", "rotate",
-                 "--weights", "awq+gptq", "--data", str(tmp_path / "c.txt"), "--tokens", "256", "--seq-len", "32",
-                 "--calib-batches", "4", "--out", str(out)]) == 0
+    assert main(["quantize", "--model", str(tmp_path / "m"), "--scheme", "w4a8", "--fix", "rotate",
+                 "--solver", "awq+gptq", "--data", str(tmp_path / "c.txt"), "--eval-tokens", "256", "--seq-len", "32",
+                 "--calib-tokens", "128", "--out", str(out)]) == 0
     result = json.loads((out / "quantize.json").read_text())
-    assert result["weights_record"]["weights"] == "awq+gptq" and result["calibration"]["tokens"] == 4 * 32
+    assert result["solver_record"]["weights"] == "awq+gptq" and result["calibration"]["tokens"] == 4 * 32
     loaded, tok = load_model(str(out))
     evalset = sequences(encode(tok, split((tmp_path / "c.txt").read_text())[1]), 32, 256)
     assert language_modeling(loaded, evalset)["loss"] == pytest.approx(result["simulated"]["loss"], rel=1e-6)
@@ -227,8 +227,8 @@ def test_layer_input_hessians_match_each_modules_own_input(micro_pair):
 
 
 def test_quantize_cli_quarot_is_rotation_plus_gptq(micro_pair, tmp_path):
-    """`--mitigate quarot` rotates (record: residual, V/O and down_proj matrices) and solves the weights by GPTQ
-    (the scheme named +gptq, weights_record gptq), where `--mitigate rotate` leaves them to RTN."""
+    """`--fix quarot` rotates (record: residual, V/O and down_proj matrices) and solves the weights by GPTQ
+    (the scheme named +gptq, solver_record gptq), where `--fix rotate` leaves them to RTN."""
     import json
 
     from diffquant.cli import main
@@ -240,14 +240,14 @@ def test_quantize_cli_quarot_is_rotation_plus_gptq(micro_pair, tmp_path):
     results = {}
     for fix in ("quarot", "rotate"):
         out = tmp_path / fix
-        assert main(["quantize", "--model", str(tmp_path / "m"), "--scheme", "w4a8", "--mitigate", fix,
-                     "--data", str(tmp_path / "c.txt"), "--tokens", "256", "--seq-len", "32", "--calib-batches", "4",
+        assert main(["quantize", "--model", str(tmp_path / "m"), "--scheme", "w4a8", "--fix", fix,
+                     "--data", str(tmp_path / "c.txt"), "--eval-tokens", "256", "--seq-len", "32", "--calib-tokens", "128",
                      "--out", str(out)]) == 0
         results[fix] = json.loads((out / "quantize.json").read_text())
     q, r = results["quarot"], results["rotate"]
-    assert q["weights"] == "gptq" and q["weights_record"]["weights"] == "gptq" and q["scheme"]["name"] == "w4a8"
-    assert r["weights"] == "rtn" and r["weights_record"]["weights"] == "rtn"
-    assert set(q["mitigation_record"]["matrices"]) == {"residual", "down_in", "v_o"}
-    assert q["mitigation_record"]["mitigation"] == "rotate"  # the recipe: the rotation, then GPTQ
-    assert q["recipe"] == {"fixes": ["rotate"], "weights": "gptq", "scheme": "w4a8"}
+    assert q["solver"] == "gptq" and q["solver_record"]["weights"] == "gptq" and q["scheme"]["name"] == "w4a8"
+    assert r["solver"] == "rtn" and r["solver_record"]["weights"] == "rtn"
+    assert set(q["fix_records"][0]["matrices"]) == {"residual", "down_in", "v_o"}
+    assert q["fix_records"][0]["mitigation"] == "rotate"  # the recipe: the rotation, then GPTQ
+    assert q["recipe"] == {"fixes": ["rotate"], "solver": "gptq", "scheme": "w4a8"}
     assert q["simulated"]["loss"] != r["simulated"]["loss"]

@@ -326,7 +326,7 @@ def test_quantize_cli_with_a_kv_scheme_and_refusal(saved, tmp_path, capsys):
     from diffquant.cli import main
     from diffquant.models.load import load_model
 
-    args = ["--scheme", "kv4-sink1", "--data", str(saved / "c.txt"), "--tokens", "128", "--seq-len", "32"]
+    args = ["--scheme", "kv4-sink1", "--data", str(saved / "c.txt"), "--eval-tokens", "128", "--seq-len", "32"]
     assert main(["quantize", "--model", str(saved / "diffllama-gqa"), *args, "--out", str(tmp_path / "q")]) == 0
     model, _ = load_model(str(tmp_path / "q"))
     assert {n for n in model._diffquant_quant.quantizers if n.endswith("_cache")} == {

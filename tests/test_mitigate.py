@@ -198,8 +198,8 @@ def test_cli_quantize_with_mitigation_round_trip(tmp_path, capsys):
     byte_tokenizer().save_pretrained(tmp_path / "m")
     (tmp_path / "c.txt").write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(3000)))
     out = tmp_path / "q"
-    assert main(["quantize", "--model", str(tmp_path / "m"), "--scheme", "w8a8-static", "--mitigate", "smoothquant:0.5",
-                 "--data", str(tmp_path / "c.txt"), "--tokens", "512", "--seq-len", "32", "--calib-batches", "4",
+    assert main(["quantize", "--model", str(tmp_path / "m"), "--scheme", "w8a8-static", "--fix", "smoothquant:0.5",
+                 "--data", str(tmp_path / "c.txt"), "--eval-tokens", "512", "--seq-len", "32", "--calib-tokens", "128",
                  "--out", str(out)]) == 0
     saved = json.loads((out / "diffquant_scheme.json").read_text())
     assert saved["fixes"][0]["mitigation"] == "smoothquant:0.5" and "scales" in saved["fixes"][0]

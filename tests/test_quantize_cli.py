@@ -19,7 +19,7 @@ def ckpt(tmp_path_factory):
 def test_fake_quantize_saves_and_reloads_with_scheme(ckpt, tmp_path, weights, capsys):
     out = tmp_path / "fake"
     assert main(["quantize", "--model", str(ckpt / "m"), "--scheme", "w8a8-static", "--data", str(ckpt / "c.txt"),
-                 "--tokens", "256", "--seq-len", "32", "--calib-batches", "2", "--out", str(out)]
+                 "--eval-tokens", "256", "--seq-len", "32", "--calib-tokens", "64", "--out", str(out)]
                 + (["--save-weights"] if weights else [])) == 0
     printed = capsys.readouterr().out
     assert f"use it as --model {out}" in printed and "diffquant_scheme.json (" in printed
@@ -70,7 +70,7 @@ def test_real_backend_cli_round_trip(ckpt, tmp_path):
         pytest.skip("torchao not installed")
     out = tmp_path / "ao"
     assert main(["quantize", "--model", str(ckpt / "m"), "--backend", "torchao-int8", "--data", str(ckpt / "c.txt"),
-                 "--tokens", "256", "--seq-len", "32", "--out", str(out)]) == 0
+                 "--eval-tokens", "256", "--seq-len", "32", "--out", str(out)]) == 0
     r = json.loads((out / "quantize.json").read_text())
     assert r["real_bytes"] < r["fp_bytes"] and abs(r["gap_loss_real_minus_simulated"]) < 0.05
     # float, simulated and real on one device and dtype, and what the real kernels compute in
@@ -154,7 +154,7 @@ def test_tiny_preset_shapes_are_refused_up_front(tiny_dir, ckpt, tmp_path, capsy
                                                      r"model\.layers\.0\.mlp\.gate_proj is 688 x 256"):
                 backends.load_real(name, tiny_dir)
     assert main(["quantize", "--model", "tiny:diff", "--backend", "torchao-intx4wo", "--data", str(ckpt / "c.txt"),
-                 "--tokens", "256", "--seq-len", "32", "--out", str(tmp_path / "o")]) == 2  # before any evaluation
+                 "--eval-tokens", "256", "--seq-len", "32", "--out", str(tmp_path / "o")]) == 2  # before any evaluation
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "down_proj has 688 inputs, not a multiple of 32" in err[0]
     for name in ("torchao-int8", "quanto-w8"):  # shapes every kernel takes: nothing refused

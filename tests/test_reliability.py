@@ -152,7 +152,7 @@ def test_sigterm_during_sweep_then_resume(corpus, tmp_path, micro_pair):
     micro_pair[1].save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     args = [sys.executable, "-m", "diffquant.cli", "sweep", "--model", str(tmp_path / "m"), "--data", str(corpus),
-            "--tokens", "2048", "--seq-len", "64", "--bits", "16,8,6,5,4,3,2", "--granularity", "tensor,head,token",
+            "--eval-tokens", "2048", "--seq-len", "64", "--bits", "16,8,6,5,4,3,2", "--granularity", "tensor,head,token",
             "--no-plots", "--out", str(tmp_path / "s")]
     proc = subprocess.Popen(args, stderr=subprocess.PIPE)
     _wait_for(tmp_path / "s" / "results.json", proc)

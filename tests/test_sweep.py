@@ -78,7 +78,7 @@ def test_sweep_cli_resumes(tmp_path, micro_pair, capsys, drawn):
                             for w in ("king", "man", "son")))
     out = tmp_path / "sweep"
     args = ["sweep", "--model", f"T={tmp_path / 'llama'}", "--model", f"D={tmp_path / 'diffllama'}", "--data",
-            str(corpus), "--tokens", "256", "--seq-len", "32", "--bits", "16,8,4", "--granularity", "tensor,head",
+            str(corpus), "--eval-tokens", "256", "--seq-len", "32", "--bits", "16,8,4", "--granularity", "tensor,head",
             "--eval", f"ppl,mc:{task}", "--wa-grid", "8,4", "--per-layer", "4", "--out", str(out)]
     assert main(args) == 0
     rows = json.loads((out / "results.json").read_text())["rows"]

@@ -1,8 +1,12 @@
 """Sub-command parsers, declared in one place from shared argument groups, so a flag means the same on
 every command that takes it (model: --model --hub --device --dtype --device-map --batch-size --cache-dir;
-data: --data --tokens --seq-len; sites: one glob grammar; the recipe: --scheme --mitigate --weights). Help
-texts list the registries themselves (diffquant/catalog.py), never a hand-typed copy. Each command's
-module is imported only when it runs, so `diffquant --help` never loads torch."""
+data: --data --seq-len, and the tokens: --calib-tokens (calibration, the training split) and --eval-tokens
+(evaluation, the validation split) wherever a command calibrates or evaluates, --tokens only where it means one
+thing (profile: profiled tokens; train: training tokens); sites: one glob grammar; the recipe: --recipe, or
+--fix (repeatable) --solver --scheme). Help texts list the registries themselves (diffquant/catalog.py), never a
+hand-typed copy. Each command's module is imported only when it runs, so `diffquant --help` never loads torch.
+
+Renamed flags stay one release as refusals that name the new spelling (`RENAMED`)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,16 @@ import argparse
 import importlib
 
 from diffquant.catalog import choices
+
+SEQ_LEN = 256  # tokens per window on every command that reads windows (train: the preset's context by default)
+CALIB_WINDOWS = 16  # --calib-tokens' default, in windows of --seq-len (the 16 calibration batches of Bondarenko et al.)
+RENAMED = {  # dest of an old flag: (its spelling, what to write now)
+    "old_mitigate": ("--mitigate", "--fix (repeat it for a chain of fixes, applied in order)"),
+    "old_weights": ("--weights", "--solver"),
+    "old_calib_batches": ("--calib-batches", "--calib-tokens (calibration tokens, not windows: windows × --seq-len)"),
+    "old_tokens": ("--tokens", "--eval-tokens (held-out tokens evaluated) or --calib-tokens (training-split tokens "
+                               "the recipe calibrates on)"),
+}
 
 
 def _lazy(module: str, name: str):
@@ -29,7 +43,12 @@ def validate(args) -> None:
     """Checks of the arguments every command shares that need no heavy module."""
     from diffquant.errors import DiffquantError
 
-    for key in ("tokens", "seq_len", "batch_size", "k", "calib_batches", "track_points"):
+    for key, (old, new) in RENAMED.items():
+        if getattr(args, key, None) is not None:
+            if key == "old_tokens" and not hasattr(args, "eval_tokens"):  # lm-eval: its tasks are what it evaluates
+                new = new.partition(" or ")[2]
+            raise DiffquantError(f"{old} is gone from {args.command}: use {new}")
+    for key in ("tokens", "eval_tokens", "calib_tokens", "seq_len", "batch_size", "k", "track_points"):
         value = getattr(args, key, None)
         if value is not None and value <= 0:
             raise DiffquantError(f"--{key.replace('_', '-')} must be positive, got {value}")
@@ -60,16 +79,18 @@ def validate(args) -> None:
         from diffquant.quant.scheme import get_scheme
 
         get_scheme(name)
-    for text in split_list(getattr(args, "mitigate", None)):
+    for text in split_list(getattr(args, "fix", None)):
         from diffquant.quant.mitigate import parse
 
         parse(text)
+    if getattr(args, "recipe", None):
+        _check_recipe(args)
     for key in ("metrics", "track_metrics"):
         if getattr(args, key, None):
             from diffquant.stats.metric_sets import parse
 
             parse(getattr(args, key))
-    for text in split_list(getattr(args, "weights", None)):
+    for text in split_list(getattr(args, "solver", None)):
         from diffquant.quant.solvers import parse as parse_solver
 
         parse_solver(text)
@@ -82,6 +103,22 @@ def validate(args) -> None:
         from diffquant.quant.granularity import parse_granularity
 
         parse_granularity(g)
+
+
+def _check_recipe(args) -> None:
+    """A recipe file holds every step: it goes with no --fix, --solver or --scheme (quantize, lm-eval), and it
+    reads as a recipe (a diffquant recipe, or an llm-compressor recipe YAML)."""
+    from diffquant.errors import DiffquantError
+    from diffquant.quant.recipe import load_recipe
+
+    if args.command != "sweep":
+        given = [f for f, key in (("--fix", "fix"), ("--solver", "solver"), ("--scheme", "scheme"))
+                 if getattr(args, key, None)]
+        if given:
+            raise DiffquantError(f"--recipe holds the fixes, the solver and the scheme; drop {', '.join(given)} "
+                                 "(or edit the recipe file)")
+    for path in [args.recipe] if isinstance(args.recipe, str) else args.recipe:
+        load_recipe(path)
 
 
 def split_list(value) -> list[str]:
@@ -135,11 +172,26 @@ def model_args(p, *, several: bool = False, required: bool = True, batch_size: i
                         "$XDG_CACHE_HOME/diffquant, else ~/.cache/diffquant)")
 
 
-def data_args(p, *, tokens: int, seq_len: int | None, what: str) -> None:
+def data_args(p, *, what: str, tokens: tuple[int, str] | None = None, eval_tokens: int | None = None,
+              calib_tokens: bool = False, seq_len: int | None = SEQ_LEN) -> None:
+    """--data and --seq-len, and the token budgets a command has: `tokens` (default, what they are) where
+    --tokens means one thing, `eval_tokens` and `calib_tokens` where a command evaluates or calibrates (there
+    --tokens would be ambiguous, and is refused with a hint)."""
     g = p.add_argument_group("data")
     g.add_argument("--data", "--corpus", dest="data", default="kjv",
                    help=f"{what}: a corpus ({choices('corpora')}) (default kjv)")
-    g.add_argument("--tokens", type=int, default=tokens, help=f"tokens (default {tokens:,})")
+    if tokens is not None:
+        g.add_argument("--tokens", type=int, default=tokens[0], help=f"{tokens[1]} (default {tokens[0]:,})")
+    else:
+        g.add_argument("--tokens", dest="old_tokens", default=None, help=argparse.SUPPRESS)
+    if eval_tokens is not None:
+        g.add_argument("--eval-tokens", type=int, default=eval_tokens,
+                       help=f"held-out tokens evaluated, from the validation split (default {eval_tokens:,})")
+    if calib_tokens:
+        g.add_argument("--calib-tokens", type=int, default=None,
+                       help=f"calibration tokens from the training split, for static scales, fixes and solvers "
+                            f"(default {CALIB_WINDOWS} windows: {CALIB_WINDOWS} × --seq-len)")
+        g.add_argument("--calib-batches", dest="old_calib_batches", default=None, help=argparse.SUPPRESS)
     g.add_argument("--seq-len", type=int, default=seq_len,
                    help=f"tokens per window (default {seq_len if seq_len else 'the preset' + chr(39) + 's'})")
     g.add_argument("--allow-long-context", action="store_true",
@@ -152,15 +204,34 @@ SITES_HELP = ("site globs, space- or comma-separated: layers.{i}.POINT or *.POIN
 
 
 def recipe_args(p, *, several: bool) -> None:
-    """--scheme, --mitigate, --weights: the steps of a recipe (diffquant/quant/recipe.py)."""
-    g = p.add_argument_group("recipe (fix → weight solver → scheme)")
-    more = ", comma-separated for several" if several else ""
-    g.add_argument("--scheme", "--schemes", dest="scheme", default=None,
-                   help=f"a scheme preset ({choices('schemes')}) or a .json/.yaml file{more}")
-    g.add_argument("--mitigate", default="none",
-                   help=f"a function-preserving fix applied first{more}: {choices('fixes')}")
-    g.add_argument("--weights", default="rtn",
-                   help=f"how the weights reach their grid, after the fix{more}: {choices('solvers')}")
+    """--recipe, or --fix, --solver, --scheme: the steps of a recipe (diffquant/quant/recipe.py). On a sweep each
+    value is one alternative (a cell axis) and each --recipe one cell; elsewhere the --fix flags chain, in order."""
+    g = p.add_argument_group("recipe (fixes → weight solver → scheme)")
+    g.add_argument("--recipe", action="append" if several else "store", default=None,
+                   help="a recipe file: diffquant's (JSON/YAML, as `quantize` writes recipe.yaml to its --out, or "
+                        "dq.Recipe.save) or an llm-compressor recipe YAML (its recipe.yaml included)"
+                        + ("; repeat for several, each one cell" if several else "; it holds every step, so no "
+                           "--fix, --solver or --scheme with it"))
+    if several:
+        g.add_argument("--scheme", "--schemes", dest="scheme", default=None,
+                       help=f"scheme presets ({choices('schemes')}) or .json/.yaml files, comma-separated: each one "
+                            "whole-model cell")
+        g.add_argument("--fix", action="append", default=None,
+                       help=f"fixes to compare, comma-separated or repeated: each one alternative applied before every "
+                            f"quantized cell ({choices('fixes')}); a chain of fixes is a --recipe file")
+        g.add_argument("--solver", default=None,
+                       help=f"weight solvers to compare on the --wa-grid cells, comma-separated: {choices('solvers')}")
+    else:
+        g.add_argument("--scheme", default=None,
+                       help=f"a scheme preset ({choices('schemes')}) or a .json/.yaml file")
+        g.add_argument("--fix", action="append", default=None,
+                       help=f"a function-preserving fix, applied before the solver and the scheme; repeat for a chain, "
+                            f"applied in order (--fix smoothquant:0.5 --fix rotate): {choices('fixes')}")
+        g.add_argument("--solver", default=None,
+                       help=f"how the weights reach their grid, after the fixes (default rtn, or the one a fix implies): "
+                            f"{choices('solvers')}")
+    g.add_argument("--mitigate", dest="old_mitigate", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--weights", dest="old_weights", default=None, help=argparse.SUPPRESS)
 
 
 def kernels_arg(p, what: str) -> None:
@@ -193,7 +264,7 @@ def _profile(sub) -> None:
     p = _parser(sub, "profile", "activation statistics and the paper's Table 5 for one or more models",
                 "diffquant profile --model smollm2-135m --data kjv --tokens 65536 --out runs/profile")
     model_args(p, several=True)
-    data_args(p, tokens=65536, seq_len=256, what="profiled on its validation split")
+    data_args(p, tokens=(65536, "tokens profiled"), what="profiled on its validation split")
     p.add_argument("--sites", nargs="+", default=["*.attn_logits", "*.hidden"],
                    help=SITES_HELP + " (default *.attn_logits *.hidden); attn_logits, attn_probs and attn_map compute "
                         "their layers' attention explicitly (T × T in query blocks), the other layers keep their kernel")
@@ -212,16 +283,17 @@ def _profile(sub) -> None:
 
 
 def _quantize(sub) -> None:
-    p = _parser(sub, "quantize", "apply a recipe (fix, weight solver, scheme), measure it and save the model",
-                "diffquant quantize --model smollm2-135m --scheme w8a8-static --mitigate smoothquant:0.5 "
-                "--weights gptq --out runs/q")
+    p = _parser(sub, "quantize", "apply a recipe (fixes, weight solver, scheme), measure it and save the model "
+                                 "with the recipe it ran (recipe.yaml, which --recipe reruns)",
+                "diffquant quantize --model smollm2-135m --fix smoothquant:0.5 --solver gptq --scheme w8a8-static "
+                "--out runs/q\n  diffquant quantize --model smollm2-135m --recipe runs/q/recipe.yaml --out runs/q2")
     p.add_argument("--list", action="store_true", help="list schemes, fixes, solvers and backends usable here")
     model_args(p, required=False)
-    data_args(p, tokens=8192, seq_len=128, what="calibration (training split) and evaluation (validation split)")
+    data_args(p, eval_tokens=8192, calib_tokens=True,
+              what="calibration (training split) and evaluation (validation split)")
     recipe_args(p, several=False)
     p.add_argument("--backend", default="fake", help=f"fake (the simulation) or a real low-bit backend: "
                                                      f"{', '.join(choices('backends').split(', ')[1:])}")
-    p.add_argument("--calib-batches", type=int, default=16, help="calibration windows (default 16)")
     p.add_argument("--save-weights", action="store_true",
                    help="simulated schemes: also save a full copy of the float weights (default: the scheme and a "
                         "reference to --model, a few kB)")
@@ -238,7 +310,8 @@ def _train(sub) -> None:
     p.add_argument("--preset", default="tiny", help=f"model shape: {choices('model presets')} (default tiny)")
     p.add_argument("--design", "--arch", dest="design", nargs="+", default=["baseline", "diff"],
                    help=f"designs to train, space- or comma-separated: {choices('designs')}")
-    data_args(p, tokens=1_000_000, seq_len=None, what="trained on its training split, validated on the rest")
+    data_args(p, tokens=(1_000_000, "training tokens"), seq_len=None,
+              what="trained on its training split, validated on the rest")
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass and step (default 16)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
@@ -272,7 +345,8 @@ def _sweep(sub) -> None:
                 "diffquant sweep --model smollm2-135m --sites attn_logits --bits 16,8,6,4 --granularity tensor,head "
                 "--out runs/sweep")
     model_args(p, several=True)
-    data_args(p, tokens=16384, seq_len=256, what="evaluated on its validation split, calibrated on 16 training windows")
+    data_args(p, eval_tokens=16384, calib_tokens=True,
+              what="evaluated on its validation split, calibrated on its training split")
     p.add_argument("--sites", nargs="+", default=["attn_logits"],
                    help=SITES_HELP + "; each point is quantized in every layer (default attn_logits)")
     p.add_argument("--bits", default="16,8,6,4", help="activation bit-widths; 16 = the model's own precision")
@@ -301,9 +375,8 @@ def _lm_eval(sub) -> None:
     p = _parser(sub, "lm-eval", "run lm-eval tasks on a model quantized by a recipe",
                 "diffquant lm-eval --model smollm2-135m --tasks hellaswag --scheme w8a8 --hub --out runs/lm")
     model_args(p)
-    data_args(p, tokens=16 * 128, seq_len=128, what="calibration (training split) for static scales, fixes, solvers")
+    data_args(p, calib_tokens=True, what="calibration (training split) for static scales, fixes, solvers")
     recipe_args(p, several=False)
-    p.set_defaults(scheme="fp")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--include-path", default=None, help="folder of local lm-eval task YAMLs")
     p.add_argument("--limit", type=int, default=None)

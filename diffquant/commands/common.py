@@ -1,4 +1,4 @@
-"""Argument handling the sub-commands share: model labels and output folders."""
+"""Argument handling the sub-commands share: model labels, output folders, the recipe and calibration budget."""
 
 from __future__ import annotations
 
@@ -73,3 +73,18 @@ def model_label(label: str, source: str, model) -> str:
 
     return f"{label} {held_label(held, next(model.parameters()).dtype)}"
 
+
+def command_recipe(args, default_scheme: str):
+    """The recipe a command line spells: its --recipe file, else its --fix (in order), --solver and --scheme."""
+    from diffquant.quant.recipe import from_cli, load_recipe
+
+    if args.recipe:
+        return load_recipe(args.recipe)
+    return from_cli(args.fix or [], args.solver, args.scheme or default_scheme)
+
+
+def calib_tokens(args) -> int:
+    """--calib-tokens, by default 16 windows of --seq-len."""
+    from diffquant.commands import CALIB_WINDOWS
+
+    return args.calib_tokens if args.calib_tokens is not None else CALIB_WINDOWS * args.seq_len

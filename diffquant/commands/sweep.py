@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffquant.commands.common import load_models, site_points
+from diffquant.commands import split_list
+from diffquant.commands.common import calib_tokens, load_models, site_points
 from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json
 from diffquant.sweeps import parse_bits, run_sweep, source_caveats, sweep_report
@@ -20,7 +21,8 @@ def run_cli(args) -> None:
             raise DiffquantError(f"{out} already holds a sweep; pass --resume to continue it or --force to restart")
     out.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items()
-              if k not in ("func", "resume", "force", "no_plots", "debug", "compile", "verbose")}
+              if k not in ("func", "resume", "force", "no_plots", "debug", "compile", "verbose")
+              and not k.startswith("old_")}
     split = lambda text: [x.strip() for x in (text or "").split(",") if x.strip()]  # noqa: E731
     models = load_models(args)
     from diffquant.kernels import resolve
@@ -30,11 +32,12 @@ def run_cli(args) -> None:
     config["kernels"] = {"asked": args.kernels, "path": resolve(args.kernels, input_device(first))}
     atomic_write_json(out / "sweep_config.json", config)
     rows = run_sweep(models, args.data, out, sites=site_points(args.sites), bits=parse_bits(args.bits),
-                     granularities=split(args.granularity), schemes=split(args.scheme), fixes=split(args.mitigate),
-                     weights=split(args.weights), wa_grid=parse_bits(args.wa_grid) if args.wa_grid else None,
-                     per_layer=args.per_layer, evals=split(args.eval), seq_len=args.seq_len, tokens=args.tokens,
-                     kurtosis_tokens=args.kurtosis_tokens, mc_limit=args.mc_limit, cache=args.cache_dir,
-                     compile=args.compile, kernels=args.kernels)
+                     granularities=split(args.granularity), schemes=split(args.scheme),
+                     fixes=split_list(args.fix) or ["none"], weights=split(args.solver) or ["rtn"],
+                     wa_grid=parse_bits(args.wa_grid) if args.wa_grid else None, per_layer=args.per_layer,
+                     evals=split(args.eval), seq_len=args.seq_len, tokens=args.eval_tokens,
+                     calib_tokens=calib_tokens(args), recipes=args.recipe or [], kurtosis_tokens=args.kurtosis_tokens,
+                     mc_limit=args.mc_limit, cache=args.cache_dir, compile=args.compile, kernels=args.kernels)
     if not args.no_plots:
         from diffquant.report.sweep_plots import plot_sweep
 

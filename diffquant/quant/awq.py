@@ -25,7 +25,6 @@ import torch
 
 from diffquant.quant import math as Q
 from diffquant.quant.config import QuantConfig
-from diffquant.quant.granularity import PerGroup
 from diffquant.taps.sites import WEIGHT_DIMS
 
 GRID = 20  # α = i / GRID for i < GRID (the reference's n_grid)
@@ -68,8 +67,8 @@ def search_clip(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, protect: 
     holding a `protect`ed (row, col) weight (super-weights) keep their full range."""
     gran = config.granularity
     rows, cols = w.shape
-    size = gran.size if isinstance(gran, PerGroup) else cols
-    if not isinstance(gran, PerGroup) and not _per_row(gran):
+    size = gran.group_size or cols
+    if not gran.group_size and not gran.per_row:
         return w  # per-tensor or per-column scales: no per-row range to clip
     wd = w.double()
     pad = -cols % size
@@ -96,8 +95,3 @@ def search_clip(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, protect: 
     clipped = torch.maximum(torch.minimum(wg, best_max), -best_max)
     return clipped.flatten(1)[:, :cols].to(w.dtype)
 
-
-def _per_row(gran) -> bool:
-    from diffquant.quant.granularity import PerChannel, PerToken
-
-    return isinstance(gran, PerToken) or (isinstance(gran, PerChannel) and gran.axis % 2 == 0)

@@ -8,6 +8,8 @@ from pathlib import Path
 from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json, atomic_write_text
 
+RECIPE_FILE = "recipe.yaml"  # beside what quantize wrote: the recipe it ran
+
 def list_text() -> str:
     """`quantize --list`: the recipe's registries (diffquant/catalog.py), and which backends work here."""
     from diffquant.quant.backends import backend_status
@@ -17,17 +19,18 @@ def list_text() -> str:
     status = {"fake": "available", **backend_status()}
     lines = []
     for registry, heading in (("schemes", "schemes (--scheme)"),
-                              ("fixes", "fixes (--mitigate, applied before the scheme, preserving the float model)"),
-                              ("solvers", "weight solvers (--weights, after the fix, on calibration windows of the "
+                              ("fixes", "fixes (--fix, repeatable: applied in order before the solver and the "
+                                        "scheme, preserving the float model)"),
+                              ("solvers", "weight solvers (--solver, after the fixes, on calibration windows of the "
                                           "training split)"), ("backends", "backends (--backend)")):
         lines.append(heading + ":")
         width = max(len(n) for n, _ in reg[registry])
         lines += [f"  {n:<{width}}  {doc}" + (f" [{status[n]}]" if registry == "backends" else "")
                   for n, doc in reg[registry]]
-    from diffquant.quant.export import REFUSED
+    from diffquant.quant.export import refused
 
     lines.append("export (--export compressed-tensors: the simulated model, every weight bit-identical); refused:")
-    lines += [f"  {k:<28} {v}" for k, v in REFUSED.items()]
+    lines += [f"  {k:<28} {v}" for k, v in refused().items()]
     return "\n".join(lines)
 
 
@@ -58,17 +61,17 @@ def run_cli(args) -> None:
         raise DiffquantError("quantize needs --model and --out (or --list)")
     from diffquant.data.windows import corpus_windows
     from diffquant.paths import fix_modes
-    from diffquant.commands.common import load_models, prepare_out
+    from diffquant.commands.common import calib_tokens, command_recipe, load_models, prepare_out
     from diffquant.quant import backends
-    from diffquant.quant.recipe import from_cli, quantize_
+    from diffquant.quant.recipe import quantize_
     from diffquant.quant.scheme import plan
     from diffquant.stats.intervals import paired
 
     real = args.backend != "fake"
     backend = backends.require(args.backend) if real else None
-    recipe = from_cli(args.mitigate, args.weights, args.scheme or (backend.simulated_by if real else "w8a8"))
+    recipe = command_recipe(args, backend.simulated_by if real else "w8a8")
     if real and (recipe.fixes or recipe.solver is not None):
-        raise DiffquantError("--mitigate and --weights apply to simulated schemes (--backend fake); real backends "
+        raise DiffquantError("fixes and weight solvers apply to simulated schemes (--backend fake); real backends "
                              "quantize the float weights as they are")
     export = getattr(args, "export", None)
     if export and (real or args.save_weights):
@@ -81,15 +84,15 @@ def run_cli(args) -> None:
         from diffquant.quant.recipe import check_export
 
         check_export(model, recipe)
-    calib = corpus_windows(args.data, tokenizer, "train", args.seq_len, args.calib_batches * args.seq_len,
-                           args.cache_dir, chars=200_000)
-    evalset = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.tokens, args.cache_dir)
+    calib = corpus_windows(args.data, tokenizer, "train", args.seq_len, calib_tokens(args), args.cache_dir,
+                           chars=200_000)
+    evalset = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.eval_tokens, args.cache_dir)
     from diffquant.evaluate import input_device
 
     device, dtype = input_device(model), model.dtype  # the float, simulated and real passes all run here
     result = {"model": args.model, "scheme": recipe.adjusted_scheme().to_dict(), "backend": args.backend,
-              "data": args.data, "recipe": recipe.to_dict(),
-              "mitigation": args.mitigate, "weights": recipe.solver.label() if recipe.solver else "rtn",
+              "data": args.data, "recipe": recipe.to_dict(), "fixes": [f.label() for f in recipe.fixes],
+              "solver": recipe.solver.label() if recipe.solver else "rtn",
               "calibration": {"split": "train", "sequences": len(calib), "tokens": int(calib.numel())},
               "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
     if getattr(model, "_diffquant_source_quantization", None):  # a compressed-tensors checkpoint, dequantized
@@ -106,11 +109,13 @@ def run_cli(args) -> None:
     result["fp"] = _evaluate(model, evalset, "float", args.batch_size)
     result["fp_bytes"] = backends.serialized_bytes(model)
     q = quantize_(model, recipe, calib, progress=True)
-    result["mitigation_record"] = q.record["fixes"][0] if q.record["fixes"] else {"mitigation": None}
-    result["weights_record"] = q.record["weights"]
+    result["fix_records"] = q.record["fixes"]
+    result["solver_record"] = q.record["weights"]
     result["simulated"] = _evaluate(model, evalset, q.scheme.name, args.batch_size)
     result["simulated"]["paired_loss_change"] = paired(result["fp"].pop("per_sequence_loss"),
                                                        result["simulated"].pop("per_sequence_loss"))
+    if not real:  # what ran, as a file `--recipe` reruns
+        recipe.save(out / RECIPE_FILE)
     if export:
         result["export"] = q.export(out, tokenizer)
     elif not real:  # the scheme, and a reference to the float model unless its weights were copied

@@ -42,7 +42,7 @@ class QuantConfig:
         if not self.dynamic:
             if isinstance(self.granularity, G.PerToken):
                 raise ValueError("static (calibrated) scales cannot be per token: tokens differ between batches")
-            if isinstance(self.granularity, G.KVChannel) and self.granularity.group:
+            if self.granularity.position_run:
                 raise ValueError("static (calibrated) scales cannot cover runs of positions (kv-channel:G)")
             if self.calibration == "percentile" and not (isinstance(self.granularity, G.PerTensor)
                                                          and self.format.symmetric):

@@ -51,8 +51,7 @@ FORMAT = "compressed-tensors"
 LINEAR_INPUTS = ("attn_in", "attn_out", "mlp_in", "down_in")  # the site points that are Linear inputs
 PACK_BITS = (2, 4, 8)  # packed alike by every compressed-tensors version (0.20 packs 3, 5, 6, 7 bits anew)
 INSTALL = "pip install 'diffquant[export]'"
-REFUSED = {  # what the format cannot hold (each refused by `check` in one line), for `quantize --list` and docs
-    "rotate, quarot": "QuaRot's online Hadamard rotations (down_proj's input, keys after RoPE)",
+REFUSED = {  # what the format cannot hold besides the steps that say so themselves (`refused()`)
     "logits, probs, other sites": "attention logits/probabilities, per-head logit scales: it holds Linear weights "
                                   "and inputs",
     "KV-cache schemes": "every diffquant cache preset (dynamic min-max per token; Hadamard; sinks; KIVI runs): it "
@@ -64,6 +63,19 @@ REFUSED = {  # what the format cannot hold (each refused by `check` in one line)
     "W8A8 off the Llama layout": "attention/MLP inputs whose readers diffquant maps on the Llama layout only "
                                  "(the weights export)",
 }
+
+
+def refused() -> dict[str, str]:
+    """{what: why} the format cannot hold, refused by `check` in one line: the registered steps' own refusals
+    (quant/steps.py), then the rest; for `quantize --list` and docs."""
+    from diffquant.quant.steps import FIXES, SOLVERS
+
+    steps = {}
+    for registry in (FIXES, SOLVERS):
+        for cls in registry.classes():
+            if cls.export_refusal:
+                steps[", ".join(cls.words)] = cls.export_refusal
+    return {**steps, **REFUSED}
 
 
 def _refuse(message: str):
@@ -136,9 +148,9 @@ def _weight_args(site: str, config, in_features: int, act_order: bool) -> dict:
                 "formats, nvfp4 and mxfp4, take fp8 or power-of-two group scales; it has no NF4)")
     if isinstance(gran, G.PerTensor):
         args.update(strategy="tensor")
-    elif isinstance(gran, G.PerToken) or (isinstance(gran, G.PerChannel) and gran.axis % 2 == 0):
+    elif gran.per_row:
         args.update(strategy="channel")
-    elif isinstance(gran, G.PerGroup) and fmt.is_int:
+    elif gran.group_size and fmt.is_int:
         # groups of G from column 0 with a ragged tail are groups of gcd(G, inputs), each scale repeated: exact
         args.update(strategy="group", group_size=math.gcd(gran.size, in_features))
     else:
@@ -205,19 +217,24 @@ def _readers(model, table, site: str, names: dict) -> list[str]:
     return [names[id(m)] for m in (attn if table.sites[site].kind == "attn_in" else mlp)]
 
 
-def check(model, scheme, mitigation: str | None = None, act_order: bool = False) -> Plan:
+def check(model, scheme, fixes=(), solver=None) -> Plan:
     """What the checkpoint will hold, or a DiffquantError naming the first part the format cannot hold, before
-    any calibration or solving. `mitigation`: the fix's label (`--mitigate`); `act_order`: GPTQ's act-order."""
+    any calibration or solving. `fixes`: the recipe's fixes applied before the scheme (steps or their spellings;
+    each step says itself whether the format holds it, `export_refusal`); `solver`: its weight solver (GPTQ's
+    act-order is recorded)."""
     import torch
 
     from diffquant.quant.scheme import plan as site_plan
+    from diffquant.quant.steps import FIXES, SOLVERS
     from diffquant.taps import site_table
     from diffquant.taps.sites import CACHE_POINTS
 
-    kind = (mitigation or "none").split(":")[0]
-    if kind in ("rotate", "quarot"):
-        _refuse(f"--mitigate {mitigation}: QuaRot's online Hadamard rotations (of down_proj's input, and of the keys "
-                "after RoPE) have no place in a compressed-tensors checkpoint")
+    fixes = [fixes] if isinstance(fixes, str) else list(fixes or ())
+    solver = SOLVERS.parse(solver) if isinstance(solver, str) else solver
+    for step in [FIXES.parse(f) if isinstance(f, str) else f for f in fixes] + [solver]:
+        if step is not None and step.export_refusal:
+            _refuse(f"{step.label()}: {step.export_refusal}")
+    act_order = solver is not None and solver.act_order
     if getattr(model.config, "quantization_config", None) is not None or getattr(model, "_diffquant_quant", None):
         _refuse("the model was loaded quantized (a quantized checkpoint, or a folder with a saved diffquant scheme); "
                 "export from its float source")
@@ -314,20 +331,18 @@ def _decompressed(t: Target, tensors: dict):
     return BaseCompressor.get_value_from_registry(t.format).decompress(dict(tensors), scheme)["weight"]
 
 
-def export_compressed_tensors(model, attachment, out, tokenizer=None, mitigation: str | None = None,
-                              act_order: bool = False) -> dict:
+def export_compressed_tensors(model, attachment, out, tokenizer=None, fixes=(), solver=None) -> dict:
     """Write the model `attachment` simulates on `model` to the folder `out` as a compressed-tensors checkpoint
     (see the module doc); returns what was written: format, quantization_config, bytes per file, and the
     largest |Δ| between a decompressed and a simulated weight (0: they are checked bit-identical).
-    `mitigation`: the label of the fix applied before the scheme (rotations are refused); `act_order`: the
-    weights were solved by GPTQ with act-order (recorded as actorder "weight")."""
+    `fixes`, `solver`: the recipe's steps before the scheme (see `check`)."""
     import torch
 
     try:
         import compressed_tensors  # noqa: F401
     except ImportError:
         raise DiffquantError(f"export to {FORMAT} needs the compressed-tensors package: {INSTALL}") from None
-    plan = check(model, attachment.scheme, mitigation, act_order)
+    plan = check(model, attachment.scheme, fixes, solver)
     tensors, quantized = {}, set()
     with torch.no_grad():
         for t in plan.targets:

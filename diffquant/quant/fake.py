@@ -245,7 +245,6 @@ class FakeQuant:
         the forward, and the codes `Q.quantize` gives ([out, in]; integer codes, or the unscaled grid values of
         a float format), so `Q.dequantize` of them is the simulated weight. Scales are shaped as `Q.grouped`
         leaves them (groups: [out, groups, 1]). For the export (`quant/export.py`)."""
-        from diffquant.quant.granularity import PerGroup
         from diffquant.taps.sites import WEIGHT_DIMS
 
         cfg = self.config
@@ -257,7 +256,7 @@ class FakeQuant:
             scale, zero = self.scale.to(w.device), self.zero.to(w.device)
         xf = w.detach() if w.dtype == torch.float32 else w.detach().float()
         codes = Q.quantize(Q.grouped(xf, cfg.granularity, WEIGHT_DIMS)[0], scale, zero, cfg.format)
-        if isinstance(cfg.granularity, PerGroup):
+        if cfg.granularity.group_size:
             codes = codes.flatten(-2)[..., :w.shape[-1]]  # a ragged last group's padding
         return codes, scale, zero
 

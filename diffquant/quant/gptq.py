@@ -24,7 +24,6 @@ import torch
 from diffquant.errors import DiffquantError
 from diffquant.quant import math as Q
 from diffquant.quant.config import QuantConfig
-from diffquant.quant.granularity import PerGroup
 from diffquant.quant.gptq_config import GPTQ
 from diffquant.taps.sites import WEIGHT_DIMS
 
@@ -50,7 +49,7 @@ def solve(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, gptq: GPTQ = GP
     dead = H.diagonal() == 0  # inputs that are always zero: their weights cannot matter
     H[dead, dead] = 1
     W[:, dead] = 0
-    group = gran.size if isinstance(gran, PerGroup) else None
+    group = gran.group_size
     lazy_groups = group is not None and not gptq.act_order
     col_scale = col_zero = None
     if group is None:

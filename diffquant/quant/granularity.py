@@ -31,15 +31,29 @@ if TYPE_CHECKING:
     import torch
 
 
+class Scales:
+    """What code outside this module asks of a granularity, so that it never tests which one it is: the size of
+    the groups along the last dim (None: no groups), whether a 2-D weight [out, in] gets one scale per output
+    row, and how many positions one scale covers (0: not runs of positions)."""
+
+    group_size: int | None = None
+    per_row = False
+    position_run = 0
+
+
 @dataclass(frozen=True)
-class PerTensor:
+class PerTensor(Scales):
     def reduce_dims(self, x: torch.Tensor, dims: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(range(x.dim()))
 
 
 @dataclass(frozen=True)
-class PerChannel:
+class PerChannel(Scales):
     axis: int = -1
+
+    @property
+    def per_row(self) -> bool:
+        return self.axis % 2 == 0
 
     def reduce_dims(self, x: torch.Tensor, dims: tuple[str, ...]) -> tuple[int, ...]:
         axis = self.axis % x.dim()
@@ -47,7 +61,9 @@ class PerChannel:
 
 
 @dataclass(frozen=True)
-class PerToken:
+class PerToken(Scales):
+    per_row = True
+
     def reduce_dims(self, x: torch.Tensor, dims: tuple[str, ...]) -> tuple[int, ...]:
         return (x.dim() - 1,)
 
@@ -60,7 +76,7 @@ def head_axis(dims: tuple[str, ...]) -> int | None:
 
 
 @dataclass(frozen=True)
-class PerHead:
+class PerHead(Scales):
     def reduce_dims(self, x: torch.Tensor, dims: tuple[str, ...]) -> tuple[int, ...]:
         h = head_axis(dims)
         if h is None:
@@ -69,10 +85,14 @@ class PerHead:
 
 
 @dataclass(frozen=True)
-class KVChannel:
+class KVChannel(Scales):
     """One scale per channel over the positions of a sequence (runs of `group` positions when > 0)."""
 
     group: int = 0
+
+    @property
+    def position_run(self) -> int:
+        return self.group
 
     def __post_init__(self) -> None:
         if not isinstance(self.group, int) or isinstance(self.group, bool) or self.group < 0:
@@ -86,8 +106,12 @@ class KVChannel:
 
 
 @dataclass(frozen=True)
-class PerGroup:
+class PerGroup(Scales):
     size: int = 128
+
+    @property
+    def group_size(self) -> int:
+        return self.size
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:

@@ -31,7 +31,6 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from diffquant.errors import DiffquantError
 from diffquant.frozen import no_autograd
-from diffquant.quant.granularity import KVChannel
 from diffquant.taps.attention import CACHE_POINTS
 
 
@@ -39,7 +38,7 @@ def final_end(config, length: int) -> tuple[int, int]:
     """[start, end) of the positions of a cache of `length` that are quantized now (see the module doc)."""
     start, end = config.quantized_span(length)
     g = config.granularity
-    run = g.group if isinstance(g, KVChannel) and g.group else 1
+    run = g.position_run or 1
     return start, start + (end - start) // run * run
 
 

@@ -10,7 +10,7 @@ import torch
 
 from diffquant.compiled import CompiledOrEager
 from diffquant.quant.formats import Format, grid
-from diffquant.quant.granularity import Granularity, KVChannel, PerGroup
+from diffquant.quant.granularity import Granularity, PerTensor
 
 
 def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...],
@@ -22,7 +22,7 @@ def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...],
     multiple of G, which is exact, since a range always contains 0 and 0 quantizes to exactly 0.
     `per_sequence` keeps the batch dim out of the reduction, so a dynamic scale never mixes the sequences
     of a batch and results do not depend on the batch size."""
-    if isinstance(gran, PerGroup):
+    if gran.group_size:
         pad = -x.shape[-1] % gran.size
         if pad:
             x = torch.cat([x, x.new_zeros(*x.shape[:-1], pad)], dim=-1)
@@ -41,12 +41,12 @@ def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...],
 
 def position_runs(gran: Granularity) -> bool:
     """Whether scales cover runs of positions (KIVI's grouped per-channel keys), so x is regrouped."""
-    return isinstance(gran, KVChannel) and gran.group > 0
+    return gran.position_run > 0
 
 
 def elementwise_groups(gran: Granularity) -> bool:
     """Whether `grouped` reshapes x, so a broadcast mask must first be expanded to x's shape."""
-    return isinstance(gran, PerGroup) or position_runs(gran)
+    return bool(gran.group_size) or position_runs(gran)
 
 
 def value_range(x: torch.Tensor, reduce: tuple[int, ...], valid: torch.Tensor | None, symmetric: bool,
@@ -164,6 +164,7 @@ def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity |
     up to half a step (127/256 of s) off the grid; for float16 (11 bits, normal range) within 2⁻¹¹·|q·s|. The
     straight-through form adds x − x.detach() (exactly 0) to that value, so its forward value is the
     rounded grid value itself, also where the quantizer clamps; without autograd nothing is added."""
+    gran = gran if gran is not None else PerTensor()  # None: scales already shaped like x, nothing regrouped
     xf = x.detach() if x.dtype == torch.float32 else x.detach().float()
     if elementwise_groups(gran):
         xf = grouped(xf, gran, dims)[0]
@@ -171,7 +172,7 @@ def fake_quantize(x: torch.Tensor, scale, zero, fmt: Format, gran: Granularity |
         y = _COMPILED_ROUNDTRIP(xf, scale, zero, fmt.qmin, fmt.qmax).to(x.dtype)
     else:
         y = dequantize(quantize(xf, scale, zero, fmt), scale, zero, fmt).to(x.dtype)
-    if isinstance(gran, PerGroup):
+    if gran.group_size:
         y = y.flatten(-2)[..., :x.shape[-1]]  # drop a ragged last group's padding
     elif position_runs(gran):
         pos = dims.index("pos")

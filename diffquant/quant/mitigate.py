@@ -26,8 +26,8 @@
   Q, H and H_v are randomised Hadamard matrices where `quant/hadamard.py` can build one for the width,
   random orthogonal matrices otherwise (which it records). QuaRot's online Hadamard across heads before
   o_proj is not applied (SmolLM2's 9 heads have no Hadamard matrix).
-- `quarot[:SEED]`: `rotate` with GPTQ weights (QuaRot's W4A4 recipe); `--weights rtn` becomes gptq, an
-  explicit `--weights gptq[:act-order]` is kept, any other solver is refused.
+- `quarot[:SEED]`: `rotate` with GPTQ weights (QuaRot's W4A4 recipe); with no solver named it runs GPTQ, an
+  explicit `--solver gptq[:act-order]` is kept, any other solver is refused (`Rotate.solver_for`).
 - `clip:mse` / `clip:percentile:P`: range search instead of min-max: static activation scales calibrate by
   MSE-optimal clipping (or the P-th percentile of |x|, per-tensor static scales only), and weight scales by
   MSE-optimal clipping per scale group, computed once (weights become static). Dynamic activation scales are
@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
 from diffquant.quant.layout import layers as _layers, readers as _readers
+from diffquant.quant.steps import FIXES, Fix, number
 
 if TYPE_CHECKING:
     import torch
@@ -62,40 +63,24 @@ ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # smoothquant:search's grid
 SEARCH_WINDOWS = 16  # calibration windows the α search scores each candidate on
 
 
-class Fix:
-    """A recipe step that changes the model without changing its function (or, for Clip, only how the scheme
-    finds its ranges). Each fix says what it does to the scheme (`adjust`), applies itself into an `Applied`
-    handle whose `remove()` undoes it bit-exactly (`apply`), and replays itself from its record without
-    calibration data (`replay`); `label()` is its command-line spelling, which `parse` reads back."""
-
-    needs_calibration = False
-
-    def label(self) -> str:
-        raise NotImplementedError
-
-    def adjust(self, scheme):
-        """The scheme this fix asks for (default: the scheme as it is)."""
-        return scheme
-
-    def apply(self, model, calibration, scheme, applied: "Applied") -> None:
-        """Change `model` in place, through `applied` (default: nothing)."""
-
-    def replay(self, model, record: dict, applied: "Applied") -> None:
-        """Change `model` as `record` says, without calibration data (default: `apply` without it)."""
-        self.apply(model, None, None, applied)
-
-
 @dataclass(frozen=True)
 class SmoothQuant(Fix):
     alpha: float | None = 0.5  # None: searched per model (`smoothquant:search`)
     needs_calibration = True
+    words = ("smoothquant",)
+    docs = {"smoothquant:ALPHA": "SmoothQuant scales (default α 0.5) folded into norms, up_proj and v_proj",
+            "smoothquant:search": "SmoothQuant with α chosen per model by the scheme's loss on calibration windows"}
+
+    @classmethod
+    def from_text(cls, word: str, arg: str) -> "SmoothQuant":
+        return cls(None if arg == "search" else float(arg) if arg else 0.5)
 
     def __post_init__(self) -> None:
         if self.alpha is not None and not 0 <= self.alpha <= 1:
             raise DiffquantError(f"smoothquant's alpha must be in [0, 1], got {self.alpha}")
 
     def label(self) -> str:
-        return "smoothquant:search" if self.alpha is None else f"smoothquant:{self.alpha:g}"
+        return "smoothquant:search" if self.alpha is None else f"smoothquant:{number(self.alpha)}"
 
     def apply(self, model, calibration, scheme, applied: "Applied") -> None:
         if calibration is None or calibration.numel() == 0:
@@ -116,10 +101,31 @@ class SmoothQuant(Fix):
 
 @dataclass(frozen=True)
 class Rotate(Fix):
-    """QuaRot's rotation (the module doc). QuaRot's recipe is this with GPTQ weights: `quarot` on the command
-    line (recipe.from_cli)."""
+    """QuaRot's rotation (the module doc). QuaRot's recipe is this with GPTQ weights: spelt `quarot`, it runs
+    with GPTQ where no other solver is named (`solver_for`)."""
 
     seed: int = 0
+    words = ("rotate", "quarot")
+    docs = {"rotate[:SEED]": "QuaRot's rotation: fused norms, Hadamard-rotated residual stream, per-head V/O, online "
+                             "Hadamard before down_proj and on keys after RoPE",
+            "quarot[:SEED]": "rotate with GPTQ weights (QuaRot's recipe)"}
+    export_refusal = ("QuaRot's online Hadamard rotations (of down_proj's input, and of the keys after RoPE) have no "
+                      "place in a compressed-tensors checkpoint")
+
+    @classmethod
+    def from_text(cls, word: str, arg: str) -> "Rotate":
+        return cls(int(arg) if arg else 0)
+
+    def solver_for(self, word: str, solver: str) -> str:
+        """`quarot`: rtn becomes gptq, an explicit gptq[:act-order] is kept, any other solver is refused."""
+        if word != "quarot":
+            return solver
+        if solver == "rtn":
+            return "gptq"
+        if solver not in ("gptq", "gptq:act-order"):
+            raise DiffquantError(f"quarot is the rotation with GPTQ weights; --solver {solver} does not go with it "
+                                 "(use rotate with that solver)")
+        return solver
 
     def label(self) -> str:
         return "rotate" if self.seed == 0 else f"rotate:{self.seed}"
@@ -137,6 +143,20 @@ class Rotate(Fix):
 class Clip(Fix):
     method: str = "mse"
     percentile: float = 99.99
+    words = ("clip",)
+    docs = {"clip:mse | clip:percentile:P": "MSE-optimal (or percentile) ranges for static activations and for weights "
+                                            "(each tensor's own error)",
+            "clip:output": "ranges of least output error of the readers: static per-tensor activation scales, and "
+                           "weights by the clip:output solver (super-weights never clipped)"}
+
+    @classmethod
+    def from_text(cls, word: str, arg: str) -> "Clip":
+        method, _, p = (arg or "mse").partition(":")
+        return cls(method, float(p) if p else 99.99)
+
+    def solver_for(self, word: str, solver: str) -> str:
+        """`clip:output` clips the weights by the clip:output solver unless another solver is named."""
+        return "clip:output" if self.method == "output" and solver == "rtn" else solver
 
     def __post_init__(self) -> None:
         if self.method not in ("mse", "percentile", "output"):
@@ -145,7 +165,7 @@ class Clip(Fix):
             raise DiffquantError(f"clip percentile must be in (0, 100], got {self.percentile}")
 
     def label(self) -> str:
-        return f"clip:percentile:{self.percentile:g}" if self.method == "percentile" else f"clip:{self.method}"
+        return f"clip:percentile:{number(self.percentile)}" if self.method == "percentile" else f"clip:{self.method}"
 
     def adjust(self, scheme):
         """Range search instead of min-max for static activations (and, except `output`, for weights)."""
@@ -166,36 +186,9 @@ class Clip(Fix):
                        activations=tuple((p, act(c)) for p, c in scheme.activations), weights=weights)
 
 
-FIXES = {"smoothquant": SmoothQuant, "rotate": Rotate, "clip": Clip}  # parse() reads each one's label
-DOCS = {"none": "no transform",
-        "smoothquant:ALPHA": "SmoothQuant scales (default α 0.5) folded into norms, up_proj and v_proj",
-        "smoothquant:search": "SmoothQuant with α chosen per model by the scheme's loss on calibration windows",
-        "rotate[:SEED]": "QuaRot's rotation: fused norms, Hadamard-rotated residual stream, per-head V/O, online "
-                         "Hadamard before down_proj and on keys after RoPE",
-        "quarot[:SEED]": "rotate with GPTQ weights (QuaRot's recipe)",
-        "clip:mse | clip:percentile:P": "MSE-optimal (or percentile) ranges for static activations and for weights "
-                                        "(each tensor's own error)",
-        "clip:output": "ranges of least output error of the readers: static per-tensor activation scales, and "
-                       "weights by the clip:output solver (super-weights never clipped)"}
-
-
 def parse(text: str) -> Fix | None:
-    """`none`, `smoothquant[:ALPHA|search]`, `rotate[:SEED]`, `clip:mse`, `clip:percentile:P`, `clip:output`;
-    `quarot[:SEED]` reads as its rotation (the GPTQ half is a weight solver: recipe.from_cli adds it)."""
-    kind, _, arg = text.strip().lower().partition(":")
-    try:
-        if kind == "none" and not arg:
-            return None
-        if kind == "smoothquant":
-            return SmoothQuant(None if arg == "search" else float(arg) if arg else 0.5)
-        if kind in ("rotate", "quarot"):
-            return Rotate(int(arg) if arg else 0)
-        if kind == "clip":
-            method, _, p = (arg or "mse").partition(":")
-            return Clip(method, float(p) if p else 99.99)
-    except ValueError:
-        pass
-    raise DiffquantError(f"unknown mitigation {text!r}; choose one of: {', '.join(DOCS)}")
+    """The fix a spelling names (`none`: None), from the registry (quant/steps.py)."""
+    return FIXES.parse(text)
 
 
 def adjust_scheme(scheme, fix: Fix | None):

@@ -15,11 +15,16 @@ scales fixed), and static activation scales calibrate. It returns one handle, `Q
 whose exit (or `remove()`) restores the float model bit-exactly. The command line (`quantize`, `sweep`,
 `lm-eval`), the experiments and the notebook all call it: this is the only place the steps are sequenced.
 
-A recipe saves to and loads from JSON or YAML as the steps' command-line spellings:
+A recipe saves to and loads from JSON or YAML as the steps' command-line spellings (`quantize` writes the one it
+ran to its --out as recipe.yaml; `--recipe FILE` on quantize, sweep and lm-eval reads it back):
 
     fixes: [smoothquant:search]
-    weights: gptq:act-order
+    solver: gptq:act-order     # files written before round five say `weights:`, read the same
     scheme: w8a8-static        # a preset name, a scheme file, or the scheme itself (QuantScheme.to_dict)
+
+`load_recipe` also reads an llm-compressor recipe YAML (quant/llmcompressor_recipe.py). Every step is a registered
+type (quant/steps.py): what a step is, how it is spelt and whether it exports is asked of the step, never tested
+here.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
 from diffquant.quant import mitigate, solvers
-from diffquant.quant.mitigate import Fix
 from diffquant.quant.scheme import QuantScheme, get_scheme
+from diffquant.quant.steps import FIXES, SOLVERS, Fix, Solver
 
 if TYPE_CHECKING:
     import torch
@@ -44,16 +49,17 @@ CALIBRATION_BATCH = 8  # windows per forward pass when static scales calibrate
 class Recipe:
     scheme: QuantScheme
     fixes: tuple[Fix, ...] = ()
-    solver: solvers.Solver | None = None
+    solver: Solver | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheme, QuantScheme):
             raise DiffquantError(f"a recipe's scheme must be a QuantScheme (or a preset name), got {self.scheme!r}")
-        bad = [f for f in self.fixes if not isinstance(f, Fix)]
+        bad = [f for f in self.fixes if not FIXES.holds(f)]
         if bad:
-            raise DiffquantError(f"recipe fixes must be SmoothQuant, Rotate or Clip steps, got {bad!r}")
-        if self.solver is not None and not isinstance(self.solver, solvers.SOLVER_TYPES):
-            raise DiffquantError(f"a recipe's weight solver must be GPTQ or AWQ, got {self.solver!r}")
+            raise DiffquantError(f"recipe fixes must be registered fix steps ({_names(FIXES)}), got {bad!r}")
+        if self.solver is not None and not SOLVERS.holds(self.solver):
+            raise DiffquantError(f"a recipe's weight solver must be a registered solver step ({_names(SOLVERS)}), "
+                                 f"got {self.solver!r}")
 
     @staticmethod
     def of(steps) -> "Recipe":
@@ -71,18 +77,18 @@ class Recipe:
             raise DiffquantError(f"a recipe ends with its scheme (a preset name or QuantScheme), got {last!r}")
         fixes, solver = [], None
         for step in before:
-            if isinstance(step, Fix):
+            if FIXES.holds(step):
                 if solver is not None:
                     raise DiffquantError(f"{step.label()} comes after the weight solver {solver.label()}: fixes change "
                                          "the model before its weights are solved")
                 fixes.append(step)
-            elif isinstance(step, solvers.SOLVER_TYPES):
+            elif SOLVERS.holds(step):
                 if solver is not None:
                     raise DiffquantError(f"one weight solver per recipe, got {solver.label()} and {step.label()}")
                 solver = step
             else:
-                raise DiffquantError(f"unknown recipe step {step!r}: fixes (SmoothQuant, Rotate, Clip), a solver "
-                                     "(GPTQ, AWQ) and the scheme last")
+                raise DiffquantError(f"unknown recipe step {step!r}: fixes ({_names(FIXES)}), a solver "
+                                     f"({_names(SOLVERS)}) and the scheme last")
         return Recipe(_scheme(last), tuple(fixes), solver)
 
     @property
@@ -104,27 +110,31 @@ class Recipe:
         return scheme
 
     def label(self) -> str:
-        return " → ".join(s.label() if not isinstance(s, QuantScheme) else s.name for s in self.steps)
+        return " → ".join([*(f.label() for f in self.fixes), *([self.solver.label()] if self.solver else []),
+                           self.scheme.name])
 
     def to_dict(self) -> dict:
         from diffquant.quant.scheme import SCHEME_PRESETS
 
         scheme = self.scheme.name if SCHEME_PRESETS.get(self.scheme.name) == self.scheme else self.scheme.to_dict()
-        return {"fixes": [f.label() for f in self.fixes], "weights": self.solver.label() if self.solver else "rtn",
+        return {"fixes": [f.label() for f in self.fixes], "solver": self.solver.label() if self.solver else "rtn",
                 "scheme": scheme}
 
     @staticmethod
     def from_dict(d: dict) -> "Recipe":
-        unknown = set(d) - {"fixes", "weights", "scheme"}
-        if unknown or "scheme" not in d:
-            raise DiffquantError(f"a recipe has 'scheme' and optionally 'fixes' and 'weights'; got keys {sorted(d)}")
+        """The recipe of `to_dict`'s mapping; `weights` is the solver's name in files written before round five.
+        A solver given is taken as it is; with none given, the fixes' implied one (`quarot` → gptq) runs."""
+        unknown = set(d) - {"fixes", "solver", "weights", "scheme"}
+        if unknown or "scheme" not in d or ("solver" in d and "weights" in d):
+            raise DiffquantError(f"a recipe has 'scheme' and optionally 'fixes' and 'solver'; got keys {sorted(d)}")
         fixes = d.get("fixes") or []
-        if isinstance(fixes, str):
-            fixes = [fixes]
         scheme = d["scheme"]
-        return Recipe(QuantScheme.from_dict(scheme) if isinstance(scheme, dict) else _scheme(scheme),
-                      tuple(f for f in map(mitigate.parse, fixes) if f is not None),
-                      solvers.parse(d.get("weights") or "rtn"))
+        scheme = QuantScheme.from_dict(scheme) if isinstance(scheme, dict) else scheme
+        solver = d.get("solver", d.get("weights"))
+        if solver is not None:
+            steps = [f for f in map(FIXES.parse, [fixes] if isinstance(fixes, str) else fixes) if f is not None]
+            return Recipe(_scheme(scheme), tuple(steps), SOLVERS.parse(solver))
+        return from_cli(fixes, None, scheme)
 
     def save(self, path) -> Path:
         from diffquant.paths import atomic_write_text
@@ -141,6 +151,7 @@ class Recipe:
 
     @staticmethod
     def load(path) -> "Recipe":
+        """A recipe file: diffquant's (as `save` writes it) or llm-compressor's recipe YAML, told apart by content."""
         path = Path(path)
         if not path.is_file():
             raise DiffquantError(f"recipe file {path} does not exist")
@@ -153,8 +164,13 @@ class Recipe:
                 data = json.loads(path.read_text())
         except Exception as e:  # noqa: BLE001 - either library's parse error
             raise DiffquantError(f"cannot parse {path}: {e}") from None
+        from diffquant.quant import llmcompressor_recipe
+
+        if llmcompressor_recipe.is_llmcompressor(data):
+            return llmcompressor_recipe.read(data, path.stem)
         if not isinstance(data, dict):
-            raise DiffquantError(f"{path} must hold a mapping with 'scheme' (and 'fixes', 'weights')")
+            raise DiffquantError(f"{path} must hold a mapping with 'scheme' (and 'fixes', 'solver'), or an "
+                                 "llm-compressor recipe")
         return Recipe.from_dict(data)
 
 
@@ -162,23 +178,27 @@ def _scheme(scheme) -> QuantScheme:
     return scheme if isinstance(scheme, QuantScheme) else get_scheme(str(scheme))
 
 
-def from_cli(mitigate_text: str, weights_text: str, scheme) -> Recipe:
-    """The recipe the command line's `--mitigate`, `--weights` and `--scheme` spell. Two spellings imply a
-    solver: `quarot[:SEED]` is the rotation with GPTQ weights (`--weights rtn` becomes gptq, an explicit
-    gptq[:act-order] is kept, any other solver is refused), and `--mitigate clip:output` clips the weights by
-    the clip:output solver unless another solver is named."""
-    fix = mitigate.parse(mitigate_text)
-    weights = weights_text.strip().lower()
-    kind = mitigate_text.strip().lower().partition(":")[0]
-    if kind == "quarot":
-        if weights == "rtn":
-            weights = "gptq"
-        elif weights not in ("gptq", "gptq:act-order"):
-            raise DiffquantError(f"quarot is the rotation with GPTQ weights; --weights {weights_text} does not go "
-                                 "with it (use rotate with that solver)")
-    elif isinstance(fix, mitigate.Clip) and fix.method == "output" and weights == "rtn":
-        weights = "clip:output"
-    return Recipe(_scheme(scheme), (fix,) if fix is not None else (), solvers.parse(weights))
+def _names(registry) -> str:
+    return ", ".join(s for s, _ in registry.docs()[1:])
+
+
+def from_cli(fixes, solver: str | None, scheme) -> Recipe:
+    """The recipe the command line spells: `--fix` (one spelling or several, applied in order), `--solver` (None
+    or rtn: none named) and `--scheme`. A fix may imply a solver where none is named (its `solver_for`: `quarot`
+    is the rotation with GPTQ weights, `clip:output` clips the weights by the clip:output solver)."""
+    texts = [fixes] if isinstance(fixes, str) else list(fixes)
+    steps, solver = [], (solver or "rtn").strip().lower()
+    for text in texts:
+        fix = FIXES.parse(text)
+        if fix is not None:
+            solver = fix.solver_for(FIXES.word(text), solver)
+            steps.append(fix)
+    return Recipe(_scheme(scheme), tuple(steps), SOLVERS.parse(solver))
+
+
+def load_recipe(path) -> Recipe:
+    """A recipe file as `--recipe` reads it (see `Recipe.load`)."""
+    return Recipe.load(path)
 
 
 @dataclass
@@ -231,17 +251,14 @@ class Quantized:
         """Write exactly this simulated model as a compressed-tensors checkpoint (safetensors, config.json's
         quantization_config, the tokenizer) that transformers and vLLM load; every written weight is checked
         against the simulation first. What the format cannot hold is refused in one line (`check_export`)."""
-        from diffquant.quant.export import check, export_compressed_tensors
+        from diffquant.quant.export import export_compressed_tensors
 
         if format != "compressed-tensors":
             raise DiffquantError(f"unknown export format {format!r}; diffquant writes compressed-tensors")
         if self.removed or self.attachment is None:
             raise DiffquantError("this quantized model was removed; quantize it again to export it")
-        labels = [f.label() for f in self.recipe.fixes] or [None]
-        act_order = bool(getattr(self.recipe.solver, "act_order", False))
-        for label in labels[:-1]:
-            check(self.model, self.attachment.scheme, label, act_order)
-        return export_compressed_tensors(self.model, self.attachment, out, tokenizer, labels[-1], act_order)
+        return export_compressed_tensors(self.model, self.attachment, out, tokenizer, self.recipe.fixes,
+                                         self.recipe.solver)
 
     def save(self, folder, source: dict | None = None) -> dict:
         """The scheme (with static scales), the fixes' records and the solved weights, into `folder`; `source`
@@ -259,9 +276,7 @@ def check_export(model, recipe) -> None:
     from diffquant.quant.export import check
 
     recipe = Recipe.of(recipe)
-    act_order = bool(getattr(recipe.solver, "act_order", False))
-    for label in [f.label() for f in recipe.fixes] or [None]:
-        check(model, recipe.adjusted_scheme(), label, act_order)
+    check(model, recipe.adjusted_scheme(), recipe.fixes, recipe.solver)
 
 
 def quantize_(model, recipe, calibration: "torch.Tensor | None" = None, *, compile: bool = False,
@@ -304,9 +319,8 @@ def load_quantized(model, folder) -> Quantized:
     """Re-attach a scheme saved by `save_scheme` to `model` (after replaying its fixes and putting back the
     solved weights); returns the `Quantized` handle, whose `remove()` restores the float model. Folders saved
     before recipes held one fix under "mitigation"."""
-    from diffquant.quant.mitigate import apply_record, parse
+    from diffquant.quant.mitigate import apply_record
     from diffquant.quant.scheme import SCHEME_FILE, attach_scheme
-    from diffquant.quant.solvers import parse as parse_solver
 
     data = json.loads((Path(folder) / SCHEME_FILE).read_text())
     records = data.get("fixes") or ([data["mitigation"]] if data.get("mitigation") else [])
@@ -320,6 +334,6 @@ def load_quantized(model, folder) -> Quantized:
     attachment = attach_scheme(model, scheme)
     for name, state in data.get("scales", {}).items():
         attachment.quantizers[name].load_state(state)
-    recipe = Recipe(scheme, tuple(f for f in (parse(r["mitigation"]) for r in records) if f is not None),
-                    parse_solver(data["weights"]["weights"]) if data.get("weights") else None)
+    recipe = Recipe(scheme, tuple(f for f in (FIXES.parse(r["mitigation"]) for r in records) if f is not None),
+                    SOLVERS.parse(data["weights"]["weights"]) if data.get("weights") else None)
     return Quantized(model, recipe, scheme, attachment, solved, fixes)

@@ -203,7 +203,7 @@ def plan(model, scheme: QuantScheme) -> dict[str, QuantConfig]:
             if config.hadamard and site.kind not in ("k_cache", "v_cache"):
                 raise DiffquantError(f"{site.name}: hadamard quantizers are for the KV cache (k_cache, v_cache), "
                                      "whose readers absorb the rotation exactly; elsewhere the weights would need "
-                                     "it too (use --mitigate rotate)")
+                                     "it too (use --fix rotate)")
             out[site.name] = config
     return out
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
 from diffquant.quant.gptq_config import GPTQ
+from diffquant.quant.steps import SOLVERS, Solver
 
 if TYPE_CHECKING:
     import torch
@@ -33,46 +34,56 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class AWQ:
+class AWQ(Solver):
     """`scale=False, clip=True` is the clip search alone: `clip:output`, the range search on the layer's
     output error (where `clip:mse` minimises each weight tensor's own error)."""
 
     scale: bool = True  # the activation-aware scale search
     clip: bool = True  # the output-error clip search after the scales
     gptq: bool = False  # GPTQ the scaled and clipped weights instead of rounding them to nearest
+    words = ("awq", "clip")
+    docs = {"awq[:no-clip][+gptq]": "AWQ (Lin et al. 2023): activation-aware per-channel scales searched on the "
+                                    "output error and folded into the norms/up_proj, then an output-error clip search; "
+                                    "+gptq: GPTQ instead of RTN on the result",
+            "clip:output[+gptq]": "weight ranges clipped where that lowers each layer's output error (AWQ's clip "
+                                  "search alone), super-weights never clipped; clip:mse is the tensor-MSE search"}
+
+    @classmethod
+    def from_text(cls, word: str, arg: str) -> "AWQ":
+        base = arg.removesuffix("+gptq")
+        if (word, base) not in (("awq", ""), ("awq", "no-clip"), ("clip", "output")):
+            raise ValueError(arg)
+        return cls(scale=word == "awq", clip=base != "no-clip", gptq=arg.endswith("+gptq"))
+
+    @property
+    def fixes_scales(self) -> bool:
+        return self.gptq
 
     def label(self) -> str:
         base = ("awq" + ("" if self.clip else ":no-clip")) if self.scale else "clip:output"
         return base + ("+gptq" if self.gptq else "")
 
+    def layer_steps(self, model, table, configs, by_layer, solved, calibration) -> list:
+        """AWQ's scale and clip search per layer (on the layouts SmoothQuant folds into), then GPTQ if asked."""
+        from diffquant.quant import superweights
+        from diffquant.quant.layout import layers
 
-Solver = GPTQ | AWQ
-SOLVER_TYPES = (GPTQ, AWQ)  # the recipe steps that are weight solvers
-DOCS = {"rtn": "round to nearest (the scheme's own quantizer)",
-        "gptq[:act-order]": "GPTQ (Frantar et al. 2022): Hessian-weighted error feedback, layer by layer on "
-                            "calibration data; act-order: columns by decreasing activation energy",
-        "awq[:no-clip][+gptq]": "AWQ (Lin et al. 2023): activation-aware per-channel scales searched on the output "
-                                "error and folded into the norms/up_proj, then an output-error clip search; "
-                                "+gptq: GPTQ instead of RTN on the result",
-        "clip:output[+gptq]": "weight ranges clipped where that lowers each layer's output error (AWQ's clip "
-                              "search alone), super-weights never clipped; clip:mse is the tensor-MSE search"}
+        layers(model)  # AWQ folds its scales like SmoothQuant: the same layouts, or a clear refusal
+        supers = [o for o in superweights.find(model, calibration) if o["super"]] if self.clip else []
+        solved.record["super_weights"] = [{k: o[k] for k in ("layer", "row", "col", "weight")} for o in supers]
+        steps = [_awq_step(table, configs, self, solved, supers)]
+        if self.gptq:
+            steps.append(gptq_step(table, configs, by_layer, GPTQ(), solved))
+        return steps
+
+
 CHUNK = 8  # calibration windows per forward pass
 WEIGHTS_FILE = "diffquant_solved_weights.safetensors"  # beside a saved scheme: what a solver changed
 
 
 def parse(text: str) -> Solver | None:
-    """`rtn` (None: nothing to solve), `gptq`, `gptq:act-order`, `awq`, `awq:no-clip`, `clip:output`, each
-    AWQ-kind one with `+gptq`."""
-    t = text.strip().lower()
-    kind, _, arg = t.partition(":")
-    if t == "rtn":
-        return None
-    if kind == "gptq" and arg in ("", "act-order"):
-        return GPTQ(act_order=arg == "act-order")
-    base = t.removesuffix("+gptq")
-    if base in ("awq", "awq:no-clip", "clip:output"):
-        return AWQ(scale=base != "clip:output", clip=base != "awq:no-clip", gptq=t.endswith("+gptq"))
-    raise DiffquantError(f"unknown weight solver {text!r}; choose one of: {', '.join(DOCS)}")
+    """The weight solver a spelling names (`rtn`: None, nothing to solve), from the registry (quant/steps.py)."""
+    return SOLVERS.parse(text)
 
 
 class Solved:
@@ -92,7 +103,7 @@ class Solved:
         if self.solver is None:
             return scheme
         weights = scheme.weights
-        if _uses_gptq(self.solver):
+        if self.solver.fixes_scales:
             weights = tuple((p, replace(c, dynamic=False)) for p, c in scheme.weights)
         return replace(scheme, name=f"{scheme.name}+{self.solver.label()}", weights=weights)
 
@@ -147,10 +158,6 @@ def load_solved(model, folder, record: dict) -> Solved:
     return solved
 
 
-def _uses_gptq(solver) -> bool:
-    return isinstance(solver, GPTQ) or (isinstance(solver, AWQ) and solver.gptq)
-
-
 def solve_weights_(model, solver: Solver | None, scheme, calibration: torch.Tensor | None,
                    progress: bool = True) -> Solved:
     """Solve the weights `scheme` quantizes with `solver` on `calibration` ([n, seq] token ids, from the
@@ -172,25 +179,14 @@ def solve_weights_(model, solver: Solver | None, scheme, calibration: torch.Tens
         site = table.sites[name]
         if site.layer is None:
             raise DiffquantError(f"{solver.label()} solves the weights of decoder layers; {name} is outside them "
-                                 "(leave it out of the scheme's weights, or use --weights rtn)")
+                                 "(leave it out of the scheme's weights, or use --solver rtn)")
         if site.layout not in ("linear", "conv1d"):
             raise DiffquantError(f"{solver.label()} does not support fused MoE expert weights ({name}): their "
-                                 "Hessians need each expert's routed tokens; use --weights rtn")
+                                 "Hessians need each expert's routed tokens; use --solver rtn")
         by_layer.setdefault(site.layer, {})[name] = table.modules[name]
     if not configs:
         return solved
-    steps = []
-    if isinstance(solver, AWQ):
-        from diffquant.quant.layout import layers as _layers
-
-        from diffquant.quant import superweights
-
-        _layers(model)  # AWQ folds its scales like SmoothQuant: the same layouts, or a clear refusal
-        supers = [o for o in superweights.find(model, calibration) if o["super"]] if solver.clip else []
-        solved.record["super_weights"] = [{k: o[k] for k in ("layer", "row", "col", "weight")} for o in supers]
-        steps.append(_awq_step(table, configs, solver, solved, supers))
-    if _uses_gptq(solver):
-        steps.append(_gptq_step(table, configs, by_layer, solver if isinstance(solver, GPTQ) else GPTQ(), solved))
+    steps = solver.layer_steps(model, table, configs, by_layer, solved, calibration)
     with torch.no_grad():
         _layer_by_layer(model, table, calibration, steps, max(by_layer), solver.label(), progress)
     solved.record.update(calibration_tokens=int(calibration.numel()), sites=len(configs))
@@ -215,7 +211,7 @@ def _layer_by_layer(model, table, calibration, steps, last: int, desc: str, prog
             inputs = [_with_hidden(args, kwargs, _hidden(layer(*args, **kwargs))) for args, kwargs in inputs]
 
 
-def _gptq_step(table, configs, by_layer, gptq: GPTQ, solved: Solved):
+def gptq_step(table, configs, by_layer, gptq: GPTQ, solved: Solved):
     from diffquant.quant import gptq as G
     from diffquant.taps.tap import canonical_weight, stored_weight
 
