@@ -71,7 +71,7 @@ def one_seed_note(s: dict, rivals: dict | None, link: str = "docs/rivals/demo/re
 
 
 def demo_part() -> list[str]:
-    from diffquant.demo import TRAINING_HEADER, named_rows, training_rows, wa_rows
+    from diffquant.commands.demo import TRAINING_HEADER, named_rows, training_rows, wa_rows
     from diffquant.report.profile_report import SINK_HEADER, TABLE5_HEADER
     from diffquant.report.style import display
     from diffquant.report.tables import markdown
@@ -872,7 +872,7 @@ def finish_demo(out: Path, cache: str, minutes: float, load: float, load_end: fl
                         f"`python -m docs.readme_results --run-{'quick' if out.name == 'demo-quick' else 'demo'}` on "
                         f"{os.cpu_count()} cores with a load average of {load:.1f} from other work when it started"
                         + (f" and {load_end:.1f} when it ended" if load_end is not None else ""))
-    from diffquant.demo import render_report
+    from diffquant.commands.demo import render_report
     from diffquant.paths import atomic_write_json, atomic_write_text
 
     atomic_write_json(summary, s)
@@ -1013,7 +1013,7 @@ def unigram_note(s: dict) -> str:
 
 def profile_part() -> str:
     """SmolLM2's Table 5 analog from the demo's profile of it."""
-    from diffquant.demo import named_rows
+    from diffquant.commands.demo import named_rows
     from diffquant.report.profile_report import TABLE5_HEADER
     from diffquant.report.tables import markdown
 

@@ -102,7 +102,7 @@ def upgrade_sinks(sinks: dict) -> dict:
 def refresh_demo_sinks(s: dict) -> None:
     """docs/demo/profile and docs/demo/smollm2: stats.json's sinks in today's layout (see `upgrade_sinks`),
     table5.md/csv and the sink figure redrawn from them, and the summary's sink rows."""
-    from diffquant.demo import named_rows
+    from diffquant.commands.demo import named_rows
     from diffquant.paths import atomic_write_json, atomic_write_text
     from diffquant.report.plots import plot_sinks
     from diffquant.report.profile_report import TABLE5_HEADER, sink_rows, sink_sections, table5_markdown
@@ -148,7 +148,7 @@ def refresh_seeds(doc: dict) -> dict:
 
 
 def main() -> None:
-    from diffquant.demo import render_report
+    from diffquant.commands.demo import render_report
     from diffquant.paths import atomic_write_json, atomic_write_text
     from diffquant.report.emergence_plots import plot_emergence
     from diffquant.report.sweep_plots import plot_sweep

@@ -180,7 +180,7 @@ def test_experiments_run_as_modules(tmp_path, quick_pairs):
 
 def test_the_demo_plan_states_the_committed_timings():
     """The minutes the demo announces are those its committed runs measured (docs/demo*/summary.json)."""
-    from diffquant.demo import QUICK, STEP_SECONDS, DemoConfig, plan_lines
+    from diffquant.commands.demo import QUICK, STEP_SECONDS, DemoConfig, plan_lines
 
     for kind, folder in (("full", "docs/demo"), ("quick", "docs/demo-quick")):
         s = json.loads((ROOT / folder / "summary.json").read_text())

@@ -301,7 +301,7 @@ def _quantize(sub) -> None:
                    help="write the simulated model to --out as a checkpoint others load: compressed-tensors "
                         "(transformers' from_pretrained, vLLM; pip install 'diffquant[export]')")
     out_args(p, required=False)
-    p.set_defaults(func=_lazy("diffquant.quant.cli", "run_cli"))
+    p.set_defaults(func=_lazy("diffquant.commands.quantize", "run_cli"))
 
 
 def _train(sub) -> None:
@@ -381,14 +381,14 @@ def _lm_eval(sub) -> None:
     p.add_argument("--include-path", default=None, help="folder of local lm-eval task YAMLs")
     p.add_argument("--limit", type=int, default=None)
     out_args(p)
-    p.set_defaults(func=_lazy("diffquant.lm_eval_adapter", "run_cli"))
+    p.set_defaults(func=_lazy("diffquant.commands.lm_eval", "run_cli"))
 
 
 def _plot(sub) -> None:
     p = _parser(sub, "plot", "redraw all figures of a profile, sweep or demo folder from its saved results",
                 "diffquant plot runs/sweep")
     p.add_argument("folder")
-    p.set_defaults(func=_lazy("diffquant.report.plot_cli", "run_cli"))
+    p.set_defaults(func=_lazy("diffquant.commands.plot", "run_cli"))
 
 
 def _data(sub) -> None:
@@ -398,7 +398,7 @@ def _data(sub) -> None:
     p.add_argument("name", nargs="?", default="kjv", help="corpus name, local file/folder, or hf:NAME")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--tokenizer", default=None, help="a model folder whose tokenizer counts the tokens (info)")
-    p.set_defaults(func=_lazy("diffquant.data.cli", "run_cli"))
+    p.set_defaults(func=_lazy("diffquant.commands.data", "run_cli"))
 
 
 def _demo(sub) -> None:
@@ -408,7 +408,7 @@ def _demo(sub) -> None:
     p.add_argument("--quick", action="store_true", help="tiny budgets: the same pipeline in a few minutes")
     p.add_argument("--force", action="store_true", help="overwrite an existing report folder")
     p.add_argument("--cache-dir", default=None)
-    p.set_defaults(func=_lazy("diffquant.demo", "run_cli"))
+    p.set_defaults(func=_lazy("diffquant.commands.demo", "run_cli"))
 
 
 def _list(sub) -> None:
