@@ -188,7 +188,7 @@ def step_backend(device: str, smoke: bool, out: Path, backend: str) -> dict:
     import torch
 
     from diffquant.models.presets import PRESETS, build
-    from diffquant.quant import backends
+    from diffquant.quant.checkpoints import backends
 
     preset = "micro" if smoke else "tiny"
     torch.manual_seed(0)

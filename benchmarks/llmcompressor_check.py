@@ -224,12 +224,12 @@ def main(argv=None) -> None:
     from safetensors.torch import load_file
 
     from diffquant.evaluate import language_modeling
-    from diffquant.quant import solvers
+    from diffquant.quant.algorithms import solvers
     from diffquant.paths import atomic_write_json, atomic_write_text
-    from diffquant.quant import granularity as G
-    from diffquant.quant.config import int_config
+    from diffquant.quant.numerics import granularity as G
+    from diffquant.quant.numerics.config import int_config
     from diffquant.quant.recipe import Recipe, quantize_
-    from diffquant.quant.scheme import LAYER_WEIGHTS, QuantScheme
+    from diffquant.quant.numerics.scheme import LAYER_WEIGHTS, QuantScheme
     from diffquant.sweeps import versus_float
     from benchmarks.peers import SCRATCH, export_model
     from experiments.weight_solvers import CALIBRATION_WINDOWS, _data
@@ -465,7 +465,7 @@ def export_section(model, model_dir: Path, calib, calib_path: Path, eval_path: P
 
     from transformers import AutoTokenizer
 
-    from diffquant.quant.gptq_config import GPTQ
+    from diffquant.quant.algorithms.gptq_config import GPTQ
     from diffquant.quant.recipe import Recipe, quantize_
     from benchmarks.peers import SCRATCH
 

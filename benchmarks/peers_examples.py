@@ -16,7 +16,7 @@ import torch
 
 from diffquant.models.load import load_model
 from diffquant.profiler import profile_model
-from diffquant.quant.scheme import get_scheme, attach_scheme
+from diffquant.quant.numerics.scheme import get_scheme, attach_scheme
 
 model, _ = load_model("tiny:diff")
 ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))

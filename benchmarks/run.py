@@ -31,9 +31,9 @@ import torch
 from diffquant.allocator import keep_freed_memory
 from diffquant.models.presets import PRESETS, build_pair
 from diffquant.profiler import StatsObserver, profile_model
-from diffquant.quant import granularity as G
-from diffquant.quant import math as Q
-from diffquant.quant.formats import Format
+from diffquant.quant.numerics import granularity as G
+from diffquant.quant.numerics import math as Q
+from diffquant.quant.numerics.formats import Format
 from diffquant.taps import tapped
 
 LINEAR_INPUT_SITES = ["*.attn_in", "*.attn_out", "*.mlp_in", "*.down_in", "final_norm"]
@@ -128,13 +128,13 @@ def bench_profiler(model, ids, device, rounds: int) -> dict:
 
 
 def bench_launches(model, ids, logits: bool = True) -> dict:
-    """Operators that launch a kernel on an accelerator (diffquant.syncs.Launches), in one forward: plain, with
+    """Operators that launch a kernel on an accelerator (diffquant.dev.syncs.Launches), in one forward: plain, with
     statistics on every hidden state and Linear input, and (`logits`) with attention-logit statistics beside the
     eager attention they replace, as the statistics run on an accelerator; with the sites counted, the launches
     per site update. The token sites' count is the same on every device; the logits' follows the device's query
     blocks."""
     from diffquant.stats import site_stats
-    from diffquant.syncs import Launches
+    from diffquant.dev.syncs import Launches
 
     contexts = {"plain": contextlib.nullcontext,
                 "token_sites": lambda: tapped(model, {p: StatsObserver() for p in ["*.hidden", *LINEAR_INPUT_SITES]})}
@@ -168,13 +168,13 @@ def bench_launches_small() -> dict:
 
 
 def host_syncs(model, ids) -> dict:
-    """Calls that would make the host wait for an accelerator (diffquant.syncs.HostSyncs), in one profiled forward
+    """Calls that would make the host wait for an accelerator (diffquant.dev.syncs.HostSyncs), in one profiled forward
     of the hidden states and Linear inputs and one of the attention logits: as the statistics run on CUDA (every
     update leaves non-finite values out in one pass) and as they run on CPU (the sum is read back first, which on
     CPU reads host memory and waits for nothing). The plain forward's own count is beside them: diffquant's are
     the difference."""
     from diffquant.stats import site_stats
-    from diffquant.syncs import HostSyncs
+    from diffquant.dev.syncs import HostSyncs
 
     with torch.inference_mode(), HostSyncs() as syncs:  # the model's own (transformers' mask code reads one back)
         model(ids, use_cache=False)
@@ -438,7 +438,7 @@ def bench_long_context(seqs=(2048, 4096, 8192)) -> dict:
 def bench_mitigation_speed() -> dict:
     """Calibration and transform time of SmolLM2-135M: SmoothQuant (16 windows of 256 tokens) and rotation."""
     from diffquant.models.load import load_model
-    from diffquant.quant.mitigate import Rotate, SmoothQuant, mitigate_
+    from diffquant.quant.algorithms.mitigate import Rotate, SmoothQuant, mitigate_
 
     model, _ = load_model("smollm2-135m")
     calib = torch.randint(0, 49152, (16, 256), generator=torch.Generator().manual_seed(0))
@@ -458,8 +458,8 @@ def bench_gptq_speed(windows=(16, 128)) -> dict:
     once and its Hessians gathered in one pass. Issue 25's target: under 10 minutes on this machine at the
     reference's 128 windows (16 windows took 2,101 s beside other jobs before the fix)."""
     from diffquant.models.load import load_model
-    from diffquant.quant import solvers
-    from diffquant.quant.scheme import get_scheme
+    from diffquant.quant.algorithms import solvers
+    from diffquant.quant.numerics.scheme import get_scheme
 
     model, _ = load_model("smollm2-135m")
     out = {}

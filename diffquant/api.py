@@ -18,11 +18,11 @@ from typing import Iterable
 from diffquant.allocator import keep_freed_memory
 from diffquant.errors import DiffquantError
 from diffquant.profiler import ModelProfile as Profile
-from diffquant.quant.gptq_config import GPTQ
-from diffquant.quant.mitigate import Clip, Rotate, SmoothQuant
+from diffquant.quant.algorithms.gptq_config import GPTQ
+from diffquant.quant.algorithms.mitigate import Clip, Rotate, SmoothQuant
 from diffquant.quant.recipe import Quantized, Recipe, quantize_
-from diffquant.quant.scheme import QuantScheme
-from diffquant.quant.solvers import AWQ
+from diffquant.quant.numerics.scheme import QuantScheme
+from diffquant.quant.algorithms.solvers import AWQ
 
 __all__ = ["load", "load_pair", "windows", "profile", "Profile", "quantize_", "Recipe", "Quantized", "SmoothQuant",
            "Rotate", "Clip", "GPTQ", "AWQ", "QuantScheme", "scheme", "perplexity", "multiple_choice", "sweep",
@@ -77,7 +77,7 @@ def profile(model, windows, sites: Iterable[str] = ("*.attn_logits", "*.hidden")
 
 def scheme(name: str) -> QuantScheme:
     """A scheme preset (`diffquant quantize --list`) or a .json/.yaml scheme file."""
-    from diffquant.quant.scheme import get_scheme
+    from diffquant.quant.numerics.scheme import get_scheme
 
     return get_scheme(name)
 

@@ -11,9 +11,9 @@ def entries() -> dict[str, list[tuple[str, str]]]:
     from diffquant.designs import DESIGNS
     from diffquant.models.presets import PRESETS as MODEL_PRESETS
     from diffquant.models.zoo import ZOO
-    from diffquant.quant.backends import BACKENDS
-    from diffquant.quant.scheme import SCHEME_PRESETS as SCHEMES
-    from diffquant.quant.steps import FIXES, SOLVERS
+    from diffquant.quant.checkpoints.backends import BACKENDS
+    from diffquant.quant.numerics.scheme import SCHEME_PRESETS as SCHEMES
+    from diffquant.quant.algorithms.steps import FIXES, SOLVERS
     from diffquant.stats.metric_sets import REGISTRY as METRIC_SETS
     from diffquant.taps.sites import MODEL_SITES, POINTS
 

@@ -29,7 +29,7 @@ def environment() -> dict:
         "threads": torch.get_num_threads(),
     }
     info["attention"] = attention_implementations()
-    from diffquant.quant.backends import backend_status
+    from diffquant.quant.checkpoints.backends import backend_status
 
     info["backends"] = backend_status()
     return info

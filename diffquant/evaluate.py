@@ -75,7 +75,7 @@ def multiple_choice(model, tokenizer, examples: list[dict], progress: bool = Fal
     paired tests between settings, and `predicted`, the index of each example's chosen answer under `acc`.
 
     Sequences (input + one choice) of equal token length are batched together, never padded: a dynamic
-    quantizer scales each sequence from that sequence alone (quant/granularity.py), so a sequence scores the
+    quantizer scales each sequence from that sequence alone (quant/numerics/granularity.py), so a sequence scores the
     same as it would alone; padding would add its positions to a per-tensor scale.
     """
     from tqdm.auto import tqdm

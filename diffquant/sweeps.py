@@ -13,9 +13,9 @@ from pathlib import Path
 
 from diffquant.errors import DiffquantError
 from diffquant.paths import atomic_write_json, atomic_write_text
-from diffquant.quant import granularity as G
-from diffquant.quant.config import int_config
-from diffquant.quant.scheme import LAYER_WEIGHTS, LINEAR_INPUTS, QuantScheme
+from diffquant.quant.numerics import granularity as G
+from diffquant.quant.numerics.config import int_config
+from diffquant.quant.numerics.scheme import LAYER_WEIGHTS, LINEAR_INPUTS, QuantScheme
 from diffquant.report.tables import sample_size, to_csv
 
 NATIVE = 16  # "16 bits": the model's own precision, as in the paper's Figure 8
@@ -31,8 +31,8 @@ class Cell:
     granularity: str = "tensor"
     wbits: int = NATIVE
     layer: int | None = None
-    mitigate: str = "none"  # a function-preserving transform applied before the scheme (quant/mitigate.py)
-    weights: str = "rtn"  # how the weights reach their grid (quant/solvers.py)
+    mitigate: str = "none"  # a function-preserving transform applied before the scheme (quant/algorithms/mitigate.py)
+    weights: str = "rtn"  # how the weights reach their grid (quant/algorithms/solvers.py)
 
     def key(self) -> str:
         values = asdict(self)
@@ -64,7 +64,7 @@ class Cell:
 
     def scheme(self) -> QuantScheme:
         if self.kind == "scheme":
-            from diffquant.quant.scheme import get_scheme
+            from diffquant.quant.numerics.scheme import get_scheme
 
             return get_scheme(self.site)
         if self.kind == "wa":
@@ -96,10 +96,10 @@ def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: lis
     and w4a16) add one whole-model cell each, beside the one-site bit-width cells; the weight solvers vary the
     weight × activation grid only (the other cells quantize no weights, or name their own); each of `recipes`
     (recipe files, quant/recipe.py) is one cell per model, with its own fixes, solver and scheme."""
-    from diffquant.quant import solvers as S
-    from diffquant.quant.mitigate import parse
+    from diffquant.quant.algorithms import solvers as S
+    from diffquant.quant.algorithms.mitigate import parse
     from diffquant.quant.recipe import load_recipe
-    from diffquant.quant.scheme import get_scheme
+    from diffquant.quant.numerics.scheme import get_scheme
 
     for g in grans:
         G.parse_granularity(g)  # fail before any model runs
@@ -374,7 +374,7 @@ def sweep_metrics(rows: list[dict]) -> list[str]:
 def _quantizes_weights(row: dict) -> bool:
     """Whether a result row's cell quantized weights: a whole-model scheme with weight quantizers, a W×A grid cell."""
     if row["kind"] == "scheme":
-        from diffquant.quant.scheme import get_scheme
+        from diffquant.quant.numerics.scheme import get_scheme
 
         return bool(get_scheme(row["site"]).weights)
     if row["kind"] == "recipe":

@@ -400,7 +400,7 @@ def mitigations_part() -> list[str]:
     return lines
 
 
-# The mitigations table was measured with round two's rotation; `rotate` now does more (quant/mitigate.py).
+# The mitigations table was measured with round two's rotation; `rotate` now does more (quant/algorithms/mitigate.py).
 ROTATE_NOTE = ("`rotate` in this table is round two's rotation: the residual stream and the down_proj input only; "
                "the per-head V/O rotation and the keys' Hadamard basis came later and are in the W×A table below, "
                "where `rotate` is the complete one.")

@@ -6,7 +6,7 @@
 Each family of `diffquant.models.matrix` is built tiny; the table says which site points it has, whether
 attention logits can be tapped, which scheme presets apply (`attach_scheme`'s own check) and which real
 backends load it and run a forward with finite logits here, and which presets export to compressed-tensors
-(`quant/export.py`'s check; the export of each family is loaded bit-identically by transformers in
+(`quant/checkpoints/export.py`'s check; the export of each family is loaded bit-identically by transformers in
 tests/test_export.py). The numbers behind every ✓ of the first columns are checked against independent
 computations by tests/test_architectures.py.
 """
@@ -71,7 +71,7 @@ def _backends(model, ids) -> str:
     """Backends that load the model and give finite logits, with the share of layer weights they convert."""
     import torch
 
-    from diffquant.quant.backends import load_real
+    from diffquant.quant.checkpoints.backends import load_real
 
     ok, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,8 +99,8 @@ EXPORT_PRESETS = ("w8a16", "w4a16", "w4a16-g32", "w8a8", "w8a8-static", "w4a8", 
 def _export(model) -> str:
     """The presets `diffquant quantize --export compressed-tensors` writes for this family, or why none."""
     from diffquant.errors import DiffquantError
-    from diffquant.quant.export import check
-    from diffquant.quant.scheme import SCHEME_PRESETS
+    from diffquant.quant.checkpoints.export import check
+    from diffquant.quant.numerics.scheme import SCHEME_PRESETS
 
     ok, why, notes = [], "", set()
     for name in EXPORT_PRESETS:
@@ -118,7 +118,7 @@ def rows(real: bool = True) -> list[list[str]]:
     import torch
 
     from diffquant.models.matrix import FAMILIES, VOCAB
-    from diffquant.quant.scheme import SCHEME_PRESETS, applies
+    from diffquant.quant.numerics.scheme import SCHEME_PRESETS, applies
     from diffquant.taps import site_table
 
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -51,9 +51,9 @@ def test_recipe_is_data(tmp_path):
 def test_quantize_is_the_steps_done_by_hand_and_leaving_restores_the_model(model):
     """The pipeline against the same steps called one by one (fix, solver, scheme, its static scales), and the
     float model back bit for bit after the `with` block."""
-    from diffquant.quant.mitigate import mitigate_
-    from diffquant.quant.scheme import attach_scheme, calibrate, get_scheme
-    from diffquant.quant.solvers import solve_weights_
+    from diffquant.quant.algorithms.mitigate import mitigate_
+    from diffquant.quant.numerics.scheme import attach_scheme, calibrate, get_scheme
+    from diffquant.quant.algorithms.solvers import solve_weights_
 
     calib, ids = _ids(seed=1), _ids(4, 16, seed=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -11,7 +11,7 @@ from transformers import AttentionInterface
 from diffquant import DiffquantError
 from diffquant.models.matrix import FAMILIES, VOCAB
 from diffquant.profiler import profile_model
-from diffquant.quant.scheme import get_scheme, attach_scheme
+from diffquant.quant.numerics.scheme import get_scheme, attach_scheme
 from diffquant.taps import site_table, tapped
 
 B, T = 2, 12
@@ -249,8 +249,8 @@ def test_gemma2_some_layers_tapped():
 
 
 def test_refusal_names_every_missing_site_before_any_forward():
-    from diffquant.quant.config import int_config
-    from diffquant.quant.scheme import QuantScheme
+    from diffquant.quant.numerics.config import int_config
+    from diffquant.quant.numerics.scheme import QuantScheme
 
     model = FAMILIES["gpt2"].build()
     calls = []
@@ -260,5 +260,5 @@ def test_refusal_names_every_missing_site_before_any_forward():
         attach_scheme(model, scheme)
     assert calls == [] and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if m is not model)
     with pytest.raises(DiffquantError, match="per-head granularity needs a site with a head dimension"):
-        from diffquant.quant import granularity as G
+        from diffquant.quant.numerics import granularity as G
         attach_scheme(model, QuantScheme("h", (("*.hidden", int_config(8, G.PerHead())),)))

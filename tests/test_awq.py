@@ -2,9 +2,9 @@
 
 import torch
 
-from diffquant.quant.awq import search_clip, search_scale
-from diffquant.quant.config import int_config
-from diffquant.quant.granularity import PerChannel, PerGroup
+from diffquant.quant.algorithms.awq import search_clip, search_scale
+from diffquant.quant.numerics.config import int_config
+from diffquant.quant.numerics.granularity import PerChannel, PerGroup
 
 
 def rtn_rows(w, bits=4, group=None):
@@ -64,8 +64,8 @@ def test_clip_search_matches_brute_force():
 
 
 def test_awq_scales_fold_exactly(micro_pair):
-    from diffquant.quant.scheme import get_scheme
-    from diffquant.quant.solvers import parse, solve_weights_
+    from diffquant.quant.numerics.scheme import get_scheme
+    from diffquant.quant.algorithms.solvers import parse, solve_weights_
 
     for model in micro_pair:  # Llama and DiffLlama
         ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
@@ -95,9 +95,9 @@ def test_protected_super_weight_is_never_clipped():
 
 
 def test_super_weight_found_and_kept_by_clip_output(micro_pair):
-    from diffquant.quant import superweights
-    from diffquant.quant.scheme import get_scheme
-    from diffquant.quant.solvers import parse, solve_weights_
+    from diffquant.quant.algorithms import superweights
+    from diffquant.quant.numerics.scheme import get_scheme
+    from diffquant.quant.algorithms.solvers import parse, solve_weights_
 
     model = micro_pair[0]
     down = model.model.layers[0].mlp.down_proj

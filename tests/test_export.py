@@ -1,4 +1,4 @@
-"""Export to compressed-tensors (quant/export.py) and reading such checkpoints (quant/compressed.py).
+"""Export to compressed-tensors (quant/checkpoints/export.py) and reading such checkpoints (quant/checkpoints/compressed.py).
 
 Parity is checked where a user would check it: each exported folder is loaded by transformers'
 `AutoModelForCausalLM.from_pretrained` in a fresh interpreter that never imports diffquant (the designs, whose
@@ -17,14 +17,14 @@ from conftest import write_micro_diff_checkpoint
 from diffquant.cli import main
 from diffquant.errors import DiffquantError
 from diffquant.models.matrix import FAMILIES, VOCAB
-from diffquant.quant import granularity as G
-from diffquant.quant import solvers
-from diffquant.quant.config import QuantConfig, int_config
-from diffquant.quant.export import check
-from diffquant.quant.formats import Format
-from diffquant.quant.mitigate import Clip, SmoothQuant, adjust_scheme
+from diffquant.quant.numerics import granularity as G
+from diffquant.quant.algorithms import solvers
+from diffquant.quant.numerics.config import QuantConfig, int_config
+from diffquant.quant.checkpoints.export import check
+from diffquant.quant.numerics.formats import Format
+from diffquant.quant.algorithms.mitigate import Clip, SmoothQuant, adjust_scheme
 from diffquant.quant.recipe import Recipe, quantize_
-from diffquant.quant.scheme import LAYER_WEIGHTS, LINEAR_INPUTS, QuantScheme, attach_scheme, get_scheme
+from diffquant.quant.numerics.scheme import LAYER_WEIGHTS, LINEAR_INPUTS, QuantScheme, attach_scheme, get_scheme
 
 IDS = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
 CALIB = torch.randint(3, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))

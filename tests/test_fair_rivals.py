@@ -175,8 +175,8 @@ def test_kv_cache_granularity_is_said_per_design_and_the_matched_preset_gives_eq
     report states are checked against the scales diffquant's quantizer actually computes on cache-shaped tensors."""
     import torch
 
-    from diffquant.quant.math import dynamic_qparams
-    from diffquant.quant.scheme import get_scheme
+    from diffquant.quant.numerics.math import dynamic_qparams
+    from diffquant.quant.numerics.scheme import get_scheme
     from diffquant.taps.sites import CACHE
 
     doc = {"experiment": {"train": {"preset": "guo"}, "schemes": ["kv4", "kivi2"]},
@@ -194,7 +194,7 @@ def test_kv_cache_granularity_is_said_per_design_and_the_matched_preset_gives_eq
                 counted.append(scale.numel() // pos)
             assert tuple(counted) == want[design] == fr.cache_scales(name, heads, width), (name, design)
     from diffquant.models.presets import build, get_preset
-    from diffquant.quant.scheme import attach_scheme
+    from diffquant.quant.numerics.scheme import attach_scheme
 
     torch.manual_seed(0)
     ids = torch.randint(0, 66, (1, 40))

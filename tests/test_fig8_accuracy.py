@@ -54,7 +54,7 @@ def _by_hand(model, examples):
 def test_batched_scoring_equals_one_sequence_at_a_time(micro_pair, scheme, batch_tokens):
     """Batches hold sequences of one length only (no padding), so even a per-tensor dynamic quantizer of the
     attention logits scores each sequence as it would alone."""
-    from diffquant.quant.scheme import get_scheme, attach_scheme
+    from diffquant.quant.numerics.scheme import get_scheme, attach_scheme
 
     model = micro_pair[1]
     handle = attach_scheme(model, get_scheme(scheme))

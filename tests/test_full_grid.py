@@ -5,10 +5,10 @@ spelling round-trips."""
 import pytest
 import torch
 
-from diffquant.quant import granularity as G
-from diffquant.quant import math as Q
-from diffquant.quant.config import QuantConfig
-from diffquant.quant.formats import Format, parse_format
+from diffquant.quant.numerics import granularity as G
+from diffquant.quant.numerics import math as Q
+from diffquant.quant.numerics.config import QuantConfig
+from diffquant.quant.numerics.formats import Format, parse_format
 
 
 @pytest.mark.parametrize("bits", [8, 4])

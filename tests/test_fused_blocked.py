@@ -9,9 +9,9 @@ import torch
 from diffquant.models.fused import fuse
 from diffquant.models.presets import PRESETS, build
 from diffquant.profiler import profile_model
-from diffquant.quant.config import int_config
-from diffquant.quant import granularity as G
-from diffquant.quant.scheme import QuantScheme, attach_scheme
+from diffquant.quant.numerics.config import int_config
+from diffquant.quant.numerics import granularity as G
+from diffquant.quant.numerics.scheme import QuantScheme, attach_scheme
 from diffquant.taps import attention as A, tapped
 
 

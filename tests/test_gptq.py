@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from diffquant.quant import math as Q
-from diffquant.quant.config import QuantConfig, int_config
-from diffquant.quant.formats import Format
-from diffquant.quant.gptq import GPTQ, solve
-from diffquant.quant.granularity import PerChannel, PerGroup
+from diffquant.quant.numerics import math as Q
+from diffquant.quant.numerics.config import QuantConfig, int_config
+from diffquant.quant.numerics.formats import Format
+from diffquant.quant.algorithms.gptq import GPTQ, solve
+from diffquant.quant.numerics.granularity import PerChannel, PerGroup
 
 
 def reference_gptq(W, H, bits, group=None, act_order=False, damp=0.01):
@@ -102,8 +102,8 @@ def test_act_order_is_gptq_on_the_permuted_columns():
 
 
 def test_gptq_on_a_model_installs_reversibly(micro_pair):
-    from diffquant.quant.scheme import get_scheme, attach_scheme
-    from diffquant.quant.solvers import parse, solve_weights_
+    from diffquant.quant.numerics.scheme import get_scheme, attach_scheme
+    from diffquant.quant.algorithms.solvers import parse, solve_weights_
 
     for model in micro_pair:  # Llama and DiffLlama
         before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -128,8 +128,8 @@ def module_key(model, module) -> str:
 
 def test_gptq_layer_zero_solves_its_own_inputs(micro_pair):
     """Layer 0's q_proj is solved on the Hessian of its real input (the first norm's output)."""
-    from diffquant.quant.scheme import get_scheme
-    from diffquant.quant.solvers import parse, solve_weights_
+    from diffquant.quant.numerics.scheme import get_scheme
+    from diffquant.quant.algorithms.solvers import parse, solve_weights_
 
     model = micro_pair[0]
     calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -202,7 +202,7 @@ def test_sweep_weights_axis(micro_pair, tmp_path):
 def test_layer_input_hessians_match_each_modules_own_input(micro_pair):
     """Every Linear's Hessian and mean |x| equal 2·XᵀX / n of its own input, computed here in float64 from
     hooks on each module, though modules that read one tensor (q/k/v, gate/up) share a product."""
-    from diffquant.quant.solvers import _first_layer_inputs, _input_stats
+    from diffquant.quant.algorithms.solvers import _first_layer_inputs, _input_stats
 
     model = micro_pair[0]
     calib = torch.randint(0, model.config.vocab_size, (16, 32), generator=torch.Generator().manual_seed(2))

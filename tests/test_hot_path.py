@@ -20,7 +20,7 @@ from diffquant.stats.histogram import NBINS, AbsHistogram
 from diffquant.stats.sinks import LayerSinks, norm_ratio
 from diffquant.stats.site_stats import TOKEN_DIMS, SiteStats, _passes
 from diffquant.stats.topk import TopK
-from diffquant.syncs import HostSyncs
+from diffquant.dev.syncs import HostSyncs
 from diffquant.taps import tapped
 from diffquant.taps import attention as A
 
@@ -338,7 +338,7 @@ def test_host_sync_counter():
 
 
 def test_launch_counter_counts_kernels_not_views():
-    from diffquant.syncs import Launches
+    from diffquant.dev.syncs import Launches
 
     x = torch.randn(4, 6)
     with Launches() as n:

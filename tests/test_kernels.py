@@ -675,12 +675,12 @@ GRANULARITIES = ["tensor", "head", "token"]
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_flash_quantized_logits_equal_fake_quant(granularity, dtype):
     """int4 dynamic absmax per tensor (of a sequence), per head, per token: the logits the kernel's softmax reads are
-    quant/math.py's `dynamic_fake_quantize` of the kernel's own logits (ranges over the visible ones; masked ones kept),
+    quant/numerics/math.py's `dynamic_fake_quantize` of the kernel's own logits (ranges over the visible ones; masked ones kept),
     bit for bit, and its output is the explicit softmax of them times V."""
     from diffquant.kernels import flash
-    from diffquant.quant import math as Q
-    from diffquant.quant.granularity import parse_granularity
-    from diffquant.quant.scheme import int_config
+    from diffquant.quant.numerics import math as Q
+    from diffquant.quant.numerics.granularity import parse_granularity
+    from diffquant.quant.numerics.scheme import int_config
     from diffquant.taps.triton_attention import _scales
 
     q, k, v = _qkv(2, 4, 2, 72, 72, 16, 19, dtype)
@@ -710,8 +710,8 @@ def test_flash_statistics_before_or_after_the_quantizer(after):
     """Statistics observed before the quantizer see the logits as computed; after it, the quantized ones (the taps'
     order, as in the explicit path); the top-k's recomputed rows are quantized alike."""
     from diffquant.kernels import flash
-    from diffquant.quant.scheme import int_config
-    from diffquant.quant.granularity import PerToken
+    from diffquant.quant.numerics.scheme import int_config
+    from diffquant.quant.numerics.granularity import PerToken
     from diffquant.taps.triton_attention import _scales
 
     q, k, v = _qkv(1, 2, 2, 40, 40, 16, 20)
@@ -735,12 +735,12 @@ def test_flash_statistics_before_or_after_the_quantizer(after):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["baseline", "diff"])
 def test_logit_sweep_scheme_through_the_flash_kernel(arch):
-    """The sweep's int4 logit schemes (quant/scheme.py, attached as the sweep attaches them) on micro models: with the
+    """The sweep's int4 logit schemes (quant/numerics/scheme.py, attached as the sweep attaches them) on micro models: with the
     Triton path the model's output equals the explicit fake-quant path's (the logits' rounding codes agree, so the
     outputs differ by float32 summation order only)."""
     from diffquant.models.presets import PRESETS, build
-    from diffquant.quant.scheme import QuantScheme, attach_scheme, int_config
-    from diffquant.quant.granularity import parse_granularity
+    from diffquant.quant.numerics.scheme import QuantScheme, attach_scheme, int_config
+    from diffquant.quant.numerics.granularity import parse_granularity
 
     model = build(PRESETS["micro"], arch, seed=4).eval()
     ids = torch.randint(0, 512, (1, 72), generator=torch.Generator().manual_seed(21))
@@ -764,9 +764,9 @@ def test_logit_statistics_and_quantizer_in_either_order(observer_first):
     kernel the observer sees what it sees on the explicit path (the logits as computed, or quantized)."""
     from diffquant.models.presets import PRESETS, build
     from diffquant.profiler import StatsObserver
-    from diffquant.quant.fake import FakeQuant
-    from diffquant.quant.granularity import PerHead
-    from diffquant.quant.scheme import int_config
+    from diffquant.quant.numerics.fake import FakeQuant
+    from diffquant.quant.numerics.granularity import PerHead
+    from diffquant.quant.numerics.scheme import int_config
     from diffquant.taps import Batch, tapped
 
     model = build(PRESETS["micro"], "baseline", seed=4).eval()

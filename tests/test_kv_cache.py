@@ -5,11 +5,11 @@ import torch
 
 from diffquant import DiffquantError
 from diffquant.models.matrix import FAMILIES
-from diffquant.quant import granularity as G
-from diffquant.quant.config import QuantConfig
-from diffquant.quant.formats import Format
-from diffquant.quant.kv_cache import decode_greedy, decode_logits, write_once_cache
-from diffquant.quant.scheme import QuantScheme, get_scheme, attach_scheme
+from diffquant.quant.numerics import granularity as G
+from diffquant.quant.numerics.config import QuantConfig
+from diffquant.quant.numerics.formats import Format
+from diffquant.quant.algorithms.kv_cache import decode_greedy, decode_logits, write_once_cache
+from diffquant.quant.numerics.scheme import QuantScheme, get_scheme, attach_scheme
 from diffquant.taps import attach, site_table
 from diffquant.taps.sites import site_docs
 
@@ -285,7 +285,7 @@ def test_simulation_matches_transformers_quanto_cache(family, quanto_kernels):
     from transformers.cache_utils import QuantizedCache
 
     from diffquant.models.fused import fuse
-    from diffquant.quant.kv_cache import residual_requant_cache
+    from diffquant.quant.algorithms.kv_cache import residual_requant_cache
 
     model = FAMILIES[family].build()
     fuse(model)
@@ -386,7 +386,7 @@ def test_needle_through_a_quantized_cache():
 
     from diffquant.data import needle
     from diffquant.data.tokens import byte_tokenizer
-    from diffquant.quant.scheme import kv_config, kv_scheme
+    from diffquant.quant.numerics.scheme import kv_config, kv_scheme
 
     model, tok = FAMILIES["llama"].build().eval(), byte_tokenizer()
     hay = "\n".join(f"line {i} of the haystack, words and more words" for i in range(80))

@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from diffquant.errors import DiffquantError
-from diffquant.quant import granularity as G
+from diffquant.quant.numerics import granularity as G
 from diffquant.quant.llmcompressor_recipe import is_llmcompressor, read
 from diffquant.quant.recipe import quantize_
 

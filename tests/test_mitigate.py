@@ -10,9 +10,9 @@ import torch
 
 from diffquant import DiffquantError
 from diffquant.models.matrix import FAMILIES
-from diffquant.quant.hadamard import hadamard, orthogonal
-from diffquant.quant.mitigate import Clip, Rotate, SmoothQuant, adjust_scheme, apply_record, mitigate_, parse
-from diffquant.quant.scheme import calibrate, get_scheme, attach_scheme
+from diffquant.quant.numerics.hadamard import hadamard, orthogonal
+from diffquant.quant.algorithms.mitigate import Clip, Rotate, SmoothQuant, adjust_scheme, apply_record, mitigate_, parse
+from diffquant.quant.numerics.scheme import calibrate, get_scheme, attach_scheme
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -299,7 +299,7 @@ def test_rotate_leaves_values_of_an_elementwise_gate_and_rotates_keys_in_the_cac
 
 
 def test_quarot_is_rotate_with_gptq_weights():
-    from diffquant.quant.gptq_config import GPTQ
+    from diffquant.quant.algorithms.gptq_config import GPTQ
     from diffquant.quant.recipe import from_cli
 
     q = parse("quarot")
@@ -356,7 +356,7 @@ def test_smoothquant_search_applies_the_alpha_of_least_calibration_loss():
     with each α's smoothing written out by hand (`_smooth_by_hand`, maxima read by plain hooks), and applies the
     argmin."""
     from diffquant.evaluate import language_modeling
-    from diffquant.quant.mitigate import ALPHAS
+    from diffquant.quant.algorithms.mitigate import ALPHAS
 
     model = _with_random_norms(FAMILIES["llama"].build())
     calib, ids = _ids(8, 16, seed=1), _ids()
@@ -435,12 +435,12 @@ def test_clip_output_picks_the_range_of_least_reader_output_error():
     """A static per-tensor int4 scale on layer 1's down_proj input: clip:output chooses, among the clipping
     ratios, the one minimising ‖(X − Q(X))·W_downᵀ‖² (computed here with a hand int4 quantizer and the plain
     product), where clip:mse minimises ‖X − Q(X)‖²; a planted massive channel makes the two differ."""
-    from diffquant.quant.config import QuantConfig
-    from diffquant.quant.fake import MSE_ALPHAS
-    from diffquant.quant.formats import Format
-    from diffquant.quant.layout import reader_gram
+    from diffquant.quant.numerics.config import QuantConfig
+    from diffquant.quant.numerics.fake import MSE_ALPHAS
+    from diffquant.quant.numerics.formats import Format
+    from diffquant.quant.numerics.layout import reader_gram
     from diffquant.quant.recipe import from_cli
-    from diffquant.quant.scheme import QuantScheme
+    from diffquant.quant.numerics.scheme import QuantScheme
 
     model = _with_random_norms(FAMILIES["llama"].build())
     down = model.model.layers[1].mlp.down_proj

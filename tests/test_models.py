@@ -119,7 +119,7 @@ def test_every_load_skips_hub_kernels(tmp_path, micro_pair):
     from importlib.util import find_spec
     from pathlib import Path
 
-    from diffquant.quant import backends
+    from diffquant.quant.checkpoints import backends
 
     folder = tmp_path / "m"
     micro_pair[0].save_pretrained(folder)

@@ -7,12 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diffquant import DiffquantError
-from diffquant.quant import granularity as G
-from diffquant.quant import math as Q
-from diffquant.quant.config import QuantConfig, int_config
-from diffquant.quant.fake import FakeQuant
-from diffquant.quant.formats import NF4_VALUES, Format, grid, parse_format
-from diffquant.quant.scheme import SCHEME_PRESETS, QuantScheme, calibrate, get_scheme, attach_scheme
+from diffquant.quant.numerics import granularity as G
+from diffquant.quant.numerics import math as Q
+from diffquant.quant.numerics.config import QuantConfig, int_config
+from diffquant.quant.numerics.fake import FakeQuant
+from diffquant.quant.numerics.formats import NF4_VALUES, Format, grid, parse_format
+from diffquant.quant.numerics.scheme import SCHEME_PRESETS, QuantScheme, calibrate, get_scheme, attach_scheme
 from diffquant.taps.sites import POINTS, Site
 from diffquant.taps.tap import TapContext
 

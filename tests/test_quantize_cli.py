@@ -7,7 +7,7 @@ import torch
 from conftest import write_micro_diff_checkpoint
 from diffquant.cli import main
 from diffquant.models.load import load_model
-from diffquant.quant.backends import BACKENDS, load_real, serialized_bytes
+from diffquant.quant.checkpoints.backends import BACKENDS, load_real, serialized_bytes
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_quanto_backends_through_the_evaluation_paths(ckpt, quanto_kernels):
 def test_renamed_backend_is_refused_with_what_it_is(ckpt, tmp_path, capsys):
     """torchao-int4wo was IntxWeightOnlyConfig: int4 values in int8 storage, dequantized before F.linear."""
     from diffquant import DiffquantError
-    from diffquant.quant.backends import require
+    from diffquant.quant.checkpoints.backends import require
 
     with pytest.raises(DiffquantError, match="torchao-int4wo is now torchao-intx4wo: .* no int4 kernel"):
         require("torchao-int4wo")
@@ -143,7 +143,7 @@ def test_tiny_preset_shapes_are_refused_up_front(tiny_dir, ckpt, tmp_path, capsy
     bnb-nf4 at its first forward on an AVX512-BF16 CPU ('N must be divisible by block_n': 688 outputs); both are
     refused before loading, naming the layer and the rule."""
     from diffquant import DiffquantError
-    from diffquant.quant import backends
+    from diffquant.quant.checkpoints import backends
 
     with pytest.raises(DiffquantError, match=r"torchao-intx4wo quantizes weights in groups of 32 input columns: "
                                              r"model\.layers\.0\.mlp\.down_proj has 688 inputs"):
@@ -168,7 +168,7 @@ def test_bnb_int8_keeps_inputs_beyond_float16_out_of_float16(ckpt):
     column holding an |x| >= 6 (so every value beyond float16's 65,504) is computed in the input's dtype against
     the dequantized int8 weights (bitsandbytes 0.50): inputs of 1e6..2e6 give the fp32 product of the
     dequantized weights, not inf. So nothing is refused; `kernels` says so."""
-    from diffquant.quant import backends
+    from diffquant.quant.checkpoints import backends
 
     model = backends.load_real("bnb-int8", ckpt / "m")
     q_proj = model.model.layers[0].self_attn.q_proj
@@ -190,7 +190,7 @@ def test_bnb_int8_keeps_inputs_beyond_float16_out_of_float16(ckpt):
 def test_real_backend_on_the_asked_dtype_records_what_it_computes_in(ckpt, name, computes, quanto_kernels):
     """load_real(dtype=bf16): the real model's float parts are bf16 on the asked device, and `kernels` records
     it, with what the kernels compute in (bnb's fused 4-bit CPU kernel: bfloat16 whatever the model's)."""
-    from diffquant.quant import backends
+    from diffquant.quant.checkpoints import backends
 
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     model = backends.load_real(name, ckpt / "m", calibration=ids, device="cpu", dtype=torch.bfloat16)
@@ -211,7 +211,7 @@ def test_quanto_compile_is_noted_or_refused(tmp_path):
     from types import SimpleNamespace
 
     from diffquant import DiffquantError
-    from diffquant.quant.backends import quanto_compile_note
+    from diffquant.quant.checkpoints.backends import quanto_compile_note
 
     ext = SimpleNamespace(build_directory=str(tmp_path))  # where quanto's extension would be built
     cpu = torch.device("cpu")

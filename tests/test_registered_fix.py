@@ -1,4 +1,4 @@
-"""A fix defined here, outside diffquant, and registered (quant/steps.py) is a recipe step like the built-in ones:
+"""A fix defined here, outside diffquant, and registered (quant/algorithms/steps.py) is a recipe step like the built-in ones:
 the command line's help and `diffquant list` name it, `dq.registries()` lists it, a recipe file round-trips it,
 `quantize_` applies and removes it, and an export refuses it with its own reason. No file of diffquant knows of it."""
 
@@ -10,7 +10,7 @@ import torch
 import diffquant as dq
 from diffquant.cli import main
 from diffquant.errors import DiffquantError
-from diffquant.quant.steps import FIXES, Fix
+from diffquant.quant.algorithms.steps import FIXES, Fix
 
 
 @dataclass(frozen=True)

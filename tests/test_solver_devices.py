@@ -43,8 +43,8 @@ class FactoryCalls(TorchFunctionMode):
 def test_the_mode_sees_a_factory_call_without_device():
     """The watcher itself: a call from diffquant's code without device is seen (a saved static scale, made on the
     host and moved where it is used), one from the test is not, nor one with device and dtype."""
-    from diffquant.quant import hadamard
-    from diffquant.quant.fake import FakeQuant
+    from diffquant.quant.numerics import hadamard
+    from diffquant.quant.numerics.fake import FakeQuant
 
     with FactoryCalls() as calls:
         torch.zeros(2)
@@ -55,8 +55,8 @@ def test_the_mode_sees_a_factory_call_without_device():
 
 @pytest.mark.parametrize("text", ["gptq", "gptq:act-order", "awq", "awq+gptq", "clip:output"])
 def test_weight_solvers_make_tensors_on_an_explicit_device(micro_pair, text):
-    from diffquant.quant.scheme import get_scheme
-    from diffquant.quant.solvers import parse, solve_weights_
+    from diffquant.quant.numerics.scheme import get_scheme
+    from diffquant.quant.algorithms.solvers import parse, solve_weights_
 
     model = micro_pair[1]
     calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -68,7 +68,7 @@ def test_weight_solvers_make_tensors_on_an_explicit_device(micro_pair, text):
 
 @pytest.mark.parametrize("text", ["smoothquant:0.5", "rotate", "quarot"])
 def test_mitigations_make_tensors_on_an_explicit_device(micro_pair, text):
-    from diffquant.quant.mitigate import mitigate_, parse
+    from diffquant.quant.algorithms.mitigate import mitigate_, parse
 
     model = micro_pair[1]
     calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))

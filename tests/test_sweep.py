@@ -141,7 +141,7 @@ def test_lm_eval_adapter_agrees_with_own_scoring(tmp_path, micro_pair):
     pytest.importorskip("lm_eval")
     from diffquant.data.tokens import train_tokenizer
     from diffquant.lm_eval_adapter import evaluate, write_local_task
-    from diffquant.quant.scheme import get_scheme
+    from diffquant.quant.numerics.scheme import get_scheme
 
     text = " ".join(f"the {w} of the {v}" for w, v in zip(["king", "man", "son"] * 50, ["land", "city", "sea"] * 50))
     tok = train_tokenizer(text, 300)
@@ -151,7 +151,7 @@ def test_lm_eval_adapter_agrees_with_own_scoring(tmp_path, micro_pair):
     model = micro_pair[1]
     for scheme in ("fp", "logits-int4"):
         res = evaluate(model, tok, ["diffquant_local"], get_scheme(scheme), folder)["diffquant_local"]
-        from diffquant.quant.scheme import attach_scheme
+        from diffquant.quant.numerics.scheme import attach_scheme
 
         handle = attach_scheme(model, get_scheme(scheme))
         ours = multiple_choice(model, tok, examples)

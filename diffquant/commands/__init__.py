@@ -76,11 +76,11 @@ def validate(args) -> None:
         site_globs(args.sites)
     schemes = split_list(getattr(args, "scheme", None)) if not getattr(args, "list", False) else []
     for name in schemes:
-        from diffquant.quant.scheme import get_scheme
+        from diffquant.quant.numerics.scheme import get_scheme
 
         get_scheme(name)
     for text in split_list(getattr(args, "fix", None)):
-        from diffquant.quant.mitigate import parse
+        from diffquant.quant.algorithms.mitigate import parse
 
         parse(text)
     if getattr(args, "recipe", None):
@@ -91,7 +91,7 @@ def validate(args) -> None:
 
             parse(getattr(args, key))
     for text in split_list(getattr(args, "solver", None)):
-        from diffquant.quant.solvers import parse as parse_solver
+        from diffquant.quant.algorithms.solvers import parse as parse_solver
 
         parse_solver(text)
     for key in ("bits", "wa_grid"):
@@ -100,7 +100,7 @@ def validate(args) -> None:
 
             parse_bits(getattr(args, key))
     for g in split_list(getattr(args, "granularity", None)):
-        from diffquant.quant.granularity import parse_granularity
+        from diffquant.quant.numerics.granularity import parse_granularity
 
         parse_granularity(g)
 

@@ -69,7 +69,7 @@ def model_label(label: str, source: str, model) -> str:
     held = getattr(model, "_diffquant_source_quantization", None)
     if not held or label != Path(source).name:
         return label
-    from diffquant.quant.compressed import label as held_label
+    from diffquant.quant.checkpoints.compressed import label as held_label
 
     return f"{label} {held_label(held, next(model.parameters()).dtype)}"
 

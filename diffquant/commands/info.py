@@ -47,7 +47,7 @@ def sites(args) -> None:
             print(f"{point:<16} {shape:<34} {doc}")
         return
     from diffquant.models.load import load_model
-    from diffquant.quant.scheme import SCHEME_PRESETS, applies
+    from diffquant.quant.numerics.scheme import SCHEME_PRESETS, applies
     from diffquant.taps import site_table
 
     from diffquant.models.placement import resolve_device

@@ -8,7 +8,7 @@ from diffquant.commands.common import model_label, parse_model_args, prepare_out
 from diffquant.errors import DiffquantError
 from diffquant.memory import check_fits
 from diffquant.profiler import input_device, profile_model
-from diffquant.quant.superweights import profile_entry
+from diffquant.quant.algorithms.superweights import profile_entry
 from diffquant.stats.distributed import finish_distributed, init_distributed, rank_world
 
 

@@ -12,7 +12,7 @@ RECIPE_FILE = "recipe.yaml"  # beside what quantize wrote: the recipe it ran
 
 def list_text() -> str:
     """`quantize --list`: the recipe's registries (diffquant/catalog.py), and which backends work here."""
-    from diffquant.quant.backends import backend_status
+    from diffquant.quant.checkpoints.backends import backend_status
     from diffquant.catalog import entries
 
     reg = entries()
@@ -27,7 +27,7 @@ def list_text() -> str:
         width = max(len(n) for n, _ in reg[registry])
         lines += [f"  {n:<{width}}  {doc}" + (f" [{status[n]}]" if registry == "backends" else "")
                   for n, doc in reg[registry]]
-    from diffquant.quant.export import refused
+    from diffquant.quant.checkpoints.export import refused
 
     lines.append("export (--export compressed-tensors: the simulated model, every weight bit-identical); refused:")
     lines += [f"  {k:<28} {v}" for k, v in refused().items()]
@@ -62,9 +62,9 @@ def run_cli(args) -> None:
     from diffquant.data.windows import corpus_windows
     from diffquant.paths import fix_modes
     from diffquant.commands.common import calib_tokens, command_recipe, load_models, prepare_out
-    from diffquant.quant import backends
+    from diffquant.quant.checkpoints import backends
     from diffquant.quant.recipe import quantize_
-    from diffquant.quant.scheme import plan
+    from diffquant.quant.numerics.scheme import plan
     from diffquant.stats.intervals import paired
 
     real = args.backend != "fake"

@@ -138,7 +138,7 @@ def _through_cache(model, prefix: list[int], conts: list[list[int]], n: int, dev
     quantized cache of `kv_scheme` filled once with `prefix` (each continuation decodes through its own copy)."""
     import copy
 
-    from diffquant.quant.kv_cache import write_once_cache
+    from diffquant.quant.algorithms.kv_cache import write_once_cache
 
     cache = write_once_cache(model, kv_scheme)
     first = model(torch.tensor([prefix], device=device), cache=cache, use_cache=True).logits[0, -1]

@@ -67,7 +67,7 @@ def _logit_tile(q, k_ptr, cols, dq, K, D, skn, scale, PRECISION: tl.constexpr, B
 
 @triton.jit
 def _fake_quantize(s, vis, scale, qmax, BF16_LOGITS: tl.constexpr):
-    """Symmetric integer fake quantization of the visible logits with each row's `scale`, as quant/math.py's
+    """Symmetric integer fake quantization of the visible logits with each row's `scale`, as quant/numerics/math.py's
     `fake_quantize` computes it (x / scale correctly rounded, rounded half to even, clamped to ±qmax, times scale;
     in the logits' dtype), masked ones kept as they were. Rounding: adding and taking away 1.5·2²³ leaves the
     nearest integer (ties to even) of any |v| ≤ 2²² in float32, and the clamp comes first (the same result, since

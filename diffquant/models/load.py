@@ -40,7 +40,7 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
     `.gguf` file, or a hub id when `hub=True`. Nothing is downloaded from a hub unless `hub=True`. A
     compressed-tensors checkpoint (llm-compressor's, or `diffquant quantize --export`'s) loads as a float model
     of its dequantized weights, with what it held in `model._diffquant_source_quantization` (see
-    `quant/compressed.py`).
+    `quant/checkpoints/compressed.py`).
     """
     kwargs = {"dtype": _dtype(dtype)}
     if attn_implementation:
@@ -81,7 +81,7 @@ def load_model(source: str, *, dtype: str | None = "fp32", device: str | None = 
                                               cache=cache)
                 model._diffquant_quant = _apply_scheme(model, path)
             elif (path / "diffquant_backend.json").is_file():
-                from diffquant.quant.backends import load_saved_real
+                from diffquant.quant.checkpoints.backends import load_saved_real
 
                 check_folder(path)
                 model, tokenizer = load_saved_real(path, device or "cpu"), _tokenizer(path)
@@ -125,7 +125,7 @@ def source_caveat(source: str, model) -> str | None:
                     "quantization re-quantizes them")
     held = getattr(model, "_diffquant_source_quantization", None)
     if held:
-        from diffquant.quant.compressed import label
+        from diffquant.quant.checkpoints.compressed import label
 
         return (f"{source}: a compressed-tensors checkpoint {label(held, next(model.parameters()).dtype)}, dequantized "
                 "on load; weight quantization re-quantizes its weights")
@@ -191,7 +191,7 @@ def _from_pretrained(path, kwargs: dict, local_files_only: bool = True, **extra)
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from diffquant.quant import compressed
+    from diffquant.quant.checkpoints import compressed
 
     held = None  # a compressed-tensors checkpoint's quantization_config
     if "gguf_file" not in extra:

@@ -39,7 +39,7 @@ class _GridError:
         self.signal = self.noise = self.out_signal = self.out_noise = 0.0
 
     def __call__(self, x: torch.Tensor, ctx) -> None:
-        from diffquant.quant import math as Q
+        from diffquant.quant.numerics import math as Q
         from diffquant.taps.context import token_valid
 
         x = x.detach().float()
@@ -74,13 +74,13 @@ def figures(n: int, zeros: int, signal: float, noise: float, out_signal: float, 
 def static_grid_errors(model, held_out: torch.Tensor, calibration: torch.Tensor, bits=(8, 4), kinds=KINDS,
                        batch_size: int = 8) -> dict:
     """{"sites": {site: {"kind", "layer", "a8": {...}, "a4": {...}}}, "kinds": {kind: {"a8": {"pooled": {...},
-    "worst_layer": {...}}}}} for a model on the Llama layout (quant/layout.py); `calibration` sets each grid's
+    "worst_layer": {...}}}}} for a model on the Llama layout (quant/numerics/layout.py); `calibration` sets each grid's
     scale (as a static scheme's calibration does), `held_out` is measured. The model is left as it was."""
-    from diffquant.quant import granularity as G
-    from diffquant.quant.config import int_config
-    from diffquant.quant.layout import reader_gram
+    from diffquant.quant.numerics import granularity as G
+    from diffquant.quant.numerics.config import int_config
+    from diffquant.quant.numerics.layout import reader_gram
     from diffquant.quant.recipe import quantize_
-    from diffquant.quant.scheme import QuantScheme
+    from diffquant.quant.numerics.scheme import QuantScheme
     from diffquant.taps import site_table, tapped
 
     table = site_table(model)

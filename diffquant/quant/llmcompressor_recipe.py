@@ -101,9 +101,9 @@ def _take(where: str, args: dict, known: dict) -> dict:
 
 def _config(where: str, args: dict | None, weights: bool):
     """A QuantConfig from compressed-tensors QuantizationArgs fields (None: not quantized)."""
-    from diffquant.quant import granularity as G
-    from diffquant.quant.config import QuantConfig
-    from diffquant.quant.formats import Format
+    from diffquant.quant.numerics import granularity as G
+    from diffquant.quant.numerics.config import QuantConfig
+    from diffquant.quant.numerics.formats import Format
 
     if args is None:
         return None
@@ -139,7 +139,7 @@ def _config(where: str, args: dict | None, weights: bool):
 
 def _scheme(where: str, args: dict, name: str):
     """The QuantScheme of a quantization modifier's scheme / config_groups, targets and ignore."""
-    from diffquant.quant.scheme import LAYER_WEIGHTS, LINEAR_INPUTS, QuantScheme
+    from diffquant.quant.numerics.scheme import LAYER_WEIGHTS, LINEAR_INPUTS, QuantScheme
 
     targets = args.pop("targets", ["Linear"])
     if targets not in LINEAR:
@@ -204,10 +204,10 @@ def _actorder(where: str, args: dict) -> bool:
 
 def read(doc: dict, name: str = "llm-compressor"):
     """The diffquant Recipe of an llm-compressor recipe document (parsed YAML)."""
-    from diffquant.quant.gptq_config import GPTQ
-    from diffquant.quant.mitigate import SmoothQuant
+    from diffquant.quant.algorithms.gptq_config import GPTQ
+    from diffquant.quant.algorithms.mitigate import SmoothQuant
     from diffquant.quant.recipe import Recipe
-    from diffquant.quant.solvers import AWQ
+    from diffquant.quant.algorithms.solvers import AWQ
 
     fixes, solver, scheme = [], None, None
     for mod, args in modifiers(doc):

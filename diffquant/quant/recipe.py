@@ -2,10 +2,10 @@
 
 A recipe is an ordered list of steps, applied in that order (llm-compressor's `recipe=[...modifiers]`):
 
-    fixes    function-preserving transforms of the model (quant/mitigate.py: SmoothQuant, Rotate, Clip), any
+    fixes    function-preserving transforms of the model (quant/algorithms/mitigate.py: SmoothQuant, Rotate, Clip), any
              number, each applied to the model as the previous ones left it;
-    solver   at most one weight solver (quant/solvers.py: GPTQ, AWQ; none = round to nearest);
-    scheme   exactly one QuantScheme, last (quant/scheme.py: which sites and weights are quantized, and how).
+    solver   at most one weight solver (quant/algorithms/solvers.py: GPTQ, AWQ; none = round to nearest);
+    scheme   exactly one QuantScheme, last (quant/numerics/scheme.py: which sites and weights are quantized, and how).
 
     Recipe([SmoothQuant(alpha=0.5), GPTQ(act_order=True), "w8a8-static"])
 
@@ -23,7 +23,7 @@ ran to its --out as recipe.yaml; `--recipe FILE` on quantize, sweep and lm-eval 
     scheme: w8a8-static        # a preset name, a scheme file, or the scheme itself (QuantScheme.to_dict)
 
 `load_recipe` also reads an llm-compressor recipe YAML (quant/llmcompressor_recipe.py). Every step is a registered
-type (quant/steps.py): what a step is, how it is spelt and whether it exports is asked of the step, never tested
+type (quant/algorithms/steps.py): what a step is, how it is spelt and whether it exports is asked of the step, never tested
 here.
 """
 
@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
-from diffquant.quant import mitigate, solvers
-from diffquant.quant.scheme import QuantScheme, get_scheme
-from diffquant.quant.steps import FIXES, SOLVERS, Fix, Solver
+from diffquant.quant.algorithms import mitigate, solvers
+from diffquant.quant.numerics.scheme import QuantScheme, get_scheme
+from diffquant.quant.algorithms.steps import FIXES, SOLVERS, Fix, Solver
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +114,7 @@ class Recipe:
                            self.scheme.name])
 
     def to_dict(self) -> dict:
-        from diffquant.quant.scheme import SCHEME_PRESETS
+        from diffquant.quant.numerics.scheme import SCHEME_PRESETS
 
         scheme = self.scheme.name if SCHEME_PRESETS.get(self.scheme.name) == self.scheme else self.scheme.to_dict()
         return {"fixes": [f.label() for f in self.fixes], "solver": self.solver.label() if self.solver else "rtn",
@@ -251,7 +251,7 @@ class Quantized:
         """Write exactly this simulated model as a compressed-tensors checkpoint (safetensors, config.json's
         quantization_config, the tokenizer) that transformers and vLLM load; every written weight is checked
         against the simulation first. What the format cannot hold is refused in one line (`check_export`)."""
-        from diffquant.quant.export import export_compressed_tensors
+        from diffquant.quant.checkpoints.export import export_compressed_tensors
 
         if format != "compressed-tensors":
             raise DiffquantError(f"unknown export format {format!r}; diffquant writes compressed-tensors")
@@ -263,7 +263,7 @@ class Quantized:
     def save(self, folder, source: dict | None = None) -> dict:
         """The scheme (with static scales), the fixes' records and the solved weights, into `folder`; `source`
         names the float model for a folder that holds no weights of its own."""
-        from diffquant.quant.saved import save_scheme
+        from diffquant.quant.checkpoints.saved import save_scheme
 
         if self.removed or self.attachment is None:
             raise DiffquantError("this quantized model was removed; quantize it again to save it")
@@ -272,8 +272,8 @@ class Quantized:
 
 def check_export(model, recipe) -> None:
     """Refuse, in one line and before any work, a recipe a compressed-tensors checkpoint cannot hold
-    (quant/export.py: rotations, logit quantization, formats the format has no grid for, ...)."""
-    from diffquant.quant.export import check
+    (quant/checkpoints/export.py: rotations, logit quantization, formats the format has no grid for, ...)."""
+    from diffquant.quant.checkpoints.export import check
 
     recipe = Recipe.of(recipe)
     check(model, recipe.adjusted_scheme(), recipe.fixes, recipe.solver)
@@ -288,7 +288,7 @@ def quantize_(model, recipe, calibration: "torch.Tensor | None" = None, *, compi
     that measure (SmoothQuant), the weight solver and the static activation scales; a recipe that needs it and
     gets none is refused before anything changes, as is a scheme that cannot apply to the model. `compile`
     fuses the fake quantizers with torch.compile."""
-    from diffquant.quant.scheme import attach_scheme, calibrate, plan
+    from diffquant.quant.numerics.scheme import attach_scheme, calibrate, plan
 
     recipe = Recipe.of(recipe)
     scheme = recipe.adjusted_scheme()
@@ -319,15 +319,15 @@ def load_quantized(model, folder) -> Quantized:
     """Re-attach a scheme saved by `save_scheme` to `model` (after replaying its fixes and putting back the
     solved weights); returns the `Quantized` handle, whose `remove()` restores the float model. Folders saved
     before recipes held one fix under "mitigation"."""
-    from diffquant.quant.mitigate import apply_record
-    from diffquant.quant.scheme import SCHEME_FILE, attach_scheme
+    from diffquant.quant.algorithms.mitigate import apply_record
+    from diffquant.quant.numerics.scheme import SCHEME_FILE, attach_scheme
 
     data = json.loads((Path(folder) / SCHEME_FILE).read_text())
     records = data.get("fixes") or ([data["mitigation"]] if data.get("mitigation") else [])
     fixes = [apply_record(model, r) for r in records]
     solved = None
     if data.get("weights"):
-        from diffquant.quant.solvers import load_solved
+        from diffquant.quant.algorithms.solvers import load_solved
 
         solved = load_solved(model, folder, data["weights"])
     scheme = QuantScheme.from_dict(data["scheme"])

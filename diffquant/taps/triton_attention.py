@@ -4,7 +4,7 @@ that kernel instead of the explicit T × T computation of taps/attention.py, whe
 
 The kernel serves the profile's observers and the logit sweep's quantizer: on `attn_logits` a statistics observer
 (its SiteStats updated from the kernel: the visible logits only, with the top-k's rows recomputed by the same tile
-code) and a dynamic symmetric integer quantizer per tensor, head or token (quant/fake.py's FakeQuant: its scales from a
+code) and a dynamic symmetric integer quantizer per tensor, head or token (quant/numerics/fake.py's FakeQuant: its scales from a
 first max-only pass over QKᵀ, `row_absmax`, as `Q.qparams` makes them; the statistics see the quantized logits where
 their observer comes after it, as in the explicit path); the sink observers on `attn_probs` and `attn_map` (each
 query's softmax mass on its first visible key; DIFF's differential map from the two maps' masses and λ, in the query's

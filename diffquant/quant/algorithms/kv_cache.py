@@ -82,7 +82,7 @@ def write_once_cache(model, scheme) -> WriteOnceCache:
     """A fresh cache that quantizes `scheme`'s `k_cache` / `v_cache` sites on write. Refuses a scheme with any
     other site (apply those with `attach_scheme`), and models whose cache is not one full-attention layer per
     decoder layer (sliding windows, KV sharing, linear attention)."""
-    from diffquant.quant.scheme import plan
+    from diffquant.quant.numerics.scheme import plan
     from diffquant.taps import site_table
 
     table = site_table(model)
@@ -102,8 +102,8 @@ def write_once_cache(model, scheme) -> WriteOnceCache:
 
 def _layer_quantizers(model, scheme, both: bool = False) -> list[dict]:
     """Per decoder layer {"keys"/"values": (FakeQuant, TapContext)} of the scheme's cache sites."""
-    from diffquant.quant.fake import FakeQuant
-    from diffquant.quant.scheme import plan
+    from diffquant.quant.numerics.fake import FakeQuant
+    from diffquant.quant.numerics.scheme import plan
     from diffquant.taps import site_table
     from diffquant.taps.tap import TapContext
 

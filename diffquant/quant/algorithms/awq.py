@@ -8,11 +8,11 @@ and feeding X / s gives the output error
 (the mean squared output error, times 2, exactly: no tokens need to be kept). α runs over the reference
 code's grid 0, 0.05, …, 0.95 (20 points), s is normalised by √(max s · min s) as there, and the α of least
 error wins (α = 0 is plain RTN, so the search never does worse on calibration data). The scales fold into
-what produces X (see `quant/mitigate.py`'s `_fold_smoothing`). The clip search then tries, per output row
+what produces X (see `quant/algorithms/mitigate.py`'s `_fold_smoothing`). The clip search then tries, per output row
 and scale group, max|w| × (1 − i/20) for i = 0..9 and keeps the one of least error of that group's own
 output contribution, Δw_g · H_gg · Δw_gᵀ (the reference's criterion); q_proj and k_proj are not clipped
 (the reference skips them: their error passes through the Q·K product), nor is any group holding a
-super-weight (`quant/superweights.py`).
+super-weight (`quant/algorithms/superweights.py`).
 
 Two differences from the reference code, both stated in results: the scale search measures the output of
 the Linears themselves, not of the whole attention or MLP block; and o_proj's input is not scaled through
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from diffquant.quant import math as Q
-from diffquant.quant.config import QuantConfig
+from diffquant.quant.numerics import math as Q
+from diffquant.quant.numerics.config import QuantConfig
 from diffquant.taps.sites import WEIGHT_DIMS
 
 GRID = 20  # α = i / GRID for i < GRID (the reference's n_grid)

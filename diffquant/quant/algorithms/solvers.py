@@ -1,6 +1,6 @@
 """Weight solvers: how a scheme's weights reach their grid. `rtn` rounds each weight to nearest (the
-scheme's own fake quantizer, nothing done here); `gptq` (see `quant/gptq.py`) chooses the rounding that
-keeps each layer's output on calibration data; `awq` (see `quant/awq.py`) rescales salient input channels
+scheme's own fake quantizer, nothing done here); `gptq` (see `quant/algorithms/gptq.py`) chooses the rounding that
+keeps each layer's output on calibration data; `awq` (see `quant/algorithms/awq.py`) rescales salient input channels
 and clips weight ranges on the same objective, then rounds to nearest (or `awq+gptq`: solves by GPTQ);
 `clip:output` is AWQ's clip search alone.
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
-from diffquant.quant.gptq_config import GPTQ
-from diffquant.quant.steps import SOLVERS, Solver
+from diffquant.quant.algorithms.gptq_config import GPTQ
+from diffquant.quant.algorithms.steps import SOLVERS, Solver
 
 if TYPE_CHECKING:
     import torch
@@ -65,8 +65,8 @@ class AWQ(Solver):
 
     def layer_steps(self, model, table, configs, by_layer, solved, calibration) -> list:
         """AWQ's scale and clip search per layer (on the layouts SmoothQuant folds into), then GPTQ if asked."""
-        from diffquant.quant import superweights
-        from diffquant.quant.layout import layers
+        from diffquant.quant.algorithms import superweights
+        from diffquant.quant.numerics.layout import layers
 
         layers(model)  # AWQ folds its scales like SmoothQuant: the same layouts, or a clear refusal
         supers = [o for o in superweights.find(model, calibration) if o["super"]] if self.clip else []
@@ -82,7 +82,7 @@ WEIGHTS_FILE = "diffquant_solved_weights.safetensors"  # beside a saved scheme: 
 
 
 def parse(text: str) -> Solver | None:
-    """The weight solver a spelling names (`rtn`: None, nothing to solve), from the registry (quant/steps.py)."""
+    """The weight solver a spelling names (`rtn`: None, nothing to solve), from the registry (quant/algorithms/steps.py)."""
     return SOLVERS.parse(text)
 
 
@@ -90,7 +90,7 @@ class Solved:
     """The weights one `solve_weights_` replaced and the scales they lie on."""
 
     def __init__(self, model, solver: Solver | None):
-        from diffquant.quant.mitigate import Applied
+        from diffquant.quant.algorithms.mitigate import Applied
 
         self.solver = solver
         self._applied = Applied(model, None)  # its bit-exact set/restore of parameters
@@ -164,7 +164,7 @@ def solve_weights_(model, solver: Solver | None, scheme, calibration: torch.Tens
     training split); returns the handle (see `Solved`). `rtn` changes nothing."""
     import torch
 
-    from diffquant.quant.scheme import plan
+    from diffquant.quant.numerics.scheme import plan
     from diffquant.taps import site_table
 
     solved = Solved(model, solver)
@@ -212,7 +212,7 @@ def _layer_by_layer(model, table, calibration, steps, last: int, desc: str, prog
 
 
 def gptq_step(table, configs, by_layer, gptq: GPTQ, solved: Solved):
-    from diffquant.quant import gptq as G
+    from diffquant.quant.algorithms import gptq as G
     from diffquant.taps.tap import canonical_weight, stored_weight
 
     def apply(i, stats):
@@ -231,9 +231,9 @@ def _awq_step(table, configs, awq: AWQ, solved: Solved, supers: list[dict]):
     input, folded as SmoothQuant's; then the clip search on every quantized reader but q_proj and k_proj."""
     import torch
 
-    from diffquant.quant import awq as A
-    from diffquant.quant.layout import readers as _readers
-    from diffquant.quant.mitigate import _fold_smoothing
+    from diffquant.quant.algorithms import awq as A
+    from diffquant.quant.numerics.layout import readers as _readers
+    from diffquant.quant.algorithms.mitigate import _fold_smoothing
 
     layers = table.layers
     names = {id(m): n for n, m in table.modules.items() if n in configs}

@@ -1,11 +1,11 @@
-"""GPTQ's settings as data (no torch): the registered solver step (quant/steps.py); the algorithm is quant/gptq.py."""
+"""GPTQ's settings as data (no torch): the registered solver step (quant/algorithms/steps.py); the algorithm is quant/algorithms/gptq.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from diffquant.errors import DiffquantError
-from diffquant.quant.steps import Solver, number
+from diffquant.quant.algorithms.steps import Solver, number
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,6 @@ class GPTQ(Solver):
                 + (f":block={self.block}" if self.block != 128 else ""))
 
     def layer_steps(self, model, table, configs, by_layer, solved, calibration) -> list:
-        from diffquant.quant.solvers import gptq_step
+        from diffquant.quant.algorithms.solvers import gptq_step
 
         return [gptq_step(table, configs, by_layer, self, solved)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diffquant.quant import granularity as G
-from diffquant.quant.formats import Format, parse_format
+from diffquant.quant.numerics import granularity as G
+from diffquant.quant.numerics.formats import Format, parse_format
 
 CALIBRATIONS = ("minmax", "ema", "percentile", "mse", "output")
 

@@ -8,7 +8,7 @@ Hessian H = 2·XᵀX / tokens (the same for every output row). With U the upper 
 e_j = (w_j − q_j) / U_jj is removed from the later columns: W[:, j:] −= e_j · U[j, j:]. Lazy blocks of 128
 columns apply the same updates to the later blocks in one matrix product (exact reordering of the sums).
 
-Scales come from `quant/math.py` (min-max of the weights they cover): per channel, per tensor or per input
+Scales come from `quant/numerics/math.py` (min-max of the weights they cover): per channel, per tensor or per input
 column from the original weight, as the reference implementation; groups from the weights as updated by
 every earlier column, when the group's first column is reached (blocks are aligned to groups, so that is
 exact). With act-order (columns in order of decreasing diag H) group scales are taken from the original
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.quant import math as Q
-from diffquant.quant.config import QuantConfig
-from diffquant.quant.gptq_config import GPTQ
+from diffquant.quant.numerics import math as Q
+from diffquant.quant.numerics.config import QuantConfig
+from diffquant.quant.algorithms.gptq_config import GPTQ
 from diffquant.taps.sites import WEIGHT_DIMS
 
 

@@ -3,7 +3,7 @@ their decoder layers, and the Linears that read each Linear-input site.
 
 A pre-RMSNorm decoder with a SwiGLU MLP: the attention input (the input norm's output) is read by q/k/v (and
 the gated designs' gate), the MLP input by gate/up, the down-projection input by down_proj, o_proj's input by
-o_proj. Its own module so that the quantizers (`quant/scheme.py`) and the fixes (`quant/mitigate.py`) share it
+o_proj. Its own module so that the quantizers (`quant/numerics/scheme.py`) and the fixes (`quant/algorithms/mitigate.py`) share it
 without importing each other.
 """
 

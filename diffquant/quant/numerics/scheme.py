@@ -14,9 +14,9 @@ from pathlib import Path
 
 from diffquant.errors import DiffquantError
 from diffquant.frozen import evaluating
-from diffquant.quant import granularity as G
-from diffquant.quant.config import QuantConfig, int_config
-from diffquant.quant.formats import Format
+from diffquant.quant.numerics import granularity as G
+from diffquant.quant.numerics.config import QuantConfig, int_config
+from diffquant.quant.numerics.formats import Format
 
 LINEAR_INPUTS = ("*.attn_in", "*.attn_out", "*.mlp_in", "*.down_in")  # MoE: `*.down_in` also matches
 # experts.down_in and shared_expert.down_in
@@ -225,7 +225,7 @@ def attach_scheme(model, scheme: QuantScheme, compile: bool = False):
 
     The attachment's `quantizers` maps site name → FakeQuant (for calibration and saving scales).
     """
-    from diffquant.quant.fake import FakeQuant
+    from diffquant.quant.numerics.fake import FakeQuant
     from diffquant.taps import attach
 
     quantizers = {name: FakeQuant(config, compile) for name, config in plan(model, scheme).items()}
@@ -244,7 +244,7 @@ def calibrate(model, attachment, batches, device=None) -> None:
         return
     for name, q in attachment.quantizers.items():
         if q.config.calibration == "output" and q.gram is None and not q.config.dynamic:
-            from diffquant.quant.layout import reader_gram
+            from diffquant.quant.numerics.layout import reader_gram
 
             q.gram = reader_gram(model, name)
     for q in static:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 
 from diffquant.errors import DiffquantError
-from diffquant.quant.export import FORMAT, INSTALL
+from diffquant.quant.checkpoints.export import FORMAT, INSTALL
 
 
 def quantization_config(config) -> dict | None:

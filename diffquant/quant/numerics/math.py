@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from diffquant.compiled import CompiledOrEager
-from diffquant.quant.formats import Format, grid
-from diffquant.quant.granularity import Granularity, PerTensor
+from diffquant.quant.numerics.formats import Format, grid
+from diffquant.quant.numerics.granularity import Granularity, PerTensor
 
 
 def grouped(x: torch.Tensor, gran: Granularity, dims: tuple[str, ...],

@@ -11,8 +11,8 @@ A step class declares
     solver_for(word, solver)  the weight solver it runs with where the command line named `solver` (a fix that
                     implies one, such as `quarot` → gptq, says so here)
 
-and what it does: a fix `adjust`s the scheme, `apply`s itself and `replay`s its record (quant/mitigate.py); a
-solver gives the per-layer steps of `solve_weights_` (quant/solvers.py). This is torchao's handler per config
+and what it does: a fix `adjust`s the scheme, `apply`s itself and `replay`s its record (quant/algorithms/mitigate.py); a
+solver gives the per-layer steps of `solve_weights_` (quant/algorithms/solvers.py). This is torchao's handler per config
 class and lm-eval's registries: a registry raises on a duplicate name, lists the valid choices on a miss, and is
 filled by explicit imports in one place (`_builtins`), never by import side effects. No torch here: the command
 line's help reads these registries.
@@ -67,7 +67,7 @@ class Fix(Step):
 
 
 class Solver(Step):
-    """A step that moves the weights onto their grid on calibration data (quant/solvers.py's `solve_weights_`)."""
+    """A step that moves the weights onto their grid on calibration data (quant/algorithms/solvers.py's `solve_weights_`)."""
 
     kind = "solver"
     act_order = False  # columns solved in order of activation energy (exported as actorder "weight")
@@ -157,8 +157,8 @@ SOLVERS = Registry("solver", "weight solver", ("rtn", "round to nearest (the sch
 
 def _builtins() -> dict[str, tuple[type, ...]]:
     """diffquant's own steps, in the order help texts list them."""
-    from diffquant.quant.gptq_config import GPTQ
-    from diffquant.quant.mitigate import Clip, Rotate, SmoothQuant
-    from diffquant.quant.solvers import AWQ
+    from diffquant.quant.algorithms.gptq_config import GPTQ
+    from diffquant.quant.algorithms.mitigate import Clip, Rotate, SmoothQuant
+    from diffquant.quant.algorithms.solvers import AWQ
 
     return {"fix": (SmoothQuant, Rotate, Clip), "solver": (GPTQ, AWQ)}

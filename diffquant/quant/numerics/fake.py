@@ -8,15 +8,15 @@ from dataclasses import replace
 import torch
 
 from diffquant.errors import DiffquantError
-from diffquant.quant import math as Q
-from diffquant.quant.config import QuantConfig
+from diffquant.quant.numerics import math as Q
+from diffquant.quant.numerics.config import QuantConfig
 
 MSE_ALPHAS = torch.linspace(0.3, 1.0, 15)
 
 
 @functools.lru_cache(maxsize=32)
 def _hadamard(n: int) -> torch.Tensor | None:
-    from diffquant.quant.hadamard import hadamard
+    from diffquant.quant.numerics.hadamard import hadamard
 
     h = hadamard(n)
     return None if h is None else h / n**0.5
@@ -36,7 +36,7 @@ class FakeQuant:
 
     A quantized weight is recomputed at every access, so an edit of the float weight (even through
     `.data`, which no version counter sees) is never missed; evaluation loops reuse it within one
-    `frozen_weights()` block instead (see `quant/scheme.py`)."""
+    `frozen_weights()` block instead (see `quant/numerics/scheme.py`)."""
 
     transforms = True
 
@@ -61,7 +61,7 @@ class FakeQuant:
         scale covers (a sequence, a sequence's head, or the row) through `Q.qparams`; None where the kernel cannot
         apply it (static or calibrating, an asymmetric, min-max or float format, a Hadamard rotation, positions
         kept in full precision, another granularity). The quantizer answers, so the tap needs no type test."""
-        from diffquant.quant.granularity import PerHead, PerTensor, PerToken
+        from diffquant.quant.numerics.granularity import PerHead, PerTensor, PerToken
 
         c = self.config
         served = (c.dynamic and c.format.is_int and c.format.symmetric and not c.format.minmax and not c.hadamard
@@ -244,7 +244,7 @@ class FakeQuant:
         holds (static: calibrated, or fixed by a solver) or takes from `w` (dynamic), by the same functions as
         the forward, and the codes `Q.quantize` gives ([out, in]; integer codes, or the unscaled grid values of
         a float format), so `Q.dequantize` of them is the simulated weight. Scales are shaped as `Q.grouped`
-        leaves them (groups: [out, groups, 1]). For the export (`quant/export.py`)."""
+        leaves them (groups: [out, groups, 1]). For the export (`quant/checkpoints/export.py`)."""
         from diffquant.taps.sites import WEIGHT_DIMS
 
         cfg = self.config

@@ -67,8 +67,8 @@ REFUSED = {  # what the format cannot hold besides the steps that say so themsel
 
 def refused() -> dict[str, str]:
     """{what: why} the format cannot hold, refused by `check` in one line: the registered steps' own refusals
-    (quant/steps.py), then the rest; for `quantize --list` and docs."""
-    from diffquant.quant.steps import FIXES, SOLVERS
+    (quant/algorithms/steps.py), then the rest; for `quantize --list` and docs."""
+    from diffquant.quant.algorithms.steps import FIXES, SOLVERS
 
     steps = {}
     for registry in (FIXES, SOLVERS):
@@ -131,7 +131,7 @@ class Plan:
 
 
 def _weight_args(site: str, config, in_features: int, act_order: bool) -> dict:
-    from diffquant.quant import granularity as G
+    from diffquant.quant.numerics import granularity as G
 
     fmt, gran, where = config.format, config.granularity, f"{site} ({config.label()})"
     if fmt.minmax:
@@ -161,7 +161,7 @@ def _weight_args(site: str, config, in_features: int, act_order: bool) -> dict:
 
 
 def _input_args(site: str, config) -> dict:
-    from diffquant.quant import granularity as G
+    from diffquant.quant.numerics import granularity as G
 
     fmt, gran, where = config.format, config.granularity, f"{site} ({config.label()})"
     if config.keep_first or config.keep_last or config.hadamard:
@@ -186,7 +186,7 @@ def _refuse_cache(site: str, config) -> None:
     per token, Hadamard bases, sinks, KIVI runs) are not; a static symmetric per-tensor int8/fp8 quantizer would
     fit, but transformers 5.25 does not apply a checkpoint's kv_cache_scheme (k_scale/v_scale load as unexpected
     keys), so its parity cannot be checked here."""
-    from diffquant.quant import granularity as G
+    from diffquant.quant.numerics import granularity as G
 
     fmt, where = config.format, f"{site} ({config.label()})"
     fits = (not config.dynamic and isinstance(config.granularity, G.PerTensor) and fmt.symmetric and not config.hadamard
@@ -205,7 +205,7 @@ def _readers(model, table, site: str, names: dict) -> list[str]:
     (o_proj, down_proj), else the Llama layout's readers of the attention or MLP input."""
     import torch
 
-    from diffquant.quant.layout import SUPPORTED, readers
+    from diffquant.quant.numerics.layout import SUPPORTED, readers
 
     module = table.modules[site]
     if isinstance(module, torch.nn.Linear):
@@ -224,8 +224,8 @@ def check(model, scheme, fixes=(), solver=None) -> Plan:
     act-order is recorded)."""
     import torch
 
-    from diffquant.quant.scheme import plan as site_plan
-    from diffquant.quant.steps import FIXES, SOLVERS
+    from diffquant.quant.numerics.scheme import plan as site_plan
+    from diffquant.quant.algorithms.steps import FIXES, SOLVERS
     from diffquant.taps import site_table
     from diffquant.taps.sites import CACHE_POINTS
 

@@ -2,7 +2,7 @@
 
 Integer formats are described by their bit-width and symmetry; float formats by a table of
 representable magnitudes (scaled so the largest is the format's max). The arithmetic lives in
-`quant/math.py`; nothing else rounds or computes scales.
+`quant/numerics/math.py`; nothing else rounds or computes scales.
 """
 
 from __future__ import annotations

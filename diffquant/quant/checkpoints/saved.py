@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffquant.quant.scheme import SCHEME_FILE
+from diffquant.quant.numerics.scheme import SCHEME_FILE
 
 
 def save_scheme(attachment, folder, source: dict | None = None, fixes: list[dict] = (), solved=None) -> dict:
     """Write `attachment`'s scheme (with static scales) to folder/diffquant_scheme.json; `source` names the
     float model it applies to, for a folder that holds no weights of its own; `fixes` are the records of the
     transforms applied before the scheme, in order (replayed on load); `solved` the weights a solver (GPTQ)
-    chose, written beside it (see `quant/solvers.py`). Returns what was written."""
+    chose, written beside it (see `quant/algorithms/solvers.py`). Returns what was written."""
     from diffquant.paths import atomic_write_json
 
     scales = {name: q.state() for name, q in attachment.quantizers.items() if q.state()}

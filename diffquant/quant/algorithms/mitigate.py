@@ -23,7 +23,7 @@
   gate of the gated designs does not commute (σ(g)⊙(o·H) ≠ (σ(g)⊙o)·H): there V/O is left unrotated,
   recorded. Keys are rotated online after RoPE, as QuaRot's Q/K Hadamard: `adjust_scheme` gives the
   scheme's `k_cache` quantizers a Hadamard basis (Q and K rotated alike leave the logits unchanged).
-  Q, H and H_v are randomised Hadamard matrices where `quant/hadamard.py` can build one for the width,
+  Q, H and H_v are randomised Hadamard matrices where `quant/numerics/hadamard.py` can build one for the width,
   random orthogonal matrices otherwise (which it records). QuaRot's online Hadamard across heads before
   o_proj is not applied (SmolLM2's 9 heads have no Hadamard matrix).
 - `quarot[:SEED]`: `rotate` with GPTQ weights (QuaRot's W4A4 recipe); with no solver named it runs GPTQ, an
@@ -35,7 +35,7 @@
 - `clip:output`: the range search on the readers' output error instead of the tensor's own: static per-tensor
   activation scales minimise Σ‖(X − Q(X))·Wᵀ‖² over the Linears that read X (`reader_gram`: e·G·eᵀ with
   G = Σ WᵀW, the objective of AWQ's clip search and OmniQuant's LWC, without training), other static scales
-  fall back to MSE; weights go to the `clip:output` solver (quant/solvers.py), which never clips a
+  fall back to MSE; weights go to the `clip:output` solver (quant/algorithms/solvers.py), which never clips a
   super-weight. Clipping the activation that carries a massive activation costs a tensor little of its own
   MSE and its readers a great deal: this objective sees it.
 
@@ -51,8 +51,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
-from diffquant.quant.layout import layers as _layers, readers as _readers
-from diffquant.quant.steps import FIXES, Fix, number
+from diffquant.quant.numerics.layout import layers as _layers, readers as _readers
+from diffquant.quant.algorithms.steps import FIXES, Fix, number
 
 if TYPE_CHECKING:
     import torch
@@ -169,7 +169,7 @@ class Clip(Fix):
 
     def adjust(self, scheme):
         """Range search instead of min-max for static activations (and, except `output`, for weights)."""
-        from diffquant.quant import granularity as G
+        from diffquant.quant.numerics import granularity as G
 
         def act(c):
             if c.dynamic:
@@ -187,7 +187,7 @@ class Clip(Fix):
 
 
 def parse(text: str) -> Fix | None:
-    """The fix a spelling names (`none`: None), from the registry (quant/steps.py)."""
+    """The fix a spelling names (`none`: None), from the registry (quant/algorithms/steps.py)."""
     return FIXES.parse(text)
 
 
@@ -251,7 +251,7 @@ def _search_alpha(model, calibration: torch.Tensor, scheme, applied: Applied) ->
     """Each α of ALPHAS applied and scored (see the module doc); the best applied into `applied`."""
     from diffquant.calibration import channel_absmax
     from diffquant.evaluate import language_modeling
-    from diffquant.quant.scheme import calibrate, attach_scheme
+    from diffquant.quant.numerics.scheme import calibrate, attach_scheme
 
     if scheme is None:
         raise DiffquantError("smoothquant:search chooses α by a scheme's loss: give the scheme")
@@ -366,7 +366,7 @@ def _fold_smoothing(layer, s: dict[str, torch.Tensor], applied: Applied) -> None
 def _rotate(model, rot: Rotate, applied: Applied) -> None:
     import torch
 
-    from diffquant.quant.hadamard import orthogonal
+    from diffquant.quant.numerics.hadamard import orthogonal
 
     layers = _layers(model)
     hidden = model.config.hidden_size
@@ -409,7 +409,7 @@ def _rotate_values(layers, seed: int, applied: Applied) -> str:
     (W_o·blockdiag(H)); a head norm's gain is folded into o_proj first. Returns H's kind, or why not done."""
     import torch
 
-    from diffquant.quant.hadamard import orthogonal
+    from diffquant.quant.numerics.hadamard import orthogonal
 
     attn = layers[0].self_attn
     gate = getattr(attn, "gate", None)
