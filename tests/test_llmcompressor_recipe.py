@@ -9,8 +9,15 @@ import yaml
 
 from diffquant.errors import DiffquantError
 from diffquant.quant.numerics import granularity as G
-from diffquant.quant.llmcompressor_recipe import is_llmcompressor, read
-from diffquant.quant.recipe import quantize_
+from diffquant.quant import llmcompressor_recipe
+from diffquant.quant.llmcompressor_recipe import is_llmcompressor
+from diffquant.quant.recipe import Recipe, quantize_
+
+
+def read(doc, name="llm-compressor"):
+    """The Recipe of an llm-compressor document, as `Recipe.load` builds it."""
+    return Recipe.of(llmcompressor_recipe.read(doc, name))
+
 
 ROOT_RECIPE = "tests/data/llmcompressor-micro-llama-gptq-w4g32/recipe.yaml"
 

@@ -64,7 +64,7 @@ def test_an_llmcompressor_recipe_runs_as_a_recipe_file(saved, tmp_path):
     import yaml
 
     result = _quantize(saved, tmp_path / "l", "--recipe", LLMCOMPRESSOR_RECIPE)
-    expected = read(yaml.safe_load(open(LLMCOMPRESSOR_RECIPE)), "recipe")
+    expected = dq.Recipe.of(read(yaml.safe_load(open(LLMCOMPRESSOR_RECIPE)), "recipe"))
     assert dq.Recipe.load(tmp_path / "l" / "recipe.yaml") == expected == dq.Recipe.load(LLMCOMPRESSOR_RECIPE)
     assert result["solver"] == "gptq:act-order" and result["simulated"]["loss"] > 0  # absent actorder: static
 

@@ -14,9 +14,9 @@ import argparse
 import importlib
 
 from diffquant.catalog import choices
+from diffquant.commands.common import CALIB_WINDOWS
 
 SEQ_LEN = 256  # tokens per window on every command that reads windows (train: the preset's context by default)
-CALIB_WINDOWS = 16  # --calib-tokens' default, in windows of --seq-len (the 16 calibration batches of Bondarenko et al.)
 RENAMED = {  # dest of an old flag: (its spelling, what to write now)
     "old_mitigate": ("--mitigate", "--fix (repeat it for a chain of fixes, applied in order)"),
     "old_weights": ("--weights", "--solver"),

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from diffquant.errors import DiffquantError
 
+CALIB_WINDOWS = 16  # --calib-tokens' default, in windows of --seq-len (the 16 calibration batches of Bondarenko et al.)
+
 
 def parse_model_args(values: list[str]) -> list[tuple[str, str]]:
     """(label, source) per --model: LABEL=SOURCE, else the zoo model's exact name (SmolLM2-135M-Instruct (Q4_1 →
@@ -84,7 +86,5 @@ def command_recipe(args, default_scheme: str):
 
 
 def calib_tokens(args) -> int:
-    """--calib-tokens, by default 16 windows of --seq-len."""
-    from diffquant.commands import CALIB_WINDOWS
-
+    """--calib-tokens, by default CALIB_WINDOWS windows of --seq-len."""
     return args.calib_tokens if args.calib_tokens is not None else CALIB_WINDOWS * args.seq_len

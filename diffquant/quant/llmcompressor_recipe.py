@@ -202,11 +202,11 @@ def _actorder(where: str, args: dict) -> bool:
     _refuse(where, f"actorder {value!r}: diffquant's GPTQ orders columns by activation (weight/static) or not (null)")
 
 
-def read(doc: dict, name: str = "llm-compressor"):
-    """The diffquant Recipe of an llm-compressor recipe document (parsed YAML)."""
+def read(doc: dict, name: str = "llm-compressor") -> list:
+    """The diffquant recipe steps of an llm-compressor recipe document (parsed YAML), in order, as `Recipe.of`
+    reads them: the fixes, the solver if any, the scheme (recipe.py builds the Recipe: this module is below it)."""
     from diffquant.quant.algorithms.gptq_config import GPTQ
     from diffquant.quant.algorithms.mitigate import SmoothQuant
-    from diffquant.quant.recipe import Recipe
     from diffquant.quant.algorithms.solvers import AWQ
 
     fixes, solver, scheme = [], None, None
@@ -248,4 +248,4 @@ def read(doc: dict, name: str = "llm-compressor"):
             _refuse(mod, "diffquant reads SmoothQuantModifier, GPTQModifier, AWQModifier and QuantizationModifier")
     if scheme is None:
         raise DiffquantError("llm-compressor recipe: no GPTQModifier, QuantizationModifier or AWQModifier with a scheme")
-    return Recipe(scheme, tuple(fixes), solver)
+    return [*fixes, *([solver] if solver is not None else []), scheme]

@@ -167,7 +167,7 @@ class Recipe:
         from diffquant.quant import llmcompressor_recipe
 
         if llmcompressor_recipe.is_llmcompressor(data):
-            return llmcompressor_recipe.read(data, path.stem)
+            return Recipe.of(llmcompressor_recipe.read(data, path.stem))
         if not isinstance(data, dict):
             raise DiffquantError(f"{path} must hold a mapping with 'scheme' (and 'fixes', 'solver'), or an "
                                  "llm-compressor recipe")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diffquant.errors import DiffquantError
-from diffquant.quant.algorithms.steps import Solver, number
+from diffquant.quant.algorithms.steps import SOLVERS, Solver, number
 
 
+@SOLVERS.register
 @dataclass(frozen=True)
 class GPTQ(Solver):
     damp: float = 0.01  # fraction of mean diag H added to the diagonal (the paper's 1%)

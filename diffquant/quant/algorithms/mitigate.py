@@ -63,6 +63,7 @@ ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # smoothquant:search's grid
 SEARCH_WINDOWS = 16  # calibration windows the α search scores each candidate on
 
 
+@FIXES.register
 @dataclass(frozen=True)
 class SmoothQuant(Fix):
     alpha: float | None = 0.5  # None: searched per model (`smoothquant:search`)
@@ -99,6 +100,7 @@ class SmoothQuant(Fix):
         applied.record = record
 
 
+@FIXES.register
 @dataclass(frozen=True)
 class Rotate(Fix):
     """QuaRot's rotation (the module doc). QuaRot's recipe is this with GPTQ weights: spelt `quarot`, it runs
@@ -139,6 +141,7 @@ class Rotate(Fix):
         _rotate(model, self, applied)
 
 
+@FIXES.register
 @dataclass(frozen=True)
 class Clip(Fix):
     method: str = "mse"

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 
 
+@SOLVERS.register
 @dataclass(frozen=True)
 class AWQ(Solver):
     """`scale=False, clip=True` is the clip search alone: `clip:output`, the range search on the layer's

@@ -14,8 +14,9 @@ A step class declares
 and what it does: a fix `adjust`s the scheme, `apply`s itself and `replay`s its record (quant/algorithms/mitigate.py); a
 solver gives the per-layer steps of `solve_weights_` (quant/algorithms/solvers.py). This is torchao's handler per config
 class and lm-eval's registries: a registry raises on a duplicate name, lists the valid choices on a miss, and is
-filled by explicit imports in one place (`_builtins`), never by import side effects. No torch here: the command
-line's help reads these registries.
+filled as each step's class is defined (`@FIXES.register`, torchao's `register_quantize_module_handler`);
+quant/algorithms/__init__.py imports the modules that define diffquant's own, so the registries are whole wherever
+one is read. No torch here: the command line's help reads these registries.
 """
 
 from __future__ import annotations
@@ -85,17 +86,9 @@ class Registry:
         self.kind, self.what, self.none = kind, what, none
         self._classes: list[type] = []
         self._by_word: dict[str, type] = {}
-        self._filled = False
-
-    def _fill(self) -> None:
-        if not self._filled:
-            self._filled = True
-            for cls in _builtins()[self.kind]:
-                self.register(cls)
 
     def register(self, cls: type) -> type:
         """Add a step class (usable as a decorator); a word another class already reads is refused."""
-        self._fill()
         if getattr(cls, "kind", None) != self.kind:
             raise DiffquantError(f"{cls.__name__} is not a {self.what} step (subclass steps.{self.kind.title()})")
         taken = [w for w in cls.words if w in self._by_word or w == self.none[0]]
@@ -107,27 +100,22 @@ class Registry:
         return cls
 
     def unregister(self, cls: type) -> None:
-        self._fill()
         self._classes.remove(cls)
         self._by_word = {w: c for w, c in self._by_word.items() if c is not cls}
 
     def classes(self) -> list[type]:
-        self._fill()
         return list(self._classes)
 
     def holds(self, step) -> bool:
         """Whether `step` is an instance of a registered class (exactly: a subclass registers itself)."""
-        self._fill()
         return type(step) in self._classes
 
     def docs(self) -> list[tuple[str, str]]:
         """[(spelling, one line)], no step first."""
-        self._fill()
         return [self.none, *((s, doc) for cls in self._classes for s, doc in cls.docs.items())]
 
     def parse(self, text: str):
         """The step `text` spells (None for the no-step spelling); a miss lists every spelling."""
-        self._fill()
         t = str(text).strip().lower()
         if t == self.none[0]:
             return None
@@ -153,12 +141,3 @@ def number(x: float) -> str:
 
 FIXES = Registry("fix", "fix", ("none", "no transform"))
 SOLVERS = Registry("solver", "weight solver", ("rtn", "round to nearest (the scheme's own quantizer)"))
-
-
-def _builtins() -> dict[str, tuple[type, ...]]:
-    """diffquant's own steps, in the order help texts list them."""
-    from diffquant.quant.algorithms.gptq_config import GPTQ
-    from diffquant.quant.algorithms.mitigate import Clip, Rotate, SmoothQuant
-    from diffquant.quant.algorithms.solvers import AWQ
-
-    return {"fix": (SmoothQuant, Rotate, Clip), "solver": (GPTQ, AWQ)}
