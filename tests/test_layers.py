@@ -80,3 +80,11 @@ def test_the_check_sees_lazy_imports(tmp_path):
                  "    from diffquant import kernels, __version__\n")
     assert imports(f) == {"diffquant.quant.recipe", "diffquant.stats.moments", "diffquant.kernels", "diffquant"}
     assert unit("diffquant.quant.numerics.scheme") == "quant.numerics" and unit("diffquant.quant.recipe") == "quant"
+
+
+def test_the_architecture_page_draws_these_layers():
+    """docs/ARCHITECTURE.md's layer block is this list, so the page cannot drift from the check."""
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("<!-- layers:begin -->")[1].split("<!-- layers:end -->")[0]
+    drawn = [line.split(None, 1)[1].split(", ") for line in block.strip().strip("`").strip().splitlines()]
+    assert drawn == [list(units) for units in LAYERS]
