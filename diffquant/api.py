@@ -128,12 +128,14 @@ def plot_sweep(rows: list[dict], out) -> list[Path]:
 
 
 def train(out, *, preset: str = "tiny", designs: Iterable[str] = ("baseline", "diff"), data: str = "kjv",
-          tokens: int = 1_000_000, resume: bool = False, device: str | None = None, progress: bool = False,
-          **settings) -> dict:
+          tokens: int = 1_000_000, resume: bool = False, device: str | None = None, dtype: str = "auto",
+          progress: bool = False, **settings) -> dict:
     """Train matched models of `designs` (`dq.registries()["designs"]`) at `preset` on identical data: the same
     batches in the same order, the same schedule and token budget; checkpoints in out/<design>, resumable.
     `settings` are diffquant.training.TrainConfig's (lr, batch_size, seq_len, schedule, weight_decay, seed, track,
-    ...). Returns the run's metrics; `dq.load_pair(out)` loads the models."""
+    ...). `dtype`: the forward's precision, auto (bf16 autocast on CUDA, fp32 elsewhere), fp32 or bf16 (autocast on
+    the CPU too); weights and optimizer state stay fp32. Returns the run's metrics; `dq.load_pair(out)` loads the
+    models."""
     from diffquant.models.placement import resolve_device
     from diffquant.training import TrainConfig, train_pair
 
@@ -141,7 +143,7 @@ def train(out, *, preset: str = "tiny", designs: Iterable[str] = ("baseline", "d
         cfg = TrainConfig(preset=preset, archs=tuple(designs), corpus=data, tokens=tokens, **settings)
     except ValueError as e:
         raise DiffquantError(str(e)) from None
-    return train_pair(cfg, out, resolve_device(device), resume=resume, progress=progress)
+    return train_pair(cfg, out, resolve_device(device), resume=resume, progress=progress, dtype=dtype)
 
 
 def load_pair(folder, designs: Iterable[str] | None = None, device: str | None = None) -> dict:

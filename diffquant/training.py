@@ -204,9 +204,23 @@ def _synthetic_data(cfg: TrainConfig, out: Path, seq_len: int) -> Data:
                  "val_windows": len(val), "synthetic": spec.label(), "bos": True, "vocab": spec.vocab + 1})
 
 
+PRECISIONS = ("auto", "fp32", "bf16")  # training's: weights and optimizer state stay fp32; bf16 autocasts the forward
+
+
+def autocast_dtype(dtype: str, device: str):
+    """The dtype the forward autocasts to (None: none): `auto` is bf16 on CUDA and fp32 elsewhere; `bf16` autocasts
+    on the CPU too (its bfloat16 matmuls); fp16 is refused (it needs loss scaling, which training does not do)."""
+    if dtype not in PRECISIONS:
+        raise DiffquantError(f"training precision must be one of {', '.join(PRECISIONS)}, got {dtype!r}"
+                             + (" (fp16 needs loss scaling)" if dtype == "fp16" else ""))
+    if dtype == "bf16" or (dtype == "auto" and device.startswith("cuda")):
+        return torch.bfloat16
+    return None
+
+
 def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str = "cpu", resume: bool = False,
-                progress: bool = True, stop_after: int | None = None) -> dict:
-    """Train one model of the pair; checkpoints in out/<arch>. Returns its metrics."""
+                progress: bool = True, stop_after: int | None = None, dtype: str = "auto") -> dict:
+    """Train one model of the pair; checkpoints in out/<arch>. Returns its metrics. `dtype`: PRECISIONS."""
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -244,7 +258,7 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
     ddp_model = model
     if world > 1:
         ddp_model = torch.nn.parallel.DistributedDataParallel(model)
-    use_amp = device.startswith("cuda")
+    amp = autocast_dtype(dtype, device)
     track = _Tracker(cfg, data, total, metrics, device) if cfg.track else None
     if track:
         track(model, start)
@@ -258,7 +272,7 @@ def train_model(arch: str, cfg: TrainConfig, data: Data, out: Path, device: str 
             group["lr"] = lr_at(step, total, cfg)
         batch = batch_at(data.train, step, cfg.batch_size, cfg.seed)
         batch = batch[rank * len(batch) // world:(rank + 1) * len(batch) // world].to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
+        with torch.autocast(device.split(":")[0], dtype=amp or torch.float32, enabled=amp is not None):
             loss = ddp_model(batch, labels=batch, use_cache=False).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -364,11 +378,15 @@ def environment_record(device: str) -> dict:
 
 
 def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, resume: bool = False,
-               force: bool = False, cache: str | None = None, progress: bool = True, figures: bool = True) -> dict:
+               force: bool = False, cache: str | None = None, progress: bool = True, figures: bool = True,
+               dtype: str = "auto") -> dict:
     """Train every arch of `cfg` into out/<arch>; writes out/metrics.json and returns it. With `track`, also
-    emergence.json and (`figures`) its plots; a caller that plots many runs together passes figures=False."""
+    emergence.json and (`figures`) its plots; a caller that plots many runs together passes figures=False.
+    `dtype` (PRECISIONS) is how the forward runs, like `device` a setting of the machine, recorded in the run's
+    environment record."""
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    autocast_dtype(dtype, device)  # refused before anything is written
     cfg_path = out / "train_config.json"
     exists = cfg_path.exists()
     barrier()  # every rank has looked before rank 0 writes the config (else a later rank finds it and refuses)
@@ -393,12 +411,12 @@ def train_pair(cfg: TrainConfig, out: str | Path, device: str | None = None, res
     data = prepare_data(cfg, out, cache)
     results = {"config": asdict(cfg), "data": {"corpus": cfg.corpus, "sha256": data.sha256,
                                                "unigram_entropy": data.unigram_entropy, **data.meta},
-               "environment": environment_record(device), "models": {}}
+               "environment": environment_record(device) | {"precision": dtype}, "models": {}}
     metrics_path = out / "metrics.json"
     if metrics_path.exists() and resume:
         results["models"] = json.loads(metrics_path.read_text()).get("models", {})
     for arch in cfg.archs:
-        m = train_model(arch, cfg, data, out, device, resume=resume, progress=progress)
+        m = train_model(arch, cfg, data, out, device, resume=resume, progress=progress, dtype=dtype)
         m["final_val"] = m["val"][-1] if m["val"] else None
         results["models"][arch] = m
         if rank == 0:

@@ -85,6 +85,26 @@ def test_train_pair_learns_and_records(corpus, tmp_path):
                    progress=False)
 
 
+def test_training_precision(corpus, tmp_path):
+    """`--dtype`: auto on a CPU is fp32 (the same weights bit for bit), bf16 autocasts the forward on the CPU too (other
+    weights, still finite and fp32 in storage), the precision is recorded, fp16 is refused in one line; the command
+    line takes the flag."""
+    from diffquant.cli import main
+
+    cfg = _cfg(corpus, tokens=4 * 4 * 64)
+    runs = {d: train_pair(cfg, tmp_path / d, "cpu", progress=False, figures=False, dtype=d) for d in ("auto", "fp32", "bf16")}
+    weights = {d: load_file(tmp_path / d / "diff" / "model.safetensors") for d in runs}
+    assert all(torch.equal(weights["auto"][k], weights["fp32"][k]) for k in weights["auto"])
+    assert any(not torch.equal(weights["bf16"][k], weights["fp32"][k]) for k in weights["fp32"])
+    assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights["bf16"].values())
+    assert {d: r["environment"]["precision"] for d, r in runs.items()} == {d: d for d in runs}
+    with pytest.raises(DiffquantError, match="fp16 needs loss scaling"):
+        train_pair(cfg, tmp_path / "fp16", "cpu", progress=False, dtype="fp16")
+    assert not (tmp_path / "fp16").exists()
+    with pytest.raises(SystemExit):
+        main(["train", "--preset", "micro", "--data", str(corpus), "--dtype", "fp16", "--out", str(tmp_path / "x")])
+
+
 def test_bad_training_input(corpus, tmp_path):
     with pytest.raises(ValueError):
         TrainConfig(tokens=0)

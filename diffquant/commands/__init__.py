@@ -334,6 +334,9 @@ def _train(sub) -> None:
     p.add_argument("--needle-fraction", type=float, default=0.0, help="fraction of training text made of needles")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when this machine has it; "
                                                   "under torchrun each rank its LOCAL_RANK)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="the forward's precision (weights and optimizer state stay fp32): auto is bf16 autocast on "
+                        "CUDA and fp32 elsewhere; bf16 autocasts on the CPU too (default auto)")
     p.add_argument("--cache-dir", default=None, help="where corpora are cached (default $DIFFQUANT_CACHE, else $XDG_CACHE_HOME/diffquant, "
                         "else ~/.cache/diffquant)")
     out_args(p, resume=True)

@@ -34,7 +34,8 @@ def run_cli(args) -> None:
     from diffquant.kernels import chosen
 
     with chosen(args.kernels):  # the --track profiles' kernels
-        results = train_pair(cfg, args.out, device, resume=args.resume, force=args.force, cache=args.cache_dir)
+        results = train_pair(cfg, args.out, device, resume=args.resume, force=args.force, cache=args.cache_dir,
+                             dtype=args.dtype)
     if rank_world()[0] == 0:
         print(f"unigram entropy of the training tokens: {results['data']['unigram_entropy']:.3f} nats")
         from diffquant.report.style import display
