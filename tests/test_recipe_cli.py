@@ -66,7 +66,7 @@ def test_an_llmcompressor_recipe_runs_as_a_recipe_file(saved, tmp_path):
     result = _quantize(saved, tmp_path / "l", "--recipe", LLMCOMPRESSOR_RECIPE)
     expected = dq.Recipe.of(read(yaml.safe_load(open(LLMCOMPRESSOR_RECIPE)), "recipe"))
     assert dq.Recipe.load(tmp_path / "l" / "recipe.yaml") == expected == dq.Recipe.load(LLMCOMPRESSOR_RECIPE)
-    assert result["solver"] == "gptq:act-order" and result["simulated"]["loss"] > 0  # absent actorder: static
+    assert result["solver"] == "gptq:act-order:static-groups" and result["simulated"]["loss"] > 0  # absent actorder: static
 
 
 @pytest.mark.parametrize("argv, new", [

@@ -241,7 +241,7 @@ def read(doc: dict, name: str = "llm-compressor") -> list:
             if mod == "GPTQModifier":
                 act = _actorder(where, a)
                 solver = GPTQ(damp=float(a.pop("dampening_frac", 0.01) or 0.0), block=int(a.pop("block_size", 128)),
-                              act_order=act)
+                              act_order=act, static_groups=True)  # llm-compressor's group scales: the float weight's
                 a.pop("sequential_update", None), a.pop("true_sequential", None)
             scheme = _scheme(where, a, name)
         else:

@@ -50,12 +50,12 @@ def solve(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, gptq: GPTQ = GP
     H[dead, dead] = 1
     W[:, dead] = 0
     group = gran.group_size
-    lazy_groups = group is not None and not gptq.act_order
+    lazy_groups = group is not None and not (gptq.act_order or gptq.static_groups)
     col_scale = col_zero = None
     if group is None:
         s, z = scales(W, config)
         col_scale, col_zero = s.expand(rows, cols), z.expand(rows, cols)
-    elif gptq.act_order:  # static groups from the original weight
+    elif gptq.act_order or gptq.static_groups:  # static groups from the original weight
         s, z = scales(W, config)
         col_scale = s.squeeze(-1).repeat_interleave(group, dim=1)[:, :cols]
         col_zero = z.squeeze(-1).repeat_interleave(group, dim=1)[:, :cols]

@@ -14,20 +14,23 @@ class GPTQ(Solver):
     damp: float = 0.01  # fraction of mean diag H added to the diagonal (the paper's 1%)
     block: int = 128  # columns per lazy batch (the paper's B = 128)
     act_order: bool = False  # columns in order of decreasing diag H (the reference's --act-order)
+    static_groups: bool = False  # group scales from the float weight before any update (llm-compressor's; with
+    # act-order always), not as each group is reached (the reference's lazy groups, AutoGPTQ's default)
     fixes_scales = True
     words = ("gptq",)
     docs = {"gptq[:act-order]": "GPTQ (Frantar et al. 2022): Hessian-weighted error feedback, layer by layer on "
                                 "calibration data; act-order: columns by decreasing activation energy (:damp=D, "
-                                ":block=B: other dampening and lazy-batch sizes than 0.01 and 128)"}
+                                ":block=B: other dampening and lazy-batch sizes than 0.01 and 128; :static-groups: "
+                                "group scales from the float weight, as llm-compressor computes them)"}
 
     @classmethod
     def from_text(cls, word: str, arg: str) -> "GPTQ":
-        """`gptq[:act-order][:damp=D][:block=B]`: the label of any settings reads back to them."""
-        options = dict(damp=0.01, block=128, act_order=False)
+        """`gptq[:act-order][:static-groups][:damp=D][:block=B]`: the label of any settings reads back to them."""
+        options = dict(damp=0.01, block=128, act_order=False, static_groups=False)
         for part in filter(None, arg.split(":")):
             key, eq, value = part.partition("=")
-            if part == "act-order":
-                options["act_order"] = True
+            if part in ("act-order", "static-groups"):
+                options[part.replace("-", "_")] = True
             elif eq and key in ("damp", "block"):
                 options[key] = float(value) if key == "damp" else int(value)
             else:
@@ -41,7 +44,8 @@ class GPTQ(Solver):
             raise DiffquantError(f"GPTQ block size must be positive, got {self.block}")
 
     def label(self) -> str:
-        return ("gptq" + (":act-order" if self.act_order else "") + (f":damp={number(self.damp)}" if self.damp != 0.01 else "")
+        return ("gptq" + (":act-order" if self.act_order else "") + (":static-groups" if self.static_groups else "")
+                + (f":damp={number(self.damp)}" if self.damp != 0.01 else "")
                 + (f":block={self.block}" if self.block != 128 else ""))
 
     def layer_steps(self, model, table, configs, by_layer, solved, calibration) -> list:
