@@ -107,3 +107,11 @@ def test_fix_chains_and_implied_solvers():
     assert dq.Recipe.from_dict({"fixes": ["quarot"], "solver": "rtn", "scheme": "w4a8"}).solver is None  # as given
     r = from_cli(["clip:output"], None, "w4a4-static")
     assert r.solver.label() == "clip:output"
+
+
+def test_the_example_llmcompressor_recipes_read():
+    """docs/recipes' llm-compressor files (the README points at them) read as the recipes they say."""
+    assert dq.Recipe.load("docs/recipes/llmcompressor-w4a16-gptq.yaml").label() == \
+        "gptq:static-groups → llmcompressor-w4a16-gptq:W4A16"
+    assert dq.Recipe.load("docs/recipes/llmcompressor-smoothquant-w8a8.yaml").label() == \
+        "smoothquant:0.8 → llmcompressor-smoothquant-w8a8:W8A8"
