@@ -79,7 +79,6 @@ def train_and_measure(name: str, overrides: dict, seed: int, archs, runs: Path, 
                       schemes=("logits-int4",)) -> dict:
     """Train (or reuse) the designs of one setting and seed; measure each on held-out sequences."""
     from diffquant.lab import from_pretrained
-
     from experiments.measure import measure
 
     folder = runs / name / f"s{seed}"

@@ -231,9 +231,7 @@ def held_out_and_calibration(e: Experiment, folder: Path) -> tuple[torch.Tensor,
 def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs: Path, device: str,
              seqs: torch.Tensor, calib: torch.Tensor, cells: Path) -> dict:
     """Train (resuming) and measure one cell, or read its measurements (under `cells`) when it is finished."""
-    from diffquant.lab import from_pretrained
-
-    from diffquant.lab import train_pair
+    from diffquant.lab import from_pretrained, train_pair
     from experiments.measure import measure
 
     folder = cell_folder(runs, design, lr, seed)

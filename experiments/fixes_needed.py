@@ -311,11 +311,10 @@ def main(argv=None) -> None:
     if a.pair:
         return pair_main(a)
     import torch
-    from diffquant.lab import from_pretrained
 
     from experiments import fair_rivals as F
 
-    from diffquant.lab import fuse
+    from diffquant.lab import from_pretrained, fuse
 
     torch.set_num_threads(a.threads)
     e = F.EXPERIMENTS["quick" if a.quick else "guo"]
@@ -377,11 +376,10 @@ def write_report(doc: dict, out: Path) -> None:
 def pair_main(a) -> None:
     """`--pair`: every seed of the two designs trained under RUNS/<pair>/s<seed>/<design> (the layout of `emergence --runs RUNS`)."""
     import torch
-    from diffquant.lab import from_pretrained
 
     from experiments.emergence import config, held_out
 
-    from diffquant.lab import fuse, prepare_data
+    from diffquant.lab import from_pretrained, fuse, prepare_data
 
     torch.set_num_threads(a.threads)
     runs = Path(a.runs or "runs/rivals") / a.pair

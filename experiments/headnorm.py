@@ -128,9 +128,7 @@ def measure_cell(plan: dict, model, seqs, copies, calib) -> dict:
 def run_cell(plan: dict, arm: str, lr: float, seed: int, runs: Path, out: Path, device: str, seqs, copies,
              calib) -> dict:
     """Train (resuming) and measure one cell, or read it when it is done under this plan."""
-    from diffquant.lab import from_pretrained
-
-    from diffquant.lab import fuse, train_pair
+    from diffquant.lab import from_pretrained, fuse, train_pair
 
     done = cell_path(out, arm, lr, seed)
     if done.is_file():
