@@ -2,9 +2,10 @@
 
     import diffquant as dq
 
-The public API (`__all__`, from diffquant/api.py) loads on first use. Importing diffquant registers its
-attention designs (gated, sink, clipsoftmax, the ablations) with transformers' Auto classes, explicitly
-(diffquant.designs.register_auto_classes), so a saved checkpoint of any design loads with
+The public API (`__all__`, from diffquant/api.py) loads on first use; `from diffquant import lab` adds what a study
+needs beyond it (training runs, statistics, report helpers, presets: diffquant/lab.py, what experiments/ uses).
+Importing diffquant registers its attention designs (gated, sink, clipsoftmax, the ablations) with transformers'
+Auto classes, explicitly (diffquant.designs.register_auto_classes), so a saved checkpoint of any design loads with
 `AutoModelForCausalLM.from_pretrained(path)` afterwards. That imports torch and transformers; the command line
 starts through `diffquant_cli`, which skips it until a command needs a model, so `diffquant --help` answers at
 once.

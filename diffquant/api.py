@@ -82,11 +82,14 @@ def scheme(name: str) -> QuantScheme:
     return get_scheme(name)
 
 
-def perplexity(model, windows, *, batch_size: int = 8) -> dict:
-    """Loss, perplexity (with its 95% interval over sequences), next-token accuracy and per-sequence losses."""
+def perplexity(model, windows, *, batch_size: int = 8, positions=None) -> dict:
+    """Loss, perplexity (with its 95% interval over sequences), next-token accuracy and per-sequence losses.
+    `positions` ([n, seq_len − 1] bool, aligned with the targets windows[:, 1:]) also reports the loss at those
+    predictions alone (`positions_loss`, `positions_tokens`): a task's answer tokens, say, whose loss the mean over
+    every token would hide."""
     from diffquant.evaluate import language_modeling
 
-    return language_modeling(model, windows, batch_size=batch_size)
+    return language_modeling(model, windows, batch_size=batch_size, positions=positions)
 
 
 def multiple_choice(model, tokenizer, examples: list[dict]) -> dict:

@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-from diffquant.errors import DiffquantError
-from diffquant.paths import atomic_write_json, atomic_write_text
-from diffquant.runs import parse_worker
+import diffquant as dq
+from diffquant.lab import atomic_write_json, atomic_write_text, parse_worker
 from experiments.planned import fmt_g, fmt_p, read_plan, tests, units
 
 PLAN = Path("docs/decomposition/plan.yaml")
@@ -66,7 +65,7 @@ def family_size(plan: dict) -> int:
 
 
 def describe(plan: dict) -> str:
-    from diffquant.stats.intervals import minimum_detectable_effect
+    from diffquant.lab import minimum_detectable_effect
 
     n, m = len(plan["seeds"]), family_size(plan)
     return (f"{len(cells(plan))} cells: {len(plan['arms'])} arms × {n} seeds at lr {plan['lr']:g}; "
@@ -79,7 +78,7 @@ def describe(plan: dict) -> str:
 
 
 def train_config(plan: dict, arm: str, seed: int):
-    from diffquant.training import TrainConfig
+    from diffquant.lab import TrainConfig
 
     seq_len = plan["setting"]["train"]["seq_len"]
     return TrainConfig(**{**plan["setting"]["train"], "lr": plan["lr"], "seed": seed, "archs": (arm,),
@@ -90,33 +89,28 @@ def data(plan: dict, folder: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """Held-out sequences (validation split), their copy positions, and the calibration draw (training split)."""
     from dataclasses import replace
 
-    from diffquant.data.synthetic import copy_targets, parse
-    from diffquant.training import prepare_data
+    from diffquant.lab import copy_targets, prepare_data, synthetic_spec
 
     seq_len = plan["setting"]["train"]["seq_len"]
     cfg = replace(train_config(plan, plan["arms"][0], 0), tokens=plan["calibration_sequences"] * seq_len)
     d = prepare_data(cfg, folder)
     seqs = d.val[:plan["held_out_sequences"]]
-    return seqs, copy_targets(seqs, parse(cfg.corpus)), d.train[:plan["calibration_sequences"]]
+    return seqs, copy_targets(seqs, synthetic_spec(cfg.corpus)), d.train[:plan["calibration_sequences"]]
 
 
 def kind_schemes() -> list:
     """Static per-tensor int8 / int4 activations at one kind of Linear input alone, weights in float."""
-    from diffquant.quant import granularity as G
-    from diffquant.quant.config import int_config
-    from diffquant.quant.scheme import QuantScheme
+    from diffquant.lab import PerTensor, int_config
 
-    return [QuantScheme(f"a{bits}-static:{kind}", ((f"*.{kind}", int_config(bits, G.PerTensor(), dynamic=False)),),
-                        description=f"int{bits} static per-tensor activations at {kind} only, weights in float")
+    return [dq.QuantScheme(f"a{bits}-static:{kind}", ((f"*.{kind}", int_config(bits, PerTensor(), dynamic=False)),),
+                           description=f"int{bits} static per-tensor activations at {kind} only, weights in float")
             for bits in (8, 4) for kind in KINDS]
 
 
 def magnitudes(model, seqs: torch.Tensor) -> dict:
     """Per kind of Linear input: each layer's top-1, top-10, top-100 and median |x| (SiteStats: exact top-k,
     histogram median), and the largest layer's (by top-1) beside the smallest and largest layer median."""
-    from diffquant.profiler import profile_model
-
-    prof = profile_model(model, seqs, [f"*.{k}" for k in KINDS], progress=False, k=100)
+    prof = dq.profile(model, seqs, [f"*.{k}" for k in KINDS], k=100, sinks=False)
     out = {}
     for name, stats in prof.sites.items():
         s = stats.summary(full=False)
@@ -139,8 +133,7 @@ def set_eps(model, eps: float) -> float:
 
 def measure_cell(plan: dict, model, seqs, copies, calib) -> dict:
     """Every metric of the plan and the exploratory ones for one trained model."""
-    from diffquant.models.fused import layer_lambdas
-    from diffquant.quant.grid_error import static_grid_errors
+    from diffquant.lab import layer_lambdas, static_grid_errors
     from experiments.measure import measure
 
     schemes = [s for s in ("w8a8-static", "w4a4-static", "logits-int4", *kind_schemes())
@@ -210,14 +203,13 @@ def checkpoint_path(out: Path, arm: str, seed: int) -> Path:
 def _read_cell(plan: dict, path: Path) -> dict:
     cell = json.loads(path.read_text())
     if cell["plan_sha256"] != plan["sha256"]:
-        raise DiffquantError(f"{path} was measured under another plan ({cell['plan_sha256'][:12]}); the plan is fixed "
-                             "before the runs: restore it, or label any new analysis exploratory")
+        raise dq.DiffquantError(f"{path} was measured under another plan ({cell['plan_sha256'][:12]}); the plan is "
+                                "fixed before the runs: restore it, or label any new analysis exploratory")
     return cell
 
 
 def load_checkpoint(folder: Path, device: str):
-    from diffquant.models.fused import fuse
-    from diffquant.pretrained import from_pretrained
+    from diffquant.lab import from_pretrained, fuse
 
     model = from_pretrained(folder).to(device).eval()
     fuse(model)
@@ -226,7 +218,7 @@ def load_checkpoint(folder: Path, device: str):
 
 def run_cell(plan: dict, arm: str, seed: int, runs: Path, out: Path, device: str, seqs, copies, calib) -> dict:
     """Train (resuming), keep the checkpoint and measure one cell, or read it when it is done under this plan."""
-    from diffquant.training import train_pair
+    from diffquant.lab import train_pair
 
     done = cell_path(out, arm, seed)
     if done.is_file():
@@ -295,7 +287,7 @@ def decompose(plan: dict, rows: list[dict]) -> dict[str, str]:
 
 
 def analyse(plan: dict, out: Path) -> dict:
-    from diffquant.stats.intervals import t_interval
+    from diffquant.lab import t_interval
 
     per_arm = {a: [_read_cell(plan, cell_path(out, a, s)) for s in plan["seeds"]] for a in plan["arms"]}
     rows = tests(plan, per_arm)
@@ -373,8 +365,7 @@ def summary(plan: dict, doc: dict) -> str:
 
 
 def render(plan: dict, doc: dict) -> str:
-    from diffquant.report.tables import markdown
-    from diffquant.stats.intervals import fmt_pm
+    from diffquant.lab import fmt_pm, markdown
 
     arms, display = plan["arms"], plan["labels"].get
     ho = doc["held_out"]
@@ -457,10 +448,11 @@ def throughput(plan: dict, device: str, workers: int, steps: int) -> tuple[float
     import multiprocessing as mp
     import time
 
-    from diffquant.data.synthetic import parse
+    from diffquant.lab import synthetic_spec
 
     t = plan["setting"]["train"]
-    args = (t["preset"], "diff-gain", t["batch_size"], t["seq_len"], parse(t["corpus"]).vocab + 1, device, steps)
+    vocab = synthetic_spec(t["corpus"]).vocab + 1
+    args = (t["preset"], "diff-gain", t["batch_size"], t["seq_len"], vocab, device, steps)
     one = _probe(args)
     with mp.get_context("spawn").Pool(workers) as pool:
         start = time.perf_counter()
@@ -473,7 +465,7 @@ def _gpu_job(args) -> dict:
     plan, arm, seed, tokens, runs, out, device = args
     from dataclasses import replace
 
-    from diffquant.training import train_pair
+    from diffquant.lab import train_pair
 
     ckpt = out / "checkpoints" / arm / f"t{tokens}" / f"s{seed}"
     if (ckpt / "model.safetensors").is_file():
@@ -519,7 +511,7 @@ def run_gpu(plan: dict, out: Path, runs: Path, device: str, minutes: float, work
 
 
 def run(plan: dict, out: Path, runs: Path, device: str, worker: tuple[int, int] | None = None) -> dict | None:
-    from diffquant.runs import start_run
+    from diffquant.lab import start_run
 
     out.mkdir(parents=True, exist_ok=True)
     start_run(out, {"plan_sha256": plan["sha256"], "setting": plan["setting"], "worker": worker}, device)
@@ -573,8 +565,8 @@ def main(argv=None) -> dict | None:
     if a.report_only or a.remeasure:
         missing = [f"{arm} s{seed}" for arm, seed in cells(plan) if not cell_path(out, arm, seed).is_file()]
         if a.report_only and missing:
-            raise DiffquantError(f"{len(missing)} cells are not in {out}/cells yet ({', '.join(missing)}): nothing "
-                                 "is reported before every one is")
+            raise dq.DiffquantError(f"{len(missing)} cells are not in {out}/cells yet ({', '.join(missing)}): nothing "
+                                    "is reported before every one is")
         if a.remeasure:
             remeasure(plan, out, device, *data(plan, runs / "data"))
             return None
@@ -587,5 +579,5 @@ def main(argv=None) -> dict | None:
 if __name__ == "__main__":
     try:
         main()
-    except DiffquantError as err:  # one line, not a traceback
+    except dq.DiffquantError as err:  # one line, not a traceback
         raise SystemExit(f"decomposition: {err}") from None

@@ -33,15 +33,10 @@ from pathlib import Path
 
 import torch
 
-from diffquant.errors import DiffquantError
-from diffquant.paths import atomic_write_json, atomic_write_text
-from diffquant.report.style import display
-from diffquant.report.tables import markdown
-from diffquant.runs import start_run
-from diffquant.stats.intervals import fmt_pm
-from diffquant.stats.outlier_regime import HIDDEN_RATIO, NAME, SINK_RATE, reached
-from diffquant.stats.sinks import SINK_DEFINITION
-from diffquant.training import TrainConfig, prepare_data, train_pair
+import diffquant as dq
+from diffquant.lab import (HIDDEN_RATIO, REGIME_NAME, SINK_DEFINITION, SINK_RATE, TrainConfig, atomic_write_json,
+                           atomic_write_text, display, fmt_pm, markdown, prepare_data, regime_reached, start_run,
+                           train_pair)
 
 EVAL_SEQUENCES = 64  # held-out sequences for the final measurements
 
@@ -83,8 +78,7 @@ def held_out(cfg: TrainConfig, folder: Path, n: int) -> torch.Tensor:
 def train_and_measure(name: str, overrides: dict, seed: int, archs, runs: Path, n_eval: int,
                       schemes=("logits-int4",)) -> dict:
     """Train (or reuse) the designs of one setting and seed; measure each on held-out sequences."""
-    from diffquant.pretrained import from_pretrained
-
+    from diffquant.lab import from_pretrained
     from experiments.measure import measure
 
     folder = runs / name / f"s{seed}"
@@ -109,7 +103,7 @@ def choose(settings: dict, found: dict) -> str:
     """The first setting in the regime; when none is, the one whose curves reach it soonest (the smallest
     extrapolated token budget; the largest hidden top-1/median when nothing extrapolates)."""
     done = [n for n in settings if n in found]
-    hits = [n for n in done if reached(found[n])]
+    hits = [n for n in done if regime_reached(found[n])]
     if hits:
         return hits[0]
     budget = {n: found[n].get("extrapolated_tokens") for n in done}
@@ -127,7 +121,7 @@ def regime_setting(search_json: Path) -> tuple[str, dict]:
 def extrapolate(emergence: list[dict]) -> float | None:
     """Tokens at which the worst-layer hidden top-1/median would reach the regime's HIDDEN_RATIO, from a log-log
     line through the second half of the snapshots (None if it does not grow)."""
-    from diffquant.track import tokens_to_reach
+    from diffquant.lab import tokens_to_reach
 
     pts = [(p["tokens"], p["model"].get("hidden_ratio_max")) for p in emergence]
     return tokens_to_reach([t for t, _ in pts], [r for _, r in pts], HIDDEN_RATIO)
@@ -147,7 +141,7 @@ def _search_row(name: str, overrides: dict, m: dict) -> list:
     return [name, overrides["preset"], m["parameters"], overrides["corpus"], overrides["lr"],
             overrides.get("weight_decay", 0.1), overrides.get("bos", False) or overrides["corpus"].startswith("synth"),
             overrides["seq_len"], m["train_tokens"], round(m["minutes"], 1), m["sink_rate"], m["hidden_ratio"],
-            m["massive_ratio"], m["logit_top1"], m["loss"], "yes" if reached(m) else "no",
+            m["massive_ratio"], m["logit_top1"], m["loss"], "yes" if regime_reached(m) else "no",
             f"{budget / 1e6:,.0f}M" if budget else "does not grow"]
 
 
@@ -161,7 +155,7 @@ def _write_search(settings: dict, found: dict, out: Path, n_eval: int) -> None:
     atomic_write_json(out / "search.json", {"criterion": {"hidden_ratio": HIDDEN_RATIO, "sink_rate": SINK_RATE},
                                             "eval_sequences": n_eval, "seed": 0, "settings": settings, "results": found})
     atomic_write_text(out / "search.md", f"Baseline (Transformer) only, seed 0; measured on {n_eval} held-out "
-                      f"sequences. Regime column: {NAME}, the hidden ratio pooled over layers. Minutes are "
+                      f"sequences. Regime column: {REGIME_NAME}, the hidden ratio pooled over layers. Minutes are "
                       "wall-clock on 2 CPU cores shared with other runs.\n\n" + markdown(SEARCH_HEADER, rows))
 
 
@@ -170,7 +164,7 @@ OLD_SINK_LABEL = "sink rate (softmax designs; DIFF's pooled A1/A2 rate, old defi
 
 def _differential(label: str) -> bool:
     """Whether a row label (a design's display name) is a differential design (two softmax maps per head)."""
-    from diffquant.designs import DESIGNS
+    from diffquant.lab import DESIGNS
 
     return any(d.display == label and d.maps_per_head == 2 for d in DESIGNS.values())
 
@@ -234,7 +228,7 @@ def regime(name: str, overrides: dict, archs, seeds, runs: Path, out: Path, n_ev
            "aggregate": {display(a): v for a, v in agg.items()}}
     atomic_write_json(out / "results.json", doc)
     atomic_write_text(out / "results.md", render_regime(doc))
-    from diffquant.report.emergence_plots import plot_emergence
+    from diffquant.lab import plot_emergence
 
     first = {display(a): per[a][0]["emergence"] for a in archs}
     plot_emergence({"models": first, "track_sequences": 8,
@@ -271,7 +265,7 @@ def main(argv=None) -> None:
     settings = QUICK if a.quick else SEARCH
     named = {**settings, "demo": DEMO}
     if a.setting and a.setting not in named:
-        raise DiffquantError(f"--setting {a.setting} is not one of {', '.join(named)}")
+        raise dq.DiffquantError(f"--setting {a.setting} is not one of {', '.join(named)}")
     n_eval = 8 if a.quick else EVAL_SEQUENCES
     out, runs = Path(a.out), (Path(a.out) / "runs" if a.quick else Path(a.runs))
     used = {**settings, "demo": DEMO} if a.setting == "demo" else settings
@@ -290,5 +284,5 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except DiffquantError as err:  # one line, not a traceback
+    except dq.DiffquantError as err:  # one line, not a traceback
         raise SystemExit(f"emergence: {err}") from None

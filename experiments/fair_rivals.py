@@ -47,9 +47,8 @@ from pathlib import Path
 
 import torch
 
-from diffquant.errors import DiffquantError
-from diffquant.paths import atomic_write_json, atomic_write_text
-from diffquant.runs import parse_worker
+import diffquant as dq
+from diffquant.lab import atomic_write_json, atomic_write_text, parse_worker
 
 DESIGNS = ("baseline", "diff", "gated", "clipsoftmax", "sink", "baseline-headnorm", "diff-gain", "gated-nobias")
 HEADLINE = ("w8a8-static", "w4a4-static", "logits-int4")  # what outliers affect (Bondarenko et al.'s static W8A8)
@@ -131,7 +130,7 @@ RESERVE_S = 20  # `--minutes`: the results, figures and report after the last ce
 
 
 def train_config(e: Experiment, design: str, lr: float, seed: int, tokens: int):
-    from diffquant.training import TrainConfig
+    from diffquant.lab import TrainConfig
 
     return TrainConfig(**{**e.train, "lr": lr, "seed": seed, "tokens": tokens, "archs": (design,), "track": True,
                           "track_points": e.track_points, "eval_tokens": e.eval_sequences * e.train["seq_len"]})
@@ -151,19 +150,16 @@ def measure_costs(e: Experiment, device: str, steps: int = 2) -> dict:
     Every design is charged the slowest one's tracking, measurement and checkpoints (an upper bound)."""
     import tempfile
 
-    from diffquant.data.synthetic import is_synthetic, parse
-    from diffquant.models.fused import fuse
-    from diffquant.models.presets import build, get_preset
-    from diffquant.track import snapshot
+    from diffquant.lab import build_model, fuse, get_preset, is_synthetic, snapshot, synthetic_spec
     from experiments.measure import measure
     from experiments.pairs import seconds, train_rate
 
     seq_len = e.train.get("seq_len") or get_preset(e.train["preset"]).seq_len
-    vocab = parse(e.train["corpus"]).vocab + 1 if is_synthetic(e.train["corpus"]) else None
+    vocab = synthetic_spec(e.train["corpus"]).vocab + 1 if is_synthetic(e.train["corpus"]) else None
     rates = {d: train_rate(e.train["preset"], d, e.train["batch_size"], seq_len, vocab, device, steps)
              for d in e.designs}
     slowest = min(rates, key=rates.get)
-    model = build(get_preset(e.train["preset"]), slowest, vocab=vocab, seq_len=seq_len).to(device).eval()
+    model = build_model(get_preset(e.train["preset"]), slowest, vocab=vocab, seq_len=seq_len).to(device).eval()
     fuse(model)
     ids = lambda n: torch.randint(0, vocab or model.config.vocab_size, (n, seq_len), device=device)  # noqa: E731
     track_batch, seqs, calib = ids(train_config(e, slowest, e.lrs[0], 0, 1).track_sequences), ids(
@@ -191,8 +187,9 @@ def make_plan(e: Experiment, budget_hours: float, costs: dict) -> dict:
     budget = budget_hours * 3600
     tokens = int(min(e.tokens, (budget - fixed) / per_token) // step_tokens * step_tokens)
     if tokens < step_tokens:
-        raise DiffquantError(f"{budget_hours * 60:.1f} min do not fit {runs} runs: their tracking, measurement and "
-                             f"checkpoints alone take {fixed / 60:.1f} min; allow more time, or fewer designs or seeds")
+        raise dq.DiffquantError(f"{budget_hours * 60:.1f} min do not fit {runs} runs: their tracking, measurement "
+                                f"and checkpoints alone take {fixed / 60:.1f} min; allow more time, or fewer designs "
+                                "or seeds")
     train_s = per_design * sum(tokens / costs["tokens_per_s"][d] for d in e.designs)
     estimate = {"training": train_s, "tracking": runs * (e.track_points + 2) * costs["snapshot_s"],
                 "measurement": runs * costs["measure_s"],
@@ -223,7 +220,7 @@ def describe_plan(plan: dict) -> str:
 def held_out_and_calibration(e: Experiment, folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Held-out sequences (the validation split) and calibration sequences (a draw of the training split of its
     own: the generator is vectorised, so they are not the first windows a training run sees)."""
-    from diffquant.training import prepare_data
+    from diffquant.lab import prepare_data
 
     seq_len = e.train["seq_len"]
     cfg = train_config(e, e.designs[0], e.lrs[0], 0, e.calibration_sequences * seq_len)
@@ -234,9 +231,7 @@ def held_out_and_calibration(e: Experiment, folder: Path) -> tuple[torch.Tensor,
 def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs: Path, device: str,
              seqs: torch.Tensor, calib: torch.Tensor, cells: Path) -> dict:
     """Train (resuming) and measure one cell, or read its measurements (under `cells`) when it is finished."""
-    from diffquant.pretrained import from_pretrained
-
-    from diffquant.training import train_pair
+    from diffquant.lab import from_pretrained, train_pair
     from experiments.measure import measure
 
     folder = cell_folder(runs, design, lr, seed)
@@ -244,8 +239,8 @@ def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs
     if done.is_file():
         cell = json.loads(done.read_text())
         if cell["train_tokens"] != tokens:
-            raise DiffquantError(f"{done} was trained for {cell['train_tokens']:,} tokens, this plan wants {tokens:,}: "
-                                 "use another --runs folder or the plan.json that made it")
+            raise dq.DiffquantError(f"{done} was trained for {cell['train_tokens']:,} tokens, this plan wants "
+                                    f"{tokens:,}: use another --runs folder or the plan.json that made it")
         missing = [s for s in e.schemes if f"{s.replace('-', '_')}_cost" not in cell]
         if not missing:
             return cell
@@ -262,7 +257,7 @@ def run_cell(e: Experiment, design: str, lr: float, seed: int, tokens: int, runs
     train_s = time.perf_counter() - t0
     info = json.loads((folder / "metrics.json").read_text())["models"][design]
     model = from_pretrained(folder / design).to(device).eval()
-    from diffquant.models.fused import fuse
+    from diffquant.lab import fuse
 
     fuse(model)
     m = measure(model, seqs.to(device), e.schemes, calib.to(device))
@@ -300,7 +295,7 @@ def at_loss(curve: list[dict], target: float) -> dict | None:
 def matched_loss(per_design: dict[str, list[dict]]) -> dict:
     """Outlier statistics at the loss every run reaches: the worst single run's final tracked loss (a design's
     mean would leave out the seeds of every design that end above it, DIFF's included)."""
-    from diffquant.stats.intervals import t_interval
+    from diffquant.lab import t_interval
 
     finals = {d: sum(c["curve"][-1]["loss"] for c in cells) / len(cells) for d, cells in per_design.items()}
     target = max(c["curve"][-1]["loss"] for cells in per_design.values() for c in cells)
@@ -346,7 +341,7 @@ def families(metrics: list[str]) -> dict[str, list[str]]:
 def _contrast(per_design: dict[str, list[dict]], family: str, metric: str, design: str, reference: str) -> dict:
     """Welch's test of design − reference over seeds, with the pooled SD its detectable effect is read in. A metric
     that takes one value in every run of both (a sink rate of 0 everywhere) is no test: "constant (no test)"."""
-    from diffquant.stats.intervals import pooled_sd, welch
+    from diffquant.lab import pooled_sd, welch
 
     values = [c.get(metric) for c in per_design[design]]
     ref = [c.get(metric) for c in per_design[reference]]
@@ -364,8 +359,7 @@ def _judge(row: dict, p_adjusted: float, tests: int) -> None:
     """The verdict of one test at its Holm-adjusted p over a family of `tests`: which side is higher, or "no
     difference detected" with the smallest difference the test could detect at 80% power (Holm's first step, the
     smaller n), in SD and in the metric's units from the pooled SD, never "equal"."""
-    from diffquant.report.style import display
-    from diffquant.stats.intervals import minimum_detectable_effect
+    from diffquant.lab import display, minimum_detectable_effect
 
     n = min(row["n"], row["n_ref"])
     row.update(p_holm=p_adjusted, tests=tests, mde_sd=minimum_detectable_effect(n, tests))
@@ -381,7 +375,7 @@ def tests_against(per_design: dict[str, list[dict]], fams: dict[str, list[str]],
     contrasts added after the audit (ADDED, on the planned metrics, family "added"), judged by Holm over the
     planned family grown by them and by `fixes` (the fixes table's tests: dicts with "p"), see `grow`. A metric
     constant in every run of both designs is reported as such and left out of every family."""
-    from diffquant.stats.intervals import holm_adjust
+    from diffquant.lab import holm_adjust
 
     rows = []
     pairs = {family: [(d, reference) for d in per_design if d != reference] for family in fams}
@@ -404,7 +398,7 @@ def grow(rows: list[dict], fixes: list[dict]) -> int:
     """Holm over the planned family grown by the added contrasts and the fixes table's tests: "p_holm_grown" on
     each; the added rows are judged by it (they have no family of their own), the planned rows keep the planned
     family's verdicts (fixed before the run) and carry it to show which survive the growth. Returns its size."""
-    from diffquant.stats.intervals import holm_adjust
+    from diffquant.lab import holm_adjust
 
     grown = [r for r in rows if r["family"] in ("planned", "added") and r.get("p") is not None]
     grown += [t for t in fixes if t.get("p") is not None]
@@ -444,7 +438,7 @@ def _tie(v: dict) -> bool:
 def lr_ties(doc: dict) -> list[str]:
     """Designs whose chosen rate beat the runner-up by less than the seed-0 loss's standard error (a tie the
     sweep cannot resolve), with the margin."""
-    from diffquant.report.style import display
+    from diffquant.lab import display
 
     out = []
     for design, v in doc["rates"].items():
@@ -457,7 +451,7 @@ def lr_ties(doc: dict) -> list[str]:
 def tie_values(doc: dict, design: str, metric: str) -> str | None:
     """For a design whose rate was a tie: its seed-0 value of `metric` at the chosen rate and at the runner-up
     ("DIFF 9.12 at its chosen 0.001, 60.7 at 0.003"), or that the files do not hold them; None if no tie."""
-    from diffquant.report.style import display
+    from diffquant.lab import display
 
     v = doc["rates"].get(design)
     if v is None or not _tie(v):
@@ -488,7 +482,7 @@ def _findings(doc: dict, tested: list[dict], family: str, say_quiet: bool) -> tu
     with any learning-rate tie behind them; "no difference detected" for the rest with what it could have detected,
     never "equal"; metrics without any difference go to the second list when `say_quiet`, so a paragraph names them
     instead of spelling each out."""
-    from diffquant.report.style import display
+    from diffquant.lab import display
 
     parts, quiet = [], []
     for metric in dict.fromkeys(r["metric"] for r in tested if r["family"] == family):
@@ -513,7 +507,7 @@ def _findings(doc: dict, tested: list[dict], family: str, say_quiet: bool) -> tu
 def _added_findings(doc: dict, tested: list[dict]) -> list[str]:
     """Per added contrast (design against reference): the metrics where the design is higher or lower at the grown
     family's Holm p < 0.05 (with any rate tie behind them), and how many show no difference."""
-    from diffquant.report.style import display
+    from diffquant.lab import display
 
     out = []
     for design, reference in dict.fromkeys((r["design"], r["reference"]) for r in tested if r["family"] == "added"):
@@ -531,7 +525,7 @@ def _added_findings(doc: dict, tested: list[dict]) -> list[str]:
 
 def kv_heads(doc: dict) -> dict[str, tuple[int, int]]:
     """{design: (KV heads, channels per head)} of each design's cache at the experiment's preset."""
-    from diffquant.models.presets import get_preset
+    from diffquant.lab import get_preset
 
     spec = get_preset(doc["experiment"]["train"]["preset"])
     return {d: (c.num_key_value_heads, c.head_dim) for d in doc["per_seed"] for c in [spec.config(d)]}
@@ -540,23 +534,22 @@ def kv_heads(doc: dict) -> dict[str, tuple[int, int]]:
 def cache_scales(scheme: str, heads: int, head_dim: int) -> tuple[int | None, int | None]:
     """(key scales, value scales) per token and layer that a KV-cache preset gives a cache of `heads` KV heads of
     `head_dim` channels; None where the scales are not per token (keys per channel over runs of positions)."""
-    from diffquant.quant import granularity as G
-    from diffquant.quant.scheme import get_scheme
+    from diffquant.lab import PerGroup, PerToken
 
     def count(g):
-        if isinstance(g, G.PerToken):
+        if isinstance(g, PerToken):
             return heads
-        if isinstance(g, G.PerGroup):
+        if isinstance(g, PerGroup):
             return heads * math.ceil(head_dim / g.size)
         return None
 
-    found = dict((p.rsplit(".", 1)[-1], c.granularity) for p, c in get_scheme(scheme).activations)
+    found = dict((p.rsplit(".", 1)[-1], c.granularity) for p, c in dq.scheme(scheme).activations)
     return count(found["k_cache"]), count(found["v_cache"])
 
 
 def kv_granularity(doc: dict) -> str:
     """What the per-token-and-KV-head cache presets give each design here, and which verdicts that touches."""
-    from diffquant.report.style import display
+    from diffquant.lab import display
 
     shapes = kv_heads(doc)
     per_head = [s for s in doc["experiment"]["schemes"] if s in KV_PER_HEAD]
@@ -584,7 +577,7 @@ def recent_window_shares(length: int, recent: int) -> dict:
     sequence's last `recent`, for every query); "prefill_pairs", the share of causal query–key pairs that read a
     quantized entry there; "decode_pairs", that share in a decoding cache, which keeps each query's `recent` most
     recent positions in full precision instead."""
-    from diffquant.quant.scheme import kv_config
+    from diffquant.lab import kv_config
 
     start, end = kv_config(2, recent=recent).quantized_span(length)
     pairs = [(q, k) for q in range(length) for k in range(q + 1)]
@@ -606,8 +599,7 @@ def standing(doc: dict) -> str:
     then the exploratory reading (primary / secondary families, adopted after the first aggregation), every
     secondary metric with a difference said so none can hide; then what limits all of them: rate ties (also next
     to every verdict they touch), the KV cache's granularity, what is not measured, and the scale."""
-    from diffquant.stats.intervals import minimum_detectable_effect
-    from diffquant.stats.outlier_regime import NAME
+    from diffquant.lab import REGIME_NAME, minimum_detectable_effect
 
     per_seed = doc["per_seed"]
     n = min(len(v) for v in per_seed.values())
@@ -663,9 +655,9 @@ def standing(doc: dict) -> str:
     cells = [c for v in per_seed.values() for c in v]
     swept = [c for by_lr in (doc.get("sweep_metrics") or {}).values() for c in by_lr.values()]
     constant = sorted({_display(r["metric"]) for r in doc["tests"] if r["verdict"].startswith("constant")})
-    limits.append(f"At this scale no design is in {NAME}: at the chosen rates the hidden top-1/median (pooled over "
-                  f"layers) is at most {max(c.get('hidden_ratio') or 0 for c in cells):.1f} and the sink rate at most "
-                  f"{max(c.get('sink_rate') or 0 for c in cells):.2f} over all {len(cells)} runs"
+    limits.append(f"At this scale no design is in {REGIME_NAME}: at the chosen rates the hidden top-1/median (pooled "
+                  f"over layers) is at most {max(c.get('hidden_ratio') or 0 for c in cells):.1f} and the sink rate at "
+                  f"most {max(c.get('sink_rate') or 0 for c in cells):.2f} over all {len(cells)} runs"
                   + (f" ({max(c.get('hidden_ratio') or 0 for c in swept):.1f} and "
                      f"{max(c.get('sink_rate') or 0 for c in swept):.2f} in the sweep's runs at other rates)"
                      if swept else "")
@@ -679,7 +671,7 @@ def standing(doc: dict) -> str:
 def _raw_only(doc: dict, tested: list[dict]) -> str:
     """The added contrasts whose uncorrected p is below 0.05 while the grown family's Holm p is not: said with
     both p-values, so an observation the correction does not support is visible and labelled."""
-    from diffquant.report.style import display
+    from diffquant.lab import display
 
     rows = [r for r in tested if r["family"] == "added" and r["p"] < 0.05 <= r["p_holm"]]
     headline = [r for r in rows if r["metric"] in PRIMARY]
@@ -694,9 +686,7 @@ def _raw_only(doc: dict, tested: list[dict]) -> str:
 
 
 def render(doc: dict) -> str:
-    from diffquant.report.style import display
-    from diffquant.report.tables import markdown
-    from diffquant.stats.intervals import fmt_pm
+    from diffquant.lab import display, fmt_pm, markdown
 
     from experiments.measure import METRICS
 
@@ -766,7 +756,7 @@ def run(e: Experiment, out: Path, runs: Path, budget_hours: float, device: str, 
     fixed order (the sweep's, then each design's further seeds) is k mod n, reading the others where done, so n
     processes share the runs without meeting; a worker stops where it lacks another's cells, and a run without
     `worker` (or the last one) writes the results once every cell is in."""
-    from diffquant.runs import start_run
+    from diffquant.lab import start_run
 
     from experiments.measure import aggregate
 
@@ -823,8 +813,7 @@ def run(e: Experiment, out: Path, runs: Path, budget_hours: float, device: str, 
 
 
 def _plot(per_design: dict[str, list[dict]], tokens: int, out: Path) -> None:
-    from diffquant.report.emergence_plots import plot_emergence
-    from diffquant.report.style import display
+    from diffquant.lab import display, plot_emergence
 
     plot_emergence({"models": {display(d): cells[0]["curve"] for d, cells in per_design.items()},
                     "scale": {display(d): {"parameters": cells[0]["parameters"], "tokens": tokens}
@@ -835,7 +824,7 @@ def render_only(out: Path) -> dict:
     """`--render`: the committed results' tests recomputed (`analyse`) and the report rewritten, from the files."""
     path = out / "results.json"
     if not path.is_file():
-        raise DiffquantError(f"{path} does not exist: nothing to render (run the comparison first)")
+        raise dq.DiffquantError(f"{path} does not exist: nothing to render (run the comparison first)")
     fixes = out / "fixes" / "results.json"
     doc = analyse(json.loads(path.read_text()), json.loads(fixes.read_text()) if fixes.is_file() else None)
     atomic_write_json(path, doc)
@@ -888,5 +877,5 @@ def main(argv=None, experiments: dict | None = None) -> dict | None:
 if __name__ == "__main__":
     try:
         main()
-    except DiffquantError as err:  # one line, not a traceback
+    except dq.DiffquantError as err:  # one line, not a traceback
         raise SystemExit(f"fair_rivals: {err}") from None

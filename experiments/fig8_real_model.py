@@ -66,9 +66,8 @@ def main(argv=None) -> None:
 def quick_settings(out: Path) -> Settings:
     """A random micro Llama, a tokenizer trained on a tiny corpus, and two synthetic tasks whose answers are
     known (see the module docstring)."""
-    from diffquant.data.tokens import train_tokenizer
-    from diffquant.evaluate import multiple_choice
-    from diffquant.models.presets import PRESETS, build
+    import diffquant as dq
+    from diffquant.lab import PRESETS, build_model, train_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
@@ -76,12 +75,12 @@ def quick_settings(out: Path) -> Settings:
     text = "\n".join(f"the {rng.choice(words)} of the {rng.choice(words)} is {rng.choice(words)}." for _ in range(3000))
     (out / "corpus.txt").write_text(text)
     tok = train_tokenizer(text, 300)
-    model = build(PRESETS["micro"], "baseline", 0)
+    model = build_model(PRESETS["micro"], "baseline", 0)
     model.save_pretrained(out / "micro")
     tok.save_pretrained(out / "micro")
     examples = [{"input": f"the {rng.choice(words)} of the", "target_scores": dict.fromkeys(rng.sample(words, 3), 0)}
                 for _ in range(300)]
-    predicted = multiple_choice(model, tok, examples)["predicted"]
+    predicted = dq.multiple_choice(model, tok, examples)["predicted"]
     tasks = {}
     for name in ("known", "random"):
         rows = []
@@ -97,12 +96,9 @@ def quick_settings(out: Path) -> Settings:
 def run(s: Settings, out: Path, report_only: bool = False) -> dict:
     import torch
 
-    from diffquant.cli import main as cli
-    from diffquant.models.load import load_model
-    from diffquant.paths import atomic_write_json, atomic_write_text
-    from diffquant.runs import start_run
-    from diffquant.sweeps import task_label
-    from diffquant.task_selection import RULE, select
+    import diffquant as dq
+    from diffquant.lab import (TASK_RULE, atomic_write_json, atomic_write_text, command_line, select_task, start_run,
+                               task_label)
 
     torch.set_num_threads(s.threads)
     if not report_only:  # a report-only pass keeps the settings and environment of the runs that measured
@@ -114,9 +110,9 @@ def run(s: Settings, out: Path, report_only: bool = False) -> dict:
     elif report_only:
         raise SystemExit(f"{selection_path} does not exist: nothing to report")
     else:
-        model, tok = load_model(s.model)
-        record = select(model, tok, s.candidates, s.examples, s.seed, stop_after=s.stop_after, progress=True)
-        selection = {"rule": RULE, "examples_per_task": s.examples, "seed": s.seed, "candidates": s.candidates,
+        model, tok = dq.load(s.model, device="cpu")
+        record = select_task(model, tok, s.candidates, s.examples, s.seed, stop_after=s.stop_after, progress=True)
+        selection = {"rule": TASK_RULE, "examples_per_task": s.examples, "seed": s.seed, "candidates": s.candidates,
                      "tried": record, "chosen": [r["task"] for r in record if r["passed"]]}
         atomic_write_json(selection_path, selection)
         del model
@@ -129,7 +125,7 @@ def run(s: Settings, out: Path, report_only: bool = False) -> dict:
         result["commands"].append("diffquant " + " ".join(args))
         if (folder / "cells.jsonl").exists():
             args.append("--resume")
-        if not report_only and cli(args) != 0:
+        if not report_only and command_line(args) != 0:
             raise SystemExit(f"the sweep on {task} failed")
         if not (folder / "results.json").exists():
             continue
@@ -180,7 +176,7 @@ def table_rows(rows: list[dict], label: str) -> list[dict]:
 
 
 def markdown_report(result: dict) -> str:
-    from diffquant.report.tables import markdown
+    from diffquant.lab import markdown
 
     sel = result["selection"]
     pct = lambda v: f"{100 * v:.1f}"  # noqa: E731

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from experiments.emergence import DEMO
 
-from diffquant.paths import atomic_write_json, atomic_write_text
-from diffquant.stats.intervals import detectable
+import diffquant as dq
+from diffquant.lab import atomic_write_json, atomic_write_text, detectable
 
 SCHEMES = ("w8a8-static", "w4a4-static")
 PAIRS = {"demo": DEMO}  # the trained pairs `--pair` reads: name -> TrainConfig overrides
@@ -38,16 +38,14 @@ FIXES = ("none", "smoothquant:search", "rotate", "quarot", "clip:output")
 
 def measure_model(model, seqs, calib) -> dict:
     """{"float": per-sequence losses, "cells": {scheme: {fix: {"delta", "delta_ci95", "loss"}}}}."""
-    from diffquant.evaluate import language_modeling
-    from diffquant.quant.recipe import from_cli, quantize_
-    from diffquant.stats.intervals import paired
+    from diffquant.lab import paired, recipe_from_cli
 
-    fp = language_modeling(model, seqs)["per_sequence_loss"]
+    fp = dq.perplexity(model, seqs)["per_sequence_loss"]
     cells = {}
     for name in SCHEMES:
         for fix_text in FIXES:
-            with quantize_(model, from_cli(fix_text, "rtn", name), calib) as handle:
-                q = language_modeling(model, seqs)["per_sequence_loss"]
+            with dq.quantize_(model, recipe_from_cli(fix_text, "rtn", name), calib) as handle:
+                q = dq.perplexity(model, seqs)["per_sequence_loss"]
             alpha = handle.record["fixes"][0].get("alpha") if handle.record["fixes"] else None
             d = paired(fp, q)
             cells.setdefault(name, {})[fix_text] = {"delta": d["mean"], "delta_ci95": d["ci95"],
@@ -58,7 +56,7 @@ def measure_model(model, seqs, calib) -> dict:
 def summarise(models: dict, designs: list[str]) -> dict:
     """Per design × scheme × fix: mean ± t over seeds of the cost and of the share of no-fix cost recovered;
     DIFF − baseline Welch tests, Holm-adjusted over every (scheme, fix)."""
-    from diffquant.stats.intervals import holm_adjust, t_interval, welch
+    from diffquant.lab import holm_adjust, t_interval, welch
 
     def costs(design, scheme, fix):
         return [m["cells"][scheme][fix]["delta"] for m in models.values() if m["design"] == design]
@@ -89,9 +87,7 @@ def render(doc: dict, fair: dict | None = None) -> str:
     this table's tests in its grown family, so each carries "p_holm_grown"), the verdicts are read inside that
     family, this table's own Holm is shown as the exploratory reading it is, rate ties are flagged on the rows, and
     the head-norm observation follows."""
-    from diffquant.report.style import display
-    from diffquant.report.tables import markdown
-    from diffquant.stats.intervals import fmt_pm
+    from diffquant.lab import display, fmt_pm, markdown
 
     s = doc["summary"]
     seeds = {d: sorted(m["seed"] for m in doc["models"].values() if m["design"] == d) for d in doc["designs"]}
@@ -203,7 +199,7 @@ def _ties(doc: dict, fair: dict | None) -> dict:
             out[sc] = "; ".join(said) + " (Δppl %)"
     tied = [d for d in doc["designs"] if F.tie_values(fair, d, "loss")]
     if tied:
-        from diffquant.report.style import display
+        from diffquant.lab import display
 
         out["any"] = f"{', '.join(display(d) for d in tied)} (fixed models at other rates: not measured)"
     return out
@@ -213,8 +209,7 @@ def headnorm_note(fair: dict) -> str:
     """The exploratory reading of the fair comparison's own no-fix static W4A4 costs (Δppl %) that the audit of issue
     42 pointed to: the Transformer with DIFF's head norm alone against the Transformer and DIFF, with the raw Welch
     p and the Holm p the grown family gives it, and how the sign of DIFF − Transformer moves with the rate (seed 0)."""
-    from diffquant.report.style import display
-    from diffquant.stats.intervals import fmt_pm, t_interval, welch
+    from diffquant.lab import display, fmt_pm, t_interval, welch
 
     metric = "w4a4_static_cost"
     per = {d: [c[metric] for c in fair["per_seed"][d]] for d in ("baseline", "baseline-headnorm", "diff", "diff-gain")
@@ -249,8 +244,7 @@ def headnorm_note(fair: dict) -> str:
 
 def pair_head(doc: dict, seeds: dict) -> str:
     """The table's preamble for a trained pair (`--pair`): its setting in place of the fair comparison's."""
-    from diffquant.report.style import display
-    from diffquant.training import TrainConfig
+    from diffquant.lab import TrainConfig, display
 
     o = doc["setting"]
     return (f"Post-training fixes on the `{doc['pair']}` pair (its setting, `emergence --setting {doc['pair']}`: "
@@ -274,7 +268,7 @@ def pair_head(doc: dict, seeds: dict) -> str:
 def rate_margins(doc: dict) -> str:
     """How clearly each design's learning rate won its sweep (seed 0): the runner-up's held-out loss minus the
     chosen one's, so a near-tie is stated beside the results that depend on it."""
-    from diffquant.report.style import display
+    from diffquant.lab import display
 
     margins = doc.get("rate_margins") or {}
     if not margins:
@@ -317,12 +311,10 @@ def main(argv=None) -> None:
     if a.pair:
         return pair_main(a)
     import torch
-    from diffquant.pretrained import from_pretrained
 
     from experiments import fair_rivals as F
 
-    from diffquant.errors import DiffquantError
-    from diffquant.models.fused import fuse
+    from diffquant.lab import from_pretrained, fuse
 
     torch.set_num_threads(a.threads)
     e = F.EXPERIMENTS["quick" if a.quick else "guo"]
@@ -361,7 +353,8 @@ def main(argv=None) -> None:
             print(f"{key}: done", flush=True)
     counts = [sum(m["design"] == d for m in doc["models"].values()) for d in a.designs]
     if min(counts) < 2:
-        raise DiffquantError(f"fixes_needed needs two trained seeds per design; found {dict(zip(a.designs, counts))}")
+        raise dq.DiffquantError("fixes_needed needs two trained seeds per design; found "
+                                f"{dict(zip(a.designs, counts))}")
     doc["summary"] = summarise(chosen_models(doc), a.designs)  # only the models at each design's chosen rate
     write_report(doc, out)
 
@@ -383,22 +376,19 @@ def write_report(doc: dict, out: Path) -> None:
 def pair_main(a) -> None:
     """`--pair`: every seed of the two designs trained under RUNS/<pair>/s<seed>/<design> (the layout of `emergence --runs RUNS`)."""
     import torch
-    from diffquant.pretrained import from_pretrained
 
     from experiments.emergence import config, held_out
 
-    from diffquant.errors import DiffquantError
-    from diffquant.models.fused import fuse
-    from diffquant.training import prepare_data
+    from diffquant.lab import from_pretrained, fuse, prepare_data
 
     torch.set_num_threads(a.threads)
     runs = Path(a.runs or "runs/rivals") / a.pair
     out = Path(a.out or f"docs/rivals/{a.pair}/fixes")
     folders = sorted(f for f in runs.glob("s*") if (f / "metrics.json").is_file())  # metrics: written once trained
     if not folders:
-        raise DiffquantError(f"fixes_needed --pair {a.pair}: no trained seed under {runs} (train it with "
-                             f"python -m experiments.emergence --only regime --setting {a.pair} --runs {runs.parent} "
-                             f"--archs {' '.join(a.designs)} --out docs/rivals/{a.pair})")
+        raise dq.DiffquantError(f"fixes_needed --pair {a.pair}: no trained seed under {runs} (train it with "
+                                f"python -m experiments.emergence --only regime --setting {a.pair} --runs "
+                                f"{runs.parent} --archs {' '.join(a.designs)} --out docs/rivals/{a.pair})")
     setting = PAIRS[a.pair]
     cfg = config(setting, 0, a.designs)
     seqs = held_out(cfg, folders[0], 64)
@@ -426,7 +416,8 @@ def pair_main(a) -> None:
                 "schemes": list(SCHEMES), "fixes": list(FIXES)})
     counts = [sum(m["design"] == d for m in doc["models"].values()) for d in a.designs]
     if min(counts) < 2:
-        raise DiffquantError(f"fixes_needed needs two trained seeds per design; found {dict(zip(a.designs, counts))}")
+        raise dq.DiffquantError("fixes_needed needs two trained seeds per design; found "
+                                f"{dict(zip(a.designs, counts))}")
     doc["summary"] = summarise(doc["models"], a.designs)
     write_report(doc, out)
 

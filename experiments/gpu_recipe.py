@@ -66,22 +66,18 @@ def estimate(s: Settings, dev: str) -> tuple[dict[str, float], float]:
 
     import torch
 
-    from diffquant.data.synthetic import is_synthetic, parse
-    from diffquant.models.fused import fuse
-    from diffquant.models.presets import build, get_preset
-    from diffquant.profiler import profile_model
-    from diffquant.sweeps import build_cells
-    from diffquant.track import snapshot
+    import diffquant as dq
+    from diffquant.lab import build_cells, build_model, fuse, get_preset, is_synthetic, snapshot, synthetic_spec
     from experiments.pairs import seconds, train_rate
 
     spec = get_preset(s.preset)
-    vocab = parse(s.corpus).vocab + 1 if is_synthetic(s.corpus) else None
+    vocab = synthetic_spec(s.corpus).vocab + 1 if is_synthetic(s.corpus) else None
     rates = [train_rate(s.preset, arch, s.batch_size, spec.seq_len, vocab, dev) for arch in ("baseline", "diff")]
-    model = build(spec, "diff", vocab=vocab, seq_len=spec.seq_len).to(dev).eval()
+    model = build_model(spec, "diff", vocab=vocab, seq_len=spec.seq_len).to(dev).eval()
     fuse(model)
     ids = torch.randint(0, vocab or spec.vocab, (8, spec.seq_len), device=dev)
     snap = seconds(lambda: snapshot(model, ids, 0, 0), dev)
-    forward = ids.numel() / seconds(lambda: profile_model(model, ids, batch_size=8, sinks=True, progress=False), dev)
+    forward = ids.numel() / seconds(lambda: dq.profile(model, ids, batch_size=8, sinks=True), dev)
     opt = torch.optim.AdamW(model.parameters())
     opt.step()
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,16 +96,9 @@ def estimate(s: Settings, dev: str) -> tuple[dict[str, float], float]:
 def run(s: Settings, out: Path, pairs: Path | None = None, t0: float | None = None) -> None:
     from experiments.pairs import device, fit_or_refuse, trained_pairs
 
-    from diffquant.data.windows import corpus_windows
-    from diffquant.models.load import load_pair
-    from diffquant.models.presets import get_preset
-    from diffquant.paths import atomic_write_json
-    from diffquant.profiler import profile_model
-    from diffquant.report.emergence_plots import plot_emergence
-    from diffquant.report.profile_report import write_report
-    from diffquant.report.sweep_plots import plot_sweep
-    from diffquant.runs import start_run
-    from diffquant.sweeps import Evaluator, build_cells, run_cells, summary_table
+    import diffquant as dq
+    from diffquant.lab import (Evaluator, atomic_write_json, build_cells, get_preset, plot_emergence, run_cells,
+                               start_run, summary_table, write_report)
 
     t0 = time.perf_counter() if t0 is None else t0
     dev = device()
@@ -126,11 +115,12 @@ def run(s: Settings, out: Path, pairs: Path | None = None, t0: float | None = No
     t_train = time.perf_counter() - t_train
     (out / "emergence").mkdir(exist_ok=True)
     plot_emergence(json.loads((folder / "emergence.json").read_text()), out / "emergence")
-    models = load_pair(folder, dev)
+    models = dq.load_pair(folder, designs=("baseline", "diff"), device=dev)
     tokenizer = models["DIFF"][1]
     seq_len = get_preset(s.preset).seq_len
-    windows = lambda tokens: corpus_windows(s.corpus, tokenizer, "validation", seq_len, tokens)  # noqa: E731
-    profiles = [profile_model(m, windows(s.profile_tokens), label=label, batch_size=32, sinks=True)
+    windows = lambda tokens: dq.windows(s.corpus, tokenizer, split="validation", seq_len=seq_len,  # noqa: E731
+                                        tokens=tokens)
+    profiles = [dq.profile(m, windows(s.profile_tokens), label=label, batch_size=32, sinks=True, progress=True)
                 for label, (m, _) in models.items()]
     write_report(profiles, out / "profile")
     evalset = windows(s.eval_tokens)
@@ -138,7 +128,7 @@ def run(s: Settings, out: Path, pairs: Path | None = None, t0: float | None = No
     cells = build_cells(list(models), ["attn_logits"], s.bits, s.granularity, None, None, {})
     (out / "fig8").mkdir(exist_ok=True)
     rows = run_cells(models, cells, evaluators, out / "fig8")
-    plot_sweep(rows, out / "fig8")
+    dq.plot_sweep(rows, out / "fig8")
     total = time.perf_counter() - t0
     atomic_write_json(out / "timing.json", {"train_s": t_train, "total_s": total, "estimate_s": parts})
     print((out / "profile" / "table5.md").read_text())
@@ -147,9 +137,9 @@ def run(s: Settings, out: Path, pairs: Path | None = None, t0: float | None = No
 
 
 if __name__ == "__main__":
-    from diffquant.errors import DiffquantError
+    import diffquant as dq
 
     try:
         main()
-    except DiffquantError as err:  # one line, not a traceback
+    except dq.DiffquantError as err:  # one line, not a traceback
         raise SystemExit(f"gpu_recipe: {err}") from None

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-from diffquant.errors import DiffquantError
-from diffquant.paths import atomic_write_json, atomic_write_text
-from diffquant.runs import parse_worker
+import diffquant as dq
+from diffquant.lab import atomic_write_json, atomic_write_text, parse_worker
 from experiments.planned import fmt_g, fmt_p, read_plan, tests, transform, units
 
 PLAN = Path("docs/headnorm/plan.yaml")
@@ -66,7 +65,7 @@ def family_size(plan: dict) -> int:
 
 
 def describe(plan: dict) -> str:
-    from diffquant.stats.intervals import minimum_detectable_effect
+    from diffquant.lab import minimum_detectable_effect
 
     n, m = len(plan["seeds"]), family_size(plan)
     return (f"{len(cells(plan))} cells: {len(plan['arms'])} arms × {n} seeds at lr {plan['lr']:g} + "
@@ -80,7 +79,7 @@ def describe(plan: dict) -> str:
 
 
 def train_config(plan: dict, arm: str, lr: float, seed: int):
-    from diffquant.training import TrainConfig
+    from diffquant.lab import TrainConfig
 
     seq_len = plan["setting"]["train"]["seq_len"]
     return TrainConfig(**{**plan["setting"]["train"], "lr": lr, "seed": seed, "archs": (arm,),
@@ -90,25 +89,22 @@ def train_config(plan: dict, arm: str, lr: float, seed: int):
 def data(plan: dict, folder: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Held-out sequences (validation split), their copy positions, and the calibration draw (a training-split
     draw of its own: the generator is vectorised, so these are not the first windows a run sees)."""
-    from diffquant.data.synthetic import copy_targets, parse
-    from diffquant.training import prepare_data
+    from diffquant.lab import copy_targets, prepare_data, synthetic_spec
 
     seq_len = plan["setting"]["train"]["seq_len"]
     cfg = train_config(plan, plan["arms"][0], plan["lr"], 0)
     cfg = replace(cfg, tokens=plan["calibration_sequences"] * seq_len)
     d = prepare_data(cfg, folder)
     seqs = d.val[:plan["held_out_sequences"]]
-    return seqs, copy_targets(seqs, parse(cfg.corpus)), d.train[:plan["calibration_sequences"]]
+    return seqs, copy_targets(seqs, synthetic_spec(cfg.corpus)), d.train[:plan["calibration_sequences"]]
 
 
 def kind_schemes(plan: dict) -> list:
     """Static per-tensor int8 / int4 activations at one kind of Linear input alone, weights in float."""
-    from diffquant.quant import granularity as G
-    from diffquant.quant.config import int_config
-    from diffquant.quant.scheme import QuantScheme
+    from diffquant.lab import PerTensor, int_config
 
-    return [QuantScheme(f"a{bits}-static:{kind}", ((f"*.{kind}", int_config(bits, G.PerTensor(), dynamic=False)),),
-                        description=f"int{bits} static per-tensor activations at {kind} only, weights in float")
+    return [dq.QuantScheme(f"a{bits}-static:{kind}", ((f"*.{kind}", int_config(bits, PerTensor(), dynamic=False)),),
+                           description=f"int{bits} static per-tensor activations at {kind} only, weights in float")
             for bits in (8, 4) for kind in plan["kinds"]]
 
 
@@ -132,17 +128,14 @@ def measure_cell(plan: dict, model, seqs, copies, calib) -> dict:
 def run_cell(plan: dict, arm: str, lr: float, seed: int, runs: Path, out: Path, device: str, seqs, copies,
              calib) -> dict:
     """Train (resuming) and measure one cell, or read it when it is done under this plan."""
-    from diffquant.pretrained import from_pretrained
-
-    from diffquant.models.fused import fuse
-    from diffquant.training import train_pair
+    from diffquant.lab import from_pretrained, fuse, train_pair
 
     done = cell_path(out, arm, lr, seed)
     if done.is_file():
         cell = json.loads(done.read_text())
         if cell["plan_sha256"] != plan["sha256"]:
-            raise DiffquantError(f"{done} was measured under another plan ({cell['plan_sha256'][:12]}); the plan "
-                                 "is fixed before the runs: restore it, or label any new analysis exploratory")
+            raise dq.DiffquantError(f"{done} was measured under another plan ({cell['plan_sha256'][:12]}); the plan "
+                                    "is fixed before the runs: restore it, or label any new analysis exploratory")
         return cell
     folder = runs / arm / f"lr{lr:g}" / f"s{seed}"
     t0 = time.perf_counter()
@@ -214,7 +207,7 @@ def sensitivity(plan: dict, main: dict[str, list[dict]], sens: dict[str, dict]) 
 
 
 def analyse(plan: dict, out: Path) -> dict:
-    from diffquant.stats.intervals import t_interval
+    from diffquant.lab import t_interval
 
     per_arm = {a: [json.loads(cell_path(out, a, plan["lr"], s).read_text()) for s in plan["seeds"]]
                for a in plan["arms"]}
@@ -222,7 +215,8 @@ def analyse(plan: dict, out: Path) -> dict:
             if (p := cell_path(out, a, plan["sensitivity"]["lr"], s)).is_file()}
     for cell in [c for v in per_arm.values() for c in v] + list(sens.values()):
         if cell["plan_sha256"] != plan["sha256"]:
-            raise DiffquantError(f"cell {cell['arm']} lr {cell['lr']} s{cell['seed']} was measured under another plan")
+            raise dq.DiffquantError(f"cell {cell['arm']} lr {cell['lr']} s{cell['seed']} was measured under another "
+                                    "plan")
     rows = tests(plan, per_arm)
     keys = [m["key"] for m in plan["metrics"]] + EXPLORATORY
     doc = {"plan_sha256": plan["sha256"], "setting": plan["setting"], "family_size": len([r for r in rows
@@ -266,7 +260,7 @@ def rate_sensitive(plan: dict, doc: dict) -> list[str]:
 
 def summary(plan: dict, doc: dict) -> str:
     """One sentence per finding, read off the Holm-adjusted tests and the decision rule only."""
-    from diffquant.report.style import display
+    from diffquant.lab import display
 
     n = len(plan["seeds"])
     dec = doc["decomposition"]
@@ -291,9 +285,7 @@ def summary(plan: dict, doc: dict) -> str:
 
 
 def render(plan: dict, doc: dict) -> str:
-    from diffquant.report.style import display
-    from diffquant.report.tables import markdown
-    from diffquant.stats.intervals import fmt_pm
+    from diffquant.lab import display, fmt_pm, markdown
 
     arms = plan["arms"]
     ho = doc["held_out"]
@@ -349,7 +341,7 @@ TRAINED_EPS = {"baseline": 1e-6, "baseline-headnorm": 1e-6, "diff": 1e-5, "diff-
 def arms_text(plan: dict, doc: dict) -> str:
     """What each arm is, exactly, as it was trained (the ablations are not a perfect split of DIFF's norm: said
     here)."""
-    from diffquant.models.presets import get_preset
+    from diffquant.lab import get_preset
 
     spec = get_preset(plan["setting"]["train"]["preset"])
     eps = {a: doc["scale"][a].get("rms_norm_eps") or TRAINED_EPS[a] for a in plan["arms"]}
@@ -388,7 +380,7 @@ def metric_label(plan: dict, m: dict) -> str:
 
 
 def run(plan: dict, out: Path, runs: Path, device: str, worker: tuple[int, int] | None = None) -> dict | None:
-    from diffquant.runs import start_run
+    from diffquant.lab import start_run
 
     out.mkdir(parents=True, exist_ok=True)
     start_run(out, {"plan_sha256": plan["sha256"], "setting": plan["setting"], "worker": worker}, device)
@@ -431,8 +423,8 @@ def main(argv=None) -> dict | None:
         missing = [f"{arm} s{seed}" for arm in plan["arms"] for seed in plan["seeds"]
                    if not cell_path(out, arm, plan["lr"], seed).is_file()]
         if missing:
-            raise DiffquantError(f"{len(missing)} cells at lr {plan['lr']:g} are not in {out}/cells yet "
-                                 f"({', '.join(missing)}): nothing is reported before every one is")
+            raise dq.DiffquantError(f"{len(missing)} cells at lr {plan['lr']:g} are not in {out}/cells yet "
+                                    f"({', '.join(missing)}): nothing is reported before every one is")
         doc = analyse(plan, out)
         print(doc["summary"])
         return doc
@@ -444,5 +436,5 @@ def main(argv=None) -> dict | None:
 if __name__ == "__main__":
     try:
         main()
-    except DiffquantError as err:  # one line, not a traceback
+    except dq.DiffquantError as err:  # one line, not a traceback
         raise SystemExit(f"headnorm: {err}") from None

@@ -54,10 +54,9 @@ class Settings:
 
 
 def scheme(bits: int, keys: str, sink: int):
-    from diffquant.quant import granularity as G
-    from diffquant.quant.scheme import kv_config, kv_scheme
+    from diffquant.lab import KVChannel, PerToken, kv_config, kv_scheme
 
-    kg = G.KVChannel(RUN) if keys == "channel" else G.PerToken()
+    kg = KVChannel(RUN) if keys == "channel" else PerToken()
     had = keys == "hadamard"  # keys and values in each head's Hadamard basis (kv_config's `hadamard`)
     return kv_scheme(f"k{bits}v{bits}-{keys}-sink{sink}", kv_config(bits, kg, sink=sink, hadamard=had),
                      kv_config(bits, sink=sink, hadamard=had),
@@ -65,10 +64,9 @@ def scheme(bits: int, keys: str, sink: int):
 
 
 def held_out(tokenizer, s: Settings) -> torch.Tensor:
-    from diffquant.data.corpora import load_text, split
-    from diffquant.data.tokens import encode, sequences
+    from diffquant.lab import encode, load_text, sequences, split_corpus
 
-    _, val = split(load_text(s.corpus)[0])
+    _, val = split_corpus(load_text(s.corpus)[0])
     return sequences(encode(tokenizer, val), s.seq_len, s.seq_len * s.sequences)
 
 
@@ -106,13 +104,12 @@ def measure(source: str, s: Settings) -> dict:
 
     from experiments.measure import quantization_cost
 
-    from diffquant.evaluate import language_modeling
-    from diffquant.models.load import load_model
+    import diffquant as dq
 
-    model, tok = load_model(source)[:2]
+    model, tok = dq.load(source, device="cpu")[:2]
     seqs = held_out(tok, s)
     t0 = time.perf_counter()
-    fp = language_modeling(model, seqs)
+    fp = dq.perplexity(model, seqs)
     before = previous("results", s, source, ("corpus", "seq_len", "sequences"))
     same_float = before.get("fp", {}).get("loss") == fp["loss"]  # the same model and tokens, bit for bit
     kept = before.get("kept", {}) if same_float else {}
@@ -141,11 +138,10 @@ def decode_vs_prefill(source: str, s: Settings, prompt: int, new: int) -> dict:
     """Perplexity of tokens prompt..prompt+new of the first held-out sequence, (a) with K/V quantized in one
     forward over the whole sequence and (b) decoded one token at a time through a write-once quantized
     cache (the prompt in one forward), per condition."""
-    from diffquant.models.load import load_model
-    from diffquant.quant.kv_cache import decode_logits
-    from diffquant.quant.scheme import attach_scheme
+    import diffquant as dq
+    from diffquant.lab import attach_scheme, decode_logits
 
-    model, tok = load_model(source)[:2]
+    model, tok = dq.load(source, device="cpu")[:2]
     ids = held_out(tok, Settings(corpus=s.corpus, seq_len=prompt + new, sequences=1))[:1]
 
     def ppl(logits):
@@ -179,25 +175,23 @@ def needle_run(source: str, s: Settings, examples: int, context_chars: int) -> d
     decoded through a write-once quantized cache per preset; per-query outcomes kept for McNemar."""
     import json
 
-    from diffquant.data.corpora import load_text, split
-    from diffquant.data.needle import needle_accuracy
-    from diffquant.models.load import load_model
-    from diffquant.quant.scheme import get_scheme
+    import diffquant as dq
+    from diffquant.lab import load_text, needle_accuracy, split_corpus
 
-    model, tok = load_model(source)[:2]
-    hay = split(load_text(s.corpus)[0])[1]  # held-out text as the haystack
+    model, tok = dq.load(source, device="cpu")[:2]
+    hay = split_corpus(load_text(s.corpus)[0])[1]  # held-out text as the haystack
     before = previous("needle", s, source, ("corpus",), examples=examples, context_chars=context_chars)
     kept = before.get("kept", {})
     prompt_tokens = before.get("prompt_tokens")
     rows = []
     for name in (None, *NEEDLE_SCHEMES):
-        config = get_scheme(name).to_dict() if name else None
+        config = dq.scheme(name).to_dict() if name else None
         old = kept.get(json.dumps(name or "fp"))
         if old is not None and old.get("config", "?") == config:  # the same preset definition
             rows.append(old)
             continue
         t0 = time.perf_counter()
-        r = needle_accuracy(model, tok, hay, examples=examples, kv_scheme=get_scheme(name) if name else None,
+        r = needle_accuracy(model, tok, hay, examples=examples, kv_scheme=dq.scheme(name) if name else None,
                             context_chars=context_chars)
         prompt_tokens = r["prompt_tokens"]
         rows.append({"scheme": name or "fp", "config": config, "choice": r["choice"], "exact": r["exact"],
@@ -209,9 +203,8 @@ def needle_run(source: str, s: Settings, examples: int, context_chars: int) -> d
 
 
 def needle_table(doc: dict) -> str:
-    from diffquant.quant.scheme import get_scheme
-    from diffquant.report.tables import markdown
-    from diffquant.stats.intervals import holm_adjust, mcnemar_exact, wilson
+    import diffquant as dq
+    from diffquant.lab import holm_adjust, markdown, mcnemar_exact, wilson
 
     parts = ["Needle retrieval decoded through a quantized KV cache (`diffquant.data.needle`): six needles \"the magic "
              "number of CITY is NNNN\" at depths 0/0/25/50/75/100% of a held-out KJV haystack, two questions per "
@@ -231,7 +224,7 @@ def needle_table(doc: dict) -> str:
         for r in m["rows"]:
             n = r["queries"]
             cells = [r["scheme"] if r["scheme"] == "fp" else f"`{r['scheme']}`",
-                     "full precision" if r["scheme"] == "fp" else get_scheme(r["scheme"]).description]
+                     "full precision" if r["scheme"] == "fp" else dq.scheme(r["scheme"]).description]
             for key, i in (("choice", 0), ("exact", 1)):
                 k = round(r[key] * n)
                 lo, hi = wilson(k, n)
@@ -271,7 +264,7 @@ def needle_table(doc: dict) -> str:
 
 
 def decode_table(doc: dict) -> str:
-    from diffquant.report.tables import markdown
+    from diffquant.lab import markdown
 
     parts = []
     for m in doc["models"]:
@@ -294,7 +287,7 @@ def decode_table(doc: dict) -> str:
 
 
 def table(doc: dict) -> str:
-    from diffquant.report.tables import markdown
+    from diffquant.lab import markdown
 
     s = doc["settings"]
     parts = [f"KV-cache quantization on {s['corpus'].upper()} held-out tokens: {s['sequences']} sequences of "
@@ -345,9 +338,7 @@ def seed_costs(seeds: dict[int, dict], row: int) -> list[float]:
 def design_table(setting: str, groups: dict[str, dict[int, dict]]) -> str:
     """One setting's designs over seeds: each condition's loss cost, mean ± 95% t over seeds, and DIFF against
     the baseline (Welch's t over seeds, Holm over the table's conditions)."""
-    from diffquant.report.style import display
-    from diffquant.report.tables import markdown
-    from diffquant.stats.intervals import detectable, fmt_pm, holm_adjust, t_interval, welch
+    from diffquant.lab import detectable, display, fmt_pm, holm_adjust, markdown, t_interval, welch
 
     designs = sorted(groups, key=lambda d: (d != "baseline", d != "diff", d))
     first = next(iter(groups[designs[0]].values()))
@@ -402,7 +393,7 @@ def design_table(setting: str, groups: dict[str, dict[int, dict]]) -> str:
 def curves(doc: dict) -> list[tuple[str, list[tuple[str, list[dict], float]]]]:
     """The figure's panels: [(title, [(label, rows, full-precision ppl)])]: the models run one at a time in the
     first, each trained pair's designs (geometric mean of perplexity over seeds) in one panel per setting."""
-    from diffquant.report.style import display
+    from diffquant.lab import display
 
     groups = seed_groups(doc)
     grouped = {id(m) for g in groups.values() for seeds in g.values() for m in seeds.values()}
@@ -426,7 +417,7 @@ def figure(doc: dict, stem: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from diffquant.report.style import color
+    from diffquant.lab import color
 
     panels = curves(doc)
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.2), layout="constrained", squeeze=False)
@@ -459,7 +450,7 @@ def render(quick: bool) -> None:
     """Rewrite results(-quick).md, decode(-quick).md and the figure from the committed json (no model runs)."""
     import json
 
-    from diffquant.paths import atomic_write_text
+    from diffquant.lab import atomic_write_text
 
     suffix = "-quick" if quick else ""
     for stem, write in ((f"results{suffix}", table), (f"decode{suffix}", decode_table), (f"needle{suffix}", needle_table)):
@@ -513,7 +504,7 @@ def main(argv=None) -> None:
 
 def write(stem: str, s: Settings, models: list[dict], render_md, **extra) -> dict:
     """OUT/<stem>(-quick).json and .md, written atomically; the markdown is printed too."""
-    from diffquant.paths import atomic_write_json, atomic_write_text
+    from diffquant.lab import atomic_write_json, atomic_write_text
 
     doc = {"settings": asdict(s), "models": models, **extra}
     stem += "-quick" if s.quick else ""

@@ -30,9 +30,8 @@ def models(quick: bool, checkpoints: list[str] = ()):
     """(label, model, token ids [1, prompt + continuation], prompt length) to compare on: the micro pair, then
     (unless quick) SmolLM2-135M-Instruct, then each trained checkpoint folder asked for, on 96 KJV held-out
     tokens through its own tokenizer."""
-    from diffquant.models.fused import fuse
-    from diffquant.models.load import load_model
-    from diffquant.models.presets import PRESETS, build_pair
+    import diffquant as dq
+    from diffquant.lab import PRESETS, build_pair, fuse
 
     base, diff = build_pair(PRESETS["micro"], seed=0)
     fuse(diff)
@@ -40,20 +39,19 @@ def models(quick: bool, checkpoints: list[str] = ()):
     out = [("micro Transformer (random init, seed 0)", base, ids, 48),
            ("micro DIFF (random init, seed 0)", diff, ids, 48)]
     if not quick:
-        model, tok = load_model("smollm2-135m")[:2]
+        model, tok = dq.load("smollm2-135m", device="cpu")[:2]
         out.append(("SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)", model, kjv_stream(tok), 48))
     for folder in checkpoints:
-        model, tok = load_model(folder)[:2]
+        model, tok = dq.load(folder, device="cpu")[:2]
         out.append((f"{type(model).__name__} `{folder}` (trained, KJV held-out)", model, kjv_stream(tok), 48))
     return out
 
 
 def kjv_stream(tokenizer) -> torch.Tensor:
     """The first 96 tokens of KJV's validation split through `tokenizer`, as [1, 96] ids."""
-    from diffquant.data.corpora import load_text, split
-    from diffquant.data.tokens import encode
+    from diffquant.lab import encode, load_text, split_corpus
 
-    _, val = split(load_text("kjv")[0])
+    _, val = split_corpus(load_text("kjv")[0])
     return torch.from_numpy(encode(tokenizer, val)[:96].astype("int64"))[None]
 
 
@@ -66,11 +64,8 @@ def nll(logits: torch.Tensor, ids: torch.Tensor, prompt: int) -> float:
 def run(quick: bool, checkpoints: list[str] = ()) -> dict:
     from transformers.cache_utils import QuantizedCache
 
-    from diffquant.quant import granularity as G
-    from diffquant.quant.config import QuantConfig
-    from diffquant.quant.formats import Format
-    from diffquant.quant.kv_cache import decode_greedy, decode_logits, residual_requant_cache
-    from diffquant.quant.scheme import QuantScheme
+    import diffquant as dq
+    from diffquant.lab import Format, PerGroup, QuantConfig, decode_greedy, decode_logits, residual_requant_cache
 
     rows = []
     for label, model, ids, prompt in models(quick, checkpoints):
@@ -80,8 +75,8 @@ def run(quick: bool, checkpoints: list[str] = ()) -> dict:
         for bits in (4, 2):
             for residual in (16,):
                 group = head_dim
-                cfg = QuantConfig(Format("int", bits, False, minmax=True), G.PerGroup(group))
-                scheme = QuantScheme(f"quanto-int{bits}", (("*.k_cache", cfg), ("*.v_cache", cfg)))
+                cfg = QuantConfig(Format("int", bits, False, minmax=True), PerGroup(group))
+                scheme = dq.QuantScheme(f"quanto-int{bits}", (("*.k_cache", cfg), ("*.v_cache", cfg)))
                 real_cache = lambda: QuantizedCache("quanto", model.config, nbits=bits, axis_key=0,  # noqa: E731
                                                     axis_value=0, q_group_size=group, residual_length=residual)
                 t0 = time.perf_counter()
@@ -115,7 +110,7 @@ def _version(dist: str) -> str:
 
 
 def table(doc: dict) -> str:
-    from diffquant.report.tables import markdown
+    from diffquant.lab import markdown
 
     body = [[r["model"], r["bits"], r["q_group_size"], r["residual_length"], f"{r['prompt']} + {r['continuation']}",
              f"{math.exp(r['nll_fp']):.4f}", f"{math.exp(r['nll_quanto']):.4f}", f"{math.exp(r['nll_diffquant']):.4f}",
@@ -137,7 +132,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", action="append", default=[], metavar="FOLDER",
                    help="a trained checkpoint folder to add (repeatable), e.g. runs/rivals/demo/s0/baseline")
     a = p.parse_args(argv)
-    from diffquant.paths import atomic_write_json, atomic_write_text
+    from diffquant.lab import atomic_write_json, atomic_write_text
 
     torch.manual_seed(0)
     for folder in a.model:

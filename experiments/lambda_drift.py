@@ -29,7 +29,7 @@ import json
 import math
 from pathlib import Path
 
-from diffquant.paths import atomic_write_json, atomic_write_text
+from diffquant.lab import atomic_write_json, atomic_write_text
 
 # emergence's bb-mini-lr3e-3-wd0 setting, 2M tokens (see the docstring), no tracking: λ comes from the curve
 SETTING = dict(preset="mini", corpus="synth:bb", seq_len=128, batch_size=32, weight_decay=0.0, tokens=2_000_000,
@@ -56,7 +56,7 @@ def lambda_init(layer: int) -> float:
 
 def run_one(name: str, seed: int, setting: dict, runs: Path, out: Path) -> dict:
     """Train one condition and seed (resuming), and keep its λ trajectory: OUT/runs/<name>/s<seed>.json."""
-    from diffquant.training import TrainConfig, train_pair
+    from diffquant.lab import TrainConfig, train_pair
 
     done = out / "runs" / name / f"s{seed}.json"
     if done.is_file():

@@ -7,9 +7,8 @@ import math
 
 import torch
 
-from diffquant.evaluate import language_modeling
-from diffquant.profiler import profile_model
-from diffquant.stats.intervals import paired, t_interval
+import diffquant as dq
+from diffquant.lab import paired, t_interval
 
 # key: (label, digits). Scale-free first: the designs' residual scales differ up to 10× (hidden medians 1.15-12.8
 # in the demo setting) and RMSNorm makes scale irrelevant to quantization, so only ratios, kurtosis and sink shares
@@ -44,10 +43,8 @@ def quantization_cost(model, seqs: torch.Tensor, fp_losses: list[float], scheme,
     """Perplexity change (%) under `scheme` (a name or a QuantScheme), paired over the same sequences:
     exp(mean Δloss) − 1, with the paired 95% t-interval of Δloss carried through the same map. A scheme with
     static activation scales is calibrated first on `calibration` (training sequences, never the held-out ones)."""
-    from diffquant.quant.recipe import quantize_
-
-    with quantize_(model, scheme, calibration):
-        q = language_modeling(model, seqs)["per_sequence_loss"]
+    with dq.quantize_(model, scheme, calibration):
+        q = dq.perplexity(model, seqs)["per_sequence_loss"]
     d = paired(fp_losses, q)
     pct = lambda x: 100 * (math.exp(x) - 1)  # noqa: E731
     return {"pct": pct(d["mean"]), "ci95": [pct(x) for x in d["ci95"]] if d["ci95"] else None, "n": d["n"]}
@@ -65,10 +62,9 @@ def measure(model, seqs: torch.Tensor, schemes=("logits-int4",), calibration: to
     their share of A1 − λ·A2 on token 0, stats/sinks.py), the mean first-token share, λ per layer (DIFF),
     massive-activation ratio and the perplexity cost of each scheme (a preset name or a QuantScheme), all on
     the same held-out sequences; `metric_sets` adds the papers' sets (under "metric_sets"), `positions` the
-    loss at selected predictions ("positions_loss", evaluate.language_modeling)."""
-    fp = language_modeling(model, seqs, positions=positions)
-    prof = profile_model(model, seqs, ["*.attn_logits", "*.hidden"], progress=False, sinks=True, k=10,
-                         metrics=metric_sets)
+    loss at selected predictions ("positions_loss", dq.perplexity)."""
+    fp = dq.perplexity(model, seqs, positions=positions)
+    prof = dq.profile(model, seqs, ["*.attn_logits", "*.hidden"], sinks=True, k=10, metrics=metric_sets)
     logits, hidden = prof.pooled("attn_logits").summary(full=False), prof.pooled("hidden").summary(full=False)
     sinks = prof.sink_summary()["model"]
     out = {"loss": fp["loss"], "loss_se": fp["loss_se"], "tokens": fp["tokens"], "sequences": fp["sequences"],

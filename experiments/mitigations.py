@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from diffquant.paths import atomic_write_json, atomic_write_text
-from diffquant.report.style import display
+import diffquant as dq
+from diffquant.lab import atomic_write_json, atomic_write_text, display
 
 SCHEMES = ("w8a8-static", "w6a6", "w4a8", "w4a4", "logits-int4")
 FIXES = ("none", "smoothquant:0.5", "rotate", "clip:mse")
@@ -32,7 +32,7 @@ def models_to_run(which, runs: Path, quick: bool) -> dict[str, tuple[str, object
     search's), trained here with the same settings when missing."""
     from experiments.emergence import DEMO, config, regime_setting
 
-    from diffquant.training import TrainConfig, train_pair
+    from diffquant.lab import TrainConfig, train_pair
 
     out = {}
     if "smollm2" in which:
@@ -64,18 +64,15 @@ def held_out_and_calibration(tok, run, tokens: int):
     always come from the training split, never from the evaluation text."""
     from dataclasses import asdict, replace
 
-    from diffquant.data.corpora import load_text, split
-    from diffquant.data.synthetic import is_synthetic
-    from diffquant.data.tokens import encode, sequences
-    from diffquant.training import TrainConfig, prepare_data
+    from diffquant.lab import TrainConfig, encode, is_synthetic, load_text, prepare_data, sequences, split_corpus
 
     if run is None:
-        train_text, val = split(load_text("kjv")[0])
+        train_text, val = split_corpus(load_text("kjv")[0])
         return (sequences(encode(tok, val), SEQ, tokens), sequences(encode(tok, train_text[:200_000]), SEQ, 16 * SEQ),
                 "kjv", val)
     cfg, folder = run
     data = prepare_data(TrainConfig(**{**asdict(replace(cfg, eval_tokens=tokens)), "archs": tuple(cfg.archs)}), folder)
-    val = None if is_synthetic(cfg.corpus) else split(load_text(cfg.corpus)[0])[1]
+    val = None if is_synthetic(cfg.corpus) else split_corpus(load_text(cfg.corpus)[0])[1]
     return data.val, data.train[:16], cfg.corpus, val
 
 
@@ -87,10 +84,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="docs/mitigations")
     p.add_argument("--runs", default="runs")
     a = p.parse_args(argv)
-    from diffquant.data.tasks import load_task
-    from diffquant.models.load import load_model
-    from diffquant.runs import start_run
-    from diffquant.sweeps import Cell, Evaluator, run_cells
+    from diffquant.lab import Cell, Evaluator, load_task, run_cells, start_run
 
     out = start_run(a.out, vars(a), "cpu")
     which = ["demo", "regime"] if a.quick else a.models
@@ -100,7 +94,7 @@ def main(argv=None) -> None:
     schemes, fixes = (("w8a8-static", "logits-int4"), ("none", "smoothquant:0.5")) if a.quick else (SCHEMES, FIXES)
     rows, data_used = [], {}
     for label, (source, run) in sources.items():
-        model, tok = load_model(source)
+        model, tok = dq.load(source, device="cpu")
         seqs, calib, corpus, val = held_out_and_calibration(tok, run, tokens)
         evals = ["ppl"] + ([f"mc:{a.mc}"] if a.mc and val is not None else [])
         evaluator = Evaluator(evals, seqs, tok, val or "", mc if val is not None else {})
@@ -124,11 +118,10 @@ def main(argv=None) -> None:
 def caveat(row: dict, source: str) -> str:
     """What a result on a zoo model needs said beside it: weight quantization of SmolLM2-135M-Instruct starts
     from weights already on a 4-bit grid."""
-    from diffquant.models.zoo import zoo_entry
-    from diffquant.quant.scheme import get_scheme
+    from diffquant.lab import zoo_entry
 
     entry = zoo_entry(source)
-    if entry is None or not entry.weight_caveat or row["kind"] != "scheme" or not get_scheme(row["site"]).weights:
+    if entry is None or not entry.weight_caveat or row["kind"] != "scheme" or not dq.scheme(row["site"]).weights:
         return ""
     return entry.weight_caveat
 
@@ -136,8 +129,7 @@ def caveat(row: dict, source: str) -> str:
 def render(doc: dict) -> str:
     """results.md from results.json: perplexity [exp of the loss's 95% t-interval] per model × scheme × fix, the
     paired change from float, and the caveat of weight-quantization rows on a model whose weights were quantized."""
-    from diffquant.report.tables import markdown
-    from diffquant.sweeps import cell_text
+    from diffquant.lab import cell_text, markdown
 
     rows, sources = doc["rows"], doc["sources"]
     table = [r for r in rows if r["kind"] == "act"] + [r for r in rows if r["kind"] == "scheme"]
@@ -158,13 +150,12 @@ def render(doc: dict) -> str:
 
 
 def _plot(rows: list[dict], out: Path) -> None:
-    from diffquant.report.plots import _plt, _save
-    from diffquant.report.style import color
+    from diffquant.lab import color, pyplot, save_figure
 
     scheme_rows = [r for r in rows if r["kind"] == "scheme" and r.get("ppl_change_pct") is not None]
     if not scheme_rows:
         return
-    plt = _plt()
+    plt = pyplot()
     models = list(dict.fromkeys(r["model"] for r in scheme_rows))
     schemes = list(dict.fromkeys(r["site"] for r in scheme_rows))
     fixes = list(dict.fromkeys(r["mitigate"] for r in scheme_rows))
@@ -187,7 +178,7 @@ def _plot(rows: list[dict], out: Path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle("Perplexity change from each model's float perplexity, with its 95% paired t-interval "
                  "(changes ≤ 0 drawn at 0.01%)", fontsize=9)
-    _save(fig, out, "mitigations")
+    save_figure(fig, out, "mitigations")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from diffquant.training import TrainConfig, train_pair
+import diffquant as dq
+from diffquant.lab import TrainConfig, train_pair
 
 
 def device() -> str:
@@ -36,10 +37,10 @@ def train_rate(preset: str, arch: str, batch_size: int, seq_len: int, vocab: int
                steps: int = 2) -> float:
     """Training tokens/s of one design as `train` runs it (forward with bf16 autocast on CUDA, backward, AdamW
     step), over `steps` steps after one warm-up step, on random token ids."""
-    from diffquant.models.presets import build, get_preset
+    from diffquant.lab import build_model, get_preset
 
     spec = get_preset(preset)
-    model = build(spec, arch, vocab=vocab, seq_len=seq_len).to(device).train()
+    model = build_model(spec, arch, vocab=vocab, seq_len=seq_len).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, vocab or spec.vocab, (batch_size, seq_len), device=device)
 
@@ -57,21 +58,20 @@ def train_rate(preset: str, arch: str, batch_size: int, seq_len: int, vocab: int
 def fit_or_refuse(estimate: dict[str, float], minutes: float, what: str, hint: str) -> None:
     """Print the estimated time of a plan, part by part, before anything long starts; refuse (one line) a plan
     that will not fit `minutes`."""
-    from diffquant.errors import DiffquantError
-
     total = sum(estimate.values())
     parts = ", ".join(f"{k} {v / 60:.1f}" for k, v in estimate.items())
     print(f"{what}: estimated {total / 60:.1f} min ({parts}), measured on this machine; the plan allows {minutes:.1f}",
           flush=True)
     if total > minutes * 60:
-        raise DiffquantError(f"{what} would take about {total / 60:.1f} min, more than the {minutes:.1f} allowed: {hint}")
+        raise dq.DiffquantError(f"{what} would take about {total / 60:.1f} min, more than the {minutes:.1f} allowed: "
+                                f"{hint}")
 
 
 def validation_text(corpus: str) -> str:
     """The held-out split of a corpus (never trained on)."""
-    from diffquant.data.corpora import load_text, split
+    from diffquant.lab import load_text, split_corpus
 
-    return split(load_text(corpus)[0])[1]
+    return split_corpus(load_text(corpus)[0])[1]
 
 
 def trained_pairs(preset: str, corpus: str, tokens: int, seeds: list[int], root: Path, needle_fraction: float = 0.0,
@@ -92,16 +92,13 @@ def trained_pairs(preset: str, corpus: str, tokens: int, seeds: list[int], root:
 def sweep_pair(folder: Path, dev: str, val: str, evals: list[str], eval_tokens: int, out: Path, sites=(),
                bits=(), granularities=("tensor",), wa=None) -> list[dict]:
     """Load a trained pair and run sweep cells on it (results and figures in `out`)."""
-    from diffquant.data.tokens import encode, sequences
-    from diffquant.models.load import load_pair
-    from diffquant.report.sweep_plots import plot_sweep
-    from diffquant.sweeps import Evaluator, build_cells, run_cells
+    from diffquant.lab import Evaluator, build_cells, encode, run_cells, sequences
 
-    models = load_pair(folder, dev)
+    models = dq.load_pair(folder, designs=("baseline", "diff"), device=dev)
     evalset = sequences(encode(models["DIFF"][1], val), 256, eval_tokens)
     evaluators = {label: Evaluator(evals, evalset, tok, val, {}) for label, (_, tok) in models.items()}
     cells = build_cells(list(models), list(sites), list(bits), list(granularities), wa, None, {})
     out.mkdir(parents=True, exist_ok=True)
     rows = run_cells(models, cells, evaluators, out, progress=False)
-    plot_sweep(rows, out)
+    dq.plot_sweep(rows, out)
     return rows

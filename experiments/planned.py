@@ -42,7 +42,7 @@ def tests(plan: dict, per_arm: dict[str, list[dict]]) -> list[dict]:
     each; the verdict and the minimum detectable effect in the metric's units."""
     from statistics import stdev
 
-    from diffquant.stats.intervals import holm_adjust, minimum_detectable_effect, tost, welch
+    from diffquant.lab import holm_adjust, minimum_detectable_effect, tost, welch
 
     rows = []
     for c in plan["contrasts"]:

@@ -55,11 +55,10 @@ def verdict(s: dict) -> dict:
     """"regime": whether a snapshot is in the outlier regime (diffquant.stats.outlier_regime), "regime_at" the
     first such snapshot's tokens; then issue 27's criteria: whether and when (first snapshot) each was met, else its
     extrapolated token count, and "issue27": whether either was met."""
-    from diffquant.stats.outlier_regime import reached
-    from diffquant.track import loglog_fit, tokens_to_reach
+    from diffquant.lab import loglog_fit, regime_reached, tokens_to_reach
 
     at = next((t for t, h, r in zip(s["tokens"], s["hidden_ratio_max"], s["sink_rate"])
-               if reached({"hidden_ratio": h, "sink_rate": r})), None)
+               if regime_reached({"hidden_ratio": h, "sink_rate": r})), None)
     out = {"regime": at is not None, "regime_at": at,
            "hidden_ratio_max": max((v for v in s["hidden_ratio_max"] if v is not None), default=None),
            "sink_rate_max": max((v for v in s["sink_rate"] if v is not None), default=None)}
@@ -76,7 +75,7 @@ def sentence(v: dict, tokens: int, losses: list[float]) -> str:
     """The verdict, with what was reduced from Guo et al.'s setting next to it."""
     from experiments.fair_rivals import GUO_TRAIN
 
-    from diffquant.stats.outlier_regime import NAME
+    from diffquant.lab import REGIME_NAME
 
     step = GUO_TRAIN["batch_size"] * GUO_TRAIN["seq_len"]
     where = (f"In a reduced version of Guo et al.'s recipe (Llama layout, a synthetic bigram chain, batch "
@@ -85,9 +84,9 @@ def sentence(v: dict, tokens: int, losses: list[float]) -> str:
     share, peak = v["share_max"], v["peak_growth"]
     ratio = "-" if v["hidden_ratio_max"] is None else f"{v['hidden_ratio_max']:.1f}"
     sinks = "-" if v["sink_rate_max"] is None else f"{v['sink_rate_max']:.2f}"
-    head = (f"{where} reached {NAME} at {v['regime_at']:,} tokens" if v["regime"] else
-            f"{where} did not reach {NAME} within {tokens:,} tokens: its worst layer's hidden top-1/median peaked at "
-            f"{ratio} and its sink rate at {sinks} over the tracked snapshots")
+    head = (f"{where} reached {REGIME_NAME} at {v['regime_at']:,} tokens" if v["regime"] else
+            f"{where} did not reach {REGIME_NAME} within {tokens:,} tokens: its worst layer's hidden top-1/median "
+            f"peaked at {ratio} and its sink rate at {sinks} over the tracked snapshots")
     if v["issue27"]:
         parts = [f"{name} at {c['reached_at']:,} tokens" for name, c in
                  (("a sink (layer share ≥ 0.5)", share), ("a residual peak (≥ 20× initial)", peak)) if c["reached_at"]]
@@ -118,17 +117,14 @@ def load_cells(cells: Path) -> dict[tuple[str, float], dict]:
 
 
 def report(cells: dict, out: Path) -> dict | None:
-    from diffquant.errors import DiffquantError
-    from diffquant.paths import atomic_write_json, atomic_write_text
-    from diffquant.report.emergence_plots import plot_emergence
-    from diffquant.report.style import display
-    from diffquant.report.tables import markdown
-    from diffquant.stats.outlier_regime import HIDDEN_RATIO, NAME, SINK_RATE
-    from diffquant.training import TrainConfig
+    import diffquant as dq
+    from diffquant.lab import (HIDDEN_RATIO, REGIME_NAME, SINK_RATE, TrainConfig, atomic_write_json, atomic_write_text,
+                               display, markdown, plot_emergence)
 
     recipe = next((c for (d, lr), c in cells.items() if d == RECIPE[0] and math.isclose(lr, RECIPE[1])), None)
     if recipe is None:
-        raise DiffquantError(f"no finished {RECIPE[0]} cell at lr {RECIPE[1]:g}, seed 0: run python -m experiments.fair_rivals")
+        raise dq.DiffquantError(f"no finished {RECIPE[0]} cell at lr {RECIPE[1]:g}, seed 0: run python -m "
+                                "experiments.fair_rivals")
     s = series(recipe["curve"])
     v = verdict(s)
     tracked = next(f.default for f in fields(TrainConfig) if f.name == "track_sequences")  # fair_rivals keeps it
@@ -152,10 +148,10 @@ def report(cells: dict, out: Path) -> dict | None:
     md = ["# Guo et al.'s recipe on this machine: is there an outlier regime?\n", f"**Verdict.** {doc['sentence']}\n",
           f"Setting: experiments/fair_rivals.py's `guo` experiment (its GUO_NOTES list what is reproduced and what "
           f"differs), {recipe['parameters'] / 1e6:.2f}M parameters, {recipe['train_tokens']:,} tokens per model, "
-          f"seed 0, tracked at {len(s['tokens'])} snapshots on {tracked} held-out sequences. Verdict: {NAME}, on "
-          "each snapshot (the worst layer's hidden ratio). Issue 27's criteria, fixed before the run: some layer's "
-          f"mean first-token share ≥ {SHARE} or max‖h‖/median‖h‖ ≥ {PEAK_GROWTH:g}× its value at initialisation; "
-          "extrapolation: a log-log line through the second half of the snapshots.\n",
+          f"seed 0, tracked at {len(s['tokens'])} snapshots on {tracked} held-out sequences. Verdict: "
+          f"{REGIME_NAME}, on each snapshot (the worst layer's hidden ratio). Issue 27's criteria, fixed before the "
+          f"run: some layer's mean first-token share ≥ {SHARE} or max‖h‖/median‖h‖ ≥ {PEAK_GROWTH:g}× its value at "
+          "initialisation; extrapolation: a log-log line through the second half of the snapshots.\n",
           "Final snapshot of each sweep run (the hidden ratio: its largest over the snapshots). Issue 27's criteria "
           "are the baseline's (softmax heads); DIFF's share is its differential map's mass on token 0 divided by the "
           "map's row sum 1 − λ, which exceeds 1 where λ·A2 puts more mass on the other tokens than A1 does "
@@ -179,7 +175,7 @@ def report(cells: dict, out: Path) -> dict | None:
 
 
 def main(argv=None) -> dict | None:
-    from diffquant.errors import DiffquantError
+    import diffquant as dq
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", default="docs/rivals/fair-guo/cells")
@@ -187,7 +183,7 @@ def main(argv=None) -> dict | None:
     a = p.parse_args(argv)
     try:
         doc = report(load_cells(Path(a.cells)), Path(a.out))
-    except DiffquantError as err:
+    except dq.DiffquantError as err:
         sys.exit(f"regime: {err}")
     print(doc["sentence"])
     return doc

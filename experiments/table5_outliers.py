@@ -39,21 +39,17 @@ def main(argv=None) -> None:
 def run(s: Settings, out: Path, pairs: Path | None = None) -> None:
     from experiments.pairs import device, trained_pairs, validation_text
 
-    from diffquant.data.tokens import encode, sequences
-    from diffquant.models.load import load_pair
-    from diffquant.paths import atomic_write_text
-    from diffquant.profiler import profile_model
-    from diffquant.report.profile_report import TABLE5_RANKS, write_report
-    from diffquant.report.tables import markdown
-    from diffquant.runs import fmt_ms, start_run
+    import diffquant as dq
+    from diffquant.lab import (TABLE5_RANKS, atomic_write_text, encode, fmt_ms, markdown, sequences, start_run,
+                               write_report)
 
     dev = device()
     out = start_run(out, s, dev)
     val = validation_text(s.corpus)
     per_seed: dict[tuple[str, str], dict[str, list[float]]] = {}
     for seed, folder in zip(s.seeds, trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, pairs or out / "pairs")):
-        profiles = [profile_model(model, sequences(encode(tok, val), 256, s.profile_tokens), label=label, progress=False)
-                    for label, (model, tok) in load_pair(folder, dev).items()]
+        profiles = [dq.profile(model, sequences(encode(tok, val), 256, s.profile_tokens), label=label, sinks=False)
+                    for label, (model, tok) in dq.load_pair(folder, designs=("baseline", "diff"), device=dev).items()]
         write_report(profiles, out / f"seed{seed}")
         for prof in profiles:
             for kind in ("attn_logits", "hidden"):

@@ -37,9 +37,7 @@ def main(argv=None) -> None:
 def run(s: Settings, out: Path, pairs: Path | None = None) -> None:
     from experiments.pairs import device, sweep_pair, trained_pairs, validation_text
 
-    from diffquant.paths import atomic_write_text
-    from diffquant.report.tables import markdown
-    from diffquant.runs import fmt_ms, start_run
+    from diffquant.lab import atomic_write_text, fmt_ms, markdown, start_run
 
     dev = device()
     out = start_run(out, s, dev)

@@ -29,7 +29,8 @@ import json
 import time
 from pathlib import Path
 
-from diffquant.paths import atomic_write_json, atomic_write_text
+import diffquant as dq
+from diffquant.lab import atomic_write_json, atomic_write_text
 
 SCHEME = "w4a16"  # int4 symmetric, groups of 128, activations in float: the setting GPTQ/AWQ papers quote
 SOLVERS = ("rtn", "gptq", "gptq:act-order", "awq", "awq+gptq")
@@ -50,8 +51,7 @@ def _data(quick: bool, windows: int):
     if quick:
         import torch
 
-        from diffquant.data.tokens import byte_tokenizer
-        from diffquant.models.presets import PRESETS, build_pair
+        from diffquant.lab import PRESETS, build_pair, byte_tokenizer
 
         torch.manual_seed(0)
         model = build_pair(PRESETS["micro"], seed=0)[0]
@@ -60,16 +60,13 @@ def _data(quick: bool, windows: int):
         return model, byte_tokenizer(), ids[:8], ids[8:], "micro Llama (random weights)"
     from experiments.mitigations import EVAL_TOKENS, SEQ, held_out_and_calibration
 
-    from diffquant.data.corpora import load_text, split
-    from diffquant.data.tokens import encode, sequences
-    from diffquant.errors import DiffquantError
-    from diffquant.models.load import load_model
+    from diffquant.lab import encode, load_text, sequences, split_corpus
 
-    model, tok = load_model("smollm2-135m")
+    model, tok = dq.load("smollm2-135m", device="cpu")
     seqs = held_out_and_calibration(tok, None, EVAL_TOKENS)[0]
-    calib = sequences(encode(tok, split(load_text("kjv")[0])[0][:CALIBRATION_CHARS]), SEQ, windows * SEQ)
+    calib = sequences(encode(tok, split_corpus(load_text("kjv")[0])[0][:CALIBRATION_CHARS]), SEQ, windows * SEQ)
     if len(calib) < windows:
-        raise DiffquantError(f"the training split gives {len(calib)} calibration windows, fewer than {windows}")
+        raise dq.DiffquantError(f"the training split gives {len(calib)} calibration windows, fewer than {windows}")
     return model, tok, seqs, calib, "SmolLM2-135M-Instruct, dequantized from Q4_1"
 
 
@@ -87,31 +84,24 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     import torch
 
-    from diffquant.errors import DiffquantError
-
     if a.scheme and not a.wa:
-        raise DiffquantError(f"--scheme {a.scheme}: the solver table is {SCHEME}; --scheme goes with --wa")
+        raise dq.DiffquantError(f"--scheme {a.scheme}: the solver table is {SCHEME}; --scheme goes with --wa")
     torch.set_num_threads(a.threads)
     if a.wa:
         return wa_table(a.quick, a.scheme or WA_SCHEME, a.calibration, Path(a.out or "docs/weights/wa"))
     a.out = a.out or "docs/weights"
-    from diffquant.evaluate import language_modeling
-    from diffquant.quant.recipe import Recipe, quantize_
-    from diffquant.quant.scheme import get_scheme
-    from diffquant.quant.solvers import parse
-    from diffquant.runs import start_run
-    from diffquant.sweeps import versus_float
+    from diffquant.lab import parse_solver, start_run, versus_float
 
     out = start_run(a.out, vars(a), "cpu")
     model, _, seqs, calib, label = _data(a.quick, a.calibration)
-    scheme = get_scheme(SCHEME)
-    fp = language_modeling(model, seqs)
+    scheme = dq.scheme(SCHEME)
+    fp = dq.perplexity(model, seqs)
     rows = []
     for name in a.solvers:
         t0 = time.perf_counter()
-        with quantize_(model, Recipe(scheme, solver=parse(name)), calib, progress=not a.quick) as q:
+        with dq.quantize_(model, dq.Recipe(scheme, solver=parse_solver(name)), calib, progress=not a.quick) as q:
             seconds = time.perf_counter() - t0  # the solve (w4a16 has no activation scales to calibrate)
-            r = language_modeling(model, seqs)
+            r = dq.perplexity(model, seqs)
         rows.append({"weights": name, "solve_seconds": seconds, "loss": r["loss"], "loss_se": r["loss_se"],
                      "ppl": r["ppl"], "ppl_ci95": r["ppl_ci95"], "per_sequence_loss": r["per_sequence_loss"],
                      "record": {k: v for k, v in q.record["weights"].items() if k != "weights"},
@@ -131,7 +121,7 @@ def main(argv=None) -> None:
 def versus_rtn(rows: list[dict]) -> list[dict]:
     """Rows without per-sequence losses, each with its paired change from RTN and the share of RTN's loss
     increase it recovers."""
-    from diffquant.stats.intervals import paired
+    from diffquant.lab import paired
 
     rtn = next((r for r in rows if r["weights"] == "rtn"), None)
     out = []
@@ -153,7 +143,7 @@ def data_text(r: dict) -> str:
 
 
 def report(r: dict) -> str:
-    from diffquant.report.tables import markdown
+    from diffquant.lab import markdown
 
     def ci(x):
         return f"[{x[0]:+.4f}, {x[1]:+.4f}]" if x else ""
@@ -184,17 +174,15 @@ def report(r: dict) -> str:
 
 def wa_table(quick: bool, scheme: str, calibration: int, out: Path) -> None:
     """`--wa`: every (fix, solver) cell of WA_ORDER at `scheme`, resumed from OUT/results.json (see above)."""
-    from diffquant.evaluate import language_modeling
-    from diffquant.quant.recipe import from_cli, quantize_
-    from diffquant.quant.scheme import get_scheme
+    from diffquant.lab import recipe_from_cli
 
     out.mkdir(parents=True, exist_ok=True)
     model, _, seqs, calib, label = _data(quick, calibration)
     path = out / "results.json"
     result = json.loads(path.read_text()) if path.exists() else None
     if result is None or result["scheme"] != scheme or result["model"] != label:
-        fp = language_modeling(model, seqs)
-        result = {"model": label, "scheme": scheme, "description": get_scheme(scheme).description,
+        fp = dq.perplexity(model, seqs)
+        result = {"model": label, "scheme": scheme, "description": dq.scheme(scheme).description,
                   "float": {k: fp[k] for k in ("loss", "loss_se", "ppl", "ppl_ci95", "tokens", "per_sequence_loss")},
                   "evaluation": {"sequences": len(seqs), "seq_len": seqs.shape[1], "predicted_tokens": fp["tokens"],
                                  "corpus": "random ids" if quick else "kjv (validation split)"},
@@ -206,9 +194,9 @@ def wa_table(quick: bool, scheme: str, calibration: int, out: Path) -> None:
         if (fix_text, weights) in done:
             continue
         t0 = time.perf_counter()
-        with quantize_(model, from_cli(fix_text, weights, scheme), calib, progress=not quick) as q:
+        with dq.quantize_(model, recipe_from_cli(fix_text, weights, scheme), calib, progress=not quick) as q:
             seconds = time.perf_counter() - t0
-            r = language_modeling(model, seqs)
+            r = dq.perplexity(model, seqs)
         record = q.record["fixes"][0] if q.record["fixes"] else {"mitigation": None}
         solved_record = q.record["weights"]
         result["cells"].append({"fix": fix_text, "weights": weights, "seconds": seconds, "mitigation_record": record,
@@ -222,7 +210,7 @@ def wa_table(quick: bool, scheme: str, calibration: int, out: Path) -> None:
 
 def wa_comparisons(result: dict) -> dict:
     """{(fix, weights): {"float"/"solver"/"fix": paired Δloss}} for every finished cell."""
-    from diffquant.stats.intervals import paired
+    from diffquant.lab import paired
 
     cells = {(c["fix"], c["weights"]): c for c in result["cells"]}
     out = {}
@@ -237,7 +225,7 @@ def wa_comparisons(result: dict) -> dict:
 
 
 def wa_report(result: dict) -> str:
-    from diffquant.report.tables import markdown
+    from diffquant.lab import markdown
 
     def delta(d):
         return f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]" if d and d.get("ci95") else "-"
@@ -271,9 +259,7 @@ def wa_report(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    from diffquant.errors import DiffquantError
-
     try:
         main()
-    except DiffquantError as err:  # one line, not a traceback
+    except dq.DiffquantError as err:  # one line, not a traceback
         raise SystemExit(f"weight_solvers: {err}") from None

@@ -376,7 +376,7 @@ def test_workers_share_the_cells_without_meeting(tmp_path):
     doc = fr.main(args)
     assert doc is not None and set(doc["aggregate"]) == set(e.designs)
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # nothing retrained
-    with pytest.raises(fr.DiffquantError, match="K/N"):
+    with pytest.raises(DiffquantError, match="K/N"):
         fr.main(args + ["--worker", "2/2"])
 
 

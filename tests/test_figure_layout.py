@@ -1,7 +1,7 @@
 """Every figure the command line writes lays out whatever its labels (issue 51): drawn with the longest model label
 in the zoo and long task names, no two of its texts (titles, axis labels, tick labels, legends, annotations)
 overlap. The figures come from the committed result files and a real micro profile; the check runs on each figure
-as it is saved (after the layout pass `_save` applies)."""
+as it is saved (after the layout pass `save_figure` applies)."""
 
 import json
 from pathlib import Path
@@ -18,7 +18,7 @@ LONG = "SmolLM2-135M-Instruct (Q4_1 → fp32)"  # the zoo's display name, the lo
 def checked(monkeypatch):
     """{figure stem: overlapping text pairs} of every figure saved while the fixture is active."""
     seen = {}
-    real_fit, real_save = plots.fit_texts, plots._save
+    real_fit, real_save = plots.fit_texts, plots.save_figure
 
     def spy_save(fig, out, stem):
         seen[stem] = None
@@ -30,7 +30,7 @@ def checked(monkeypatch):
         seen[spy_save.stem] = plots.overlapping_texts(fig)
 
     monkeypatch.setattr(plots, "fit_texts", spy_fit)
-    monkeypatch.setattr(plots, "_save", spy_save)
+    monkeypatch.setattr(plots, "save_figure", spy_save)
     return seen
 
 
@@ -43,8 +43,8 @@ def _relabel(rows, label=LONG):
 def test_sweep_figures_with_long_labels(tmp_path, checked, monkeypatch):
     from diffquant.report import accuracy_plots, sweep_plots
 
-    monkeypatch.setattr(accuracy_plots, "_save", plots._save)
-    monkeypatch.setattr(sweep_plots, "_save", plots._save)
+    monkeypatch.setattr(accuracy_plots, "save_figure", plots.save_figure)
+    monkeypatch.setattr(sweep_plots, "save_figure", plots.save_figure)
     rows = [{**r, "model": LONG} for r in json.loads((ROOT / "docs/fig8_real/sweep/results.json").read_text())["rows"]]
     kurtosis = json.loads((ROOT / "docs/fig8_real/sweep/layer_kurtosis.json").read_text())
     kurtosis["models"] = {LONG: next(iter(kurtosis["models"].values()))}
@@ -68,7 +68,7 @@ def test_profile_and_emergence_figures_with_long_labels(tmp_path, checked, monke
     from diffquant.profiler import profile_model
     from diffquant.report import emergence_plots
 
-    monkeypatch.setattr(emergence_plots, "_save", plots._save)
+    monkeypatch.setattr(emergence_plots, "save_figure", plots.save_figure)
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     profiles = [profile_model(build(PRESETS["micro"], arch), ids, ["*.hidden", "*.attn_logits"], progress=False,
                               sinks=True, label=label)

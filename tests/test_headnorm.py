@@ -75,12 +75,12 @@ def test_copy_targets_by_hand():
 
 
 def test_loss_at_positions_equals_a_direct_computation(micro_pair):
-    from diffquant.evaluate import language_modeling
+    import diffquant as dq
 
     model = micro_pair[1]
     ids = torch.randint(0, 512, (5, 17), generator=torch.Generator().manual_seed(3))
     pick = torch.rand(5, 16, generator=torch.Generator().manual_seed(4)) < 0.3
-    got = language_modeling(model, ids, batch_size=2, positions=pick)
+    got = dq.perplexity(model, ids, batch_size=2, positions=pick)  # the API's path to evaluate.language_modeling
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits[:, :-1].double(), -1)
     nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
@@ -89,7 +89,7 @@ def test_loss_at_positions_equals_a_direct_computation(micro_pair):
     from diffquant.errors import DiffquantError
 
     with pytest.raises(DiffquantError, match="positions must be"):
-        language_modeling(model, ids, positions=pick[:, :3])
+        dq.perplexity(model, ids, positions=pick[:, :3])
 
 
 @pytest.mark.slow

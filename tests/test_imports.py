@@ -89,3 +89,54 @@ def test_no_argparse_outside_the_command_line_modules():
 @pytest.mark.parametrize("module", sorted(_modules()))
 def test_every_module_imports(module):
     importlib.import_module(module)
+
+
+EXPERIMENTS = PKG.parent / "experiments"
+
+
+def internal_imports(folder: Path) -> list[str]:
+    """`file:line module` for each import in folder/*.py (module-level or inside functions) that reaches into
+    diffquant past its two faces: `diffquant` (the API; `from diffquant import NAME` of its __all__) and
+    `diffquant.lab` (the experiments' sub-API)."""
+    import diffquant
+
+    faces = {"diffquant", "diffquant.lab"}
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "diffquant":
+                names = [f"diffquant.{a.name}" for a in node.names if a.name not in diffquant.__all__]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} {n}" for n in names
+                      if (n == "diffquant" or n.startswith("diffquant.")) and n not in faces]
+    return found
+
+
+def test_the_import_finder_finds_internal_imports_anywhere(tmp_path):
+    (tmp_path / "x.py").write_text("import diffquant as dq\nfrom diffquant import lab, load\nfrom diffquant.lab import "
+                                   "markdown\n\n\ndef f():\n    from diffquant.quant.scheme import get_scheme\n"
+                                   "    import diffquant.sweeps\n    from diffquant import api\n")
+    assert internal_imports(tmp_path) == ["x.py:7 diffquant.quant.scheme", "x.py:8 diffquant.sweeps",
+                                          "x.py:9 diffquant.api"]
+
+
+def test_experiments_import_only_the_api_and_lab():
+    """An internal module can move without breaking an experiment: experiments/ reaches diffquant through `dq` and
+    diffquant/lab.py only, and lab.py is the one file that says where each internal name lives."""
+    assert internal_imports(EXPERIMENTS) == []
+
+
+def test_every_lab_name_resolves_and_is_public():
+    from diffquant import lab
+
+    public = sorted(n for n in vars(lab) if not n.startswith("_") and n != "annotations")
+    assert sorted(lab.__all__) == public  # every re-export is listed, and nothing listed is missing
+    assert len(set(lab.__all__)) == len(lab.__all__)
+    for name in lab.__all__:
+        assert getattr(lab, name) is not None, name
+        assert (getattr(getattr(lab, name), "__module__", None) or "diffquant").startswith("diffquant"), name

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diffquant.report.plots import _plt, _save
+from diffquant.report.plots import pyplot, save_figure
 from diffquant.report.style import integer_ticks
 
 LINESTYLES = ("-", "--", ":", "-.")
@@ -27,7 +27,7 @@ def plot_accuracy(rows: list[dict], out: Path) -> list[Path]:
         return []
     kurtosis_path = Path(out) / "layer_kurtosis.json"
     kurtosis = json.loads(kurtosis_path.read_text()) if kurtosis_path.is_file() else None
-    plt = _plt()
+    plt = pyplot()
     models = sorted({r["model"] for r in rows})
     width = len(tasks) + (1 if kurtosis else 0)
     fig, axes = plt.subplots(len(models), width, figsize=(5.2 * width, 3.9 * len(models)), squeeze=False,
@@ -42,7 +42,7 @@ def plot_accuracy(rows: list[dict], out: Path) -> list[Path]:
                  "site quantized (dynamic absmax); 16 = the model's own precision (cf. the paper's Fig. 8). "
                  "Bands and bars: 95% Wilson intervals; * : paired change from float with exact McNemar p < 0.05.",
                  fontsize=8.5)
-    return _save(fig, out, "accuracy_vs_bits")
+    return save_figure(fig, out, "accuracy_vs_bits")
 
 
 def _accuracy_panel(ax, rows: list[dict], task: str, model: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffquant.report.plots import _plt, _save
+from diffquant.report.plots import pyplot, save_figure
 from diffquant.report.style import color, integer_ticks
 
 PANELS = (  # (key in a snapshot's "model" figures, or "loss"; title; log y)
@@ -46,7 +46,7 @@ def plot_emergence(doc: dict, out: Path) -> list[Path]:
     models = {label: pts for label, pts in doc["models"].items() if pts}
     if not models:
         return []
-    plt = _plt()
+    plt = pyplot()
     scale = "; ".join(f"{label} {s['parameters'] / 1e6:.2f}M parameters, {s['tokens']:,} tokens"
                       for label, s in doc.get("scale", {}).items() if s.get("parameters"))
     fig, axes = plt.subplots(2, 3, figsize=(14, 7), layout="constrained")
@@ -64,7 +64,7 @@ def plot_emergence(doc: dict, out: Path) -> list[Path]:
         ax.legend(fontsize=8)
     fig.suptitle(f"Outlier emergence during training ({scale}; {doc.get('track_sequences')} held-out sequences)",
                  fontsize=9)
-    written = _save(fig, out, "emergence")
+    written = save_figure(fig, out, "emergence")
     fig, axes = plt.subplots(len(HEATMAPS), len(models), figsize=(4.2 * len(models), 3.2 * len(HEATMAPS)),
                              squeeze=False, layout="constrained")
     for j, (label, pts) in enumerate(models.items()):
@@ -80,7 +80,7 @@ def plot_emergence(doc: dict, out: Path) -> list[Path]:
             ax.set(title=f"{label}: {title}", xlabel="tokens seen", ylabel="layer")
             integer_ticks(ax, "y")
             fig.colorbar(im, ax=ax)
-    return written + _save(fig, out, "emergence_layers")
+    return written + save_figure(fig, out, "emergence_layers")
 
 
 def _layer_value(point: dict, layer: int, kind: str | None, key: str):

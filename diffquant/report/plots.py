@@ -8,7 +8,9 @@ from pathlib import Path
 from diffquant.report.style import color, integer_ticks
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display), imported on first use so that importing the
+    report modules stays cheap."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,25 +77,27 @@ def _overlap(a, b) -> bool:
     return min(a.x1, b.x1) - max(a.x0, b.x0) > 1 and min(a.y1, b.y1) - max(a.y0, b.y0) > 1
 
 
-def _save(fig, out: Path, stem: str) -> list[Path]:
+def save_figure(fig, out: Path, stem: str) -> list[Path]:
+    """Write `fig` as out/stem.png and out/stem.svg after the layout pass (fit_texts), atomically and reproducibly
+    (the same numbers give the same files), then close it; returns the two paths."""
     fit_texts(fig)
     paths = []
     for ext in ("png", "svg"):
         path = out / f"{stem}.{ext}"
         tmp = out / f".{stem}.tmp.{ext}"
         # no date in the SVG and its element ids salted by the stem: redrawing the same numbers writes the same file
-        plt = _plt()
+        plt = pyplot()
         with plt.rc_context({"svg.hashsalt": stem}):
             fig.savefig(tmp, dpi=130, bbox_inches="tight", metadata={"Date": None} if ext == "svg" else None)
         tmp.replace(path)
         paths.append(path)
-    _plt().close(fig)
+    pyplot().close(fig)
     return paths
 
 
 def plot_layer_series(series_by_model: dict[str, dict[str, list[dict]]], out: Path) -> list[Path]:
     """Kurtosis vs layer, and top-1 and median |x| vs layer (log scale), one line per model."""
-    plt = _plt()
+    plt = pyplot()
     kinds = sorted({k for s in series_by_model.values() for k in s})
     written = []
     if not kinds:
@@ -108,7 +112,7 @@ def plot_layer_series(series_by_model: dict[str, dict[str, list[dict]]], out: Pa
         ax.set(title=f"{kind}: kurtosis", xlabel="layer", ylabel="Pearson kurtosis (log)", yscale="log")
         integer_ticks(ax)
         ax.legend(fontsize=8)
-    written += _save(fig, out, "kurtosis_vs_layer")
+    written += save_figure(fig, out, "kurtosis_vs_layer")
     fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False, layout="constrained")
     for ax, kind in zip(axes[0], kinds):
         for label, series in series_by_model.items():
@@ -120,13 +124,13 @@ def plot_layer_series(series_by_model: dict[str, dict[str, list[dict]]], out: Pa
         ax.set(title=f"{kind}: |x| top-1 and median", xlabel="layer", ylabel="|x| (log)", yscale="log")
         integer_ticks(ax)
         ax.legend(fontsize=8)
-    written += _save(fig, out, "absmax_vs_layer")
+    written += save_figure(fig, out, "absmax_vs_layer")
     return written
 
 
 def plot_histograms(models: list[dict], out: Path) -> list[Path]:
     """Density of |x| (log-log) for attention logits and hidden states, pooled over layers, per model."""
-    plt = _plt()
+    plt = pyplot()
     kinds = [k for k in ("attn_logits", "hidden") if any(k in m.get("histograms", {}) for m in models)]
     if not kinds:
         return []
@@ -145,7 +149,7 @@ def plot_histograms(models: list[dict], out: Path) -> list[Path]:
             ax.plot([(a * b) ** 0.5 for a, b in zip(lo, hi)], ys, label=m["label"], lw=1, color=color(m["label"]))
         ax.set(xscale="log", yscale="log", xlabel="|x|", ylabel="density", title=f"{kind}: distribution of |x|")
         ax.legend(fontsize=8)
-    return _save(fig, out, "histograms")
+    return save_figure(fig, out, "histograms")
 
 
 def _bin_edges(h: dict, idx: list[int]) -> tuple[list[float], list[float]]:
@@ -172,7 +176,7 @@ def plot_sinks(models: list[dict], out: Path, epsilon: float = 0.3) -> list[Path
     with_sinks = [m for m in models if m.get("sinks", {}).get("layers")]
     if not with_sinks:
         return []
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6), layout="constrained")
     nan = float("nan")
     mean = lambda xs: sum(xs) / len(xs) if xs else nan  # noqa: E731
@@ -200,4 +204,4 @@ def plot_sinks(models: list[dict], out: Path, epsilon: float = 0.3) -> list[Path
         integer_ticks(ax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return _save(fig, out, "sinks_vs_layer")
+    return save_figure(fig, out, "sinks_vs_layer")

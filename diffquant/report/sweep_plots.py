@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffquant.report.plots import _plt, _save
+from diffquant.report.plots import pyplot, save_figure
 from diffquant.report.style import color, integer_ticks
 
 MIN_SPAN = {"next_token_acc": 0.05, "needle_choice": 0.2, "needle_exact": 0.2}  # accuracy axes: never zoom into noise
@@ -24,7 +24,7 @@ def plot_bits(rows: list[dict], out: Path) -> list[Path]:
     metrics = _metrics(act)
     if not act or not metrics:
         return []
-    plt = _plt()
+    plt = pyplot()
     panels = sorted({(r["site"], r["granularity"]) for r in act})
     fig, axes = plt.subplots(len(metrics), len(panels), figsize=(4.2 * len(panels), 3.4 * len(metrics)),
                              squeeze=False, layout="constrained")
@@ -59,7 +59,7 @@ def plot_bits(rows: list[dict], out: Path) -> list[Path]:
             ax.legend(fontsize=8)
     fig.suptitle("Only this site quantized; 16 = the model's own precision (cf. paper Fig. 8). Bars: 95% intervals "
                  "(perplexity: over sequences; accuracy: Wilson), each panel's sample in its title.", fontsize=9)
-    return _save(fig, out, "metric_vs_bits")
+    return save_figure(fig, out, "metric_vs_bits")
 
 
 def _errors(rows: list[dict], metric: str):
@@ -94,7 +94,7 @@ def plot_wa(rows: list[dict], out: Path) -> list[Path]:
     wa = [r for r in rows if r["kind"] == "wa" and "ppl" in r and r.get("mitigate", "none") == "none"]
     if not wa:
         return []
-    plt = _plt()
+    plt = pyplot()
     labels = sorted({r["model"] for r in wa})
     ws = sorted({r["wbits"] for r in wa}, reverse=True)
     acts = sorted({r["bits"] for r in wa}, reverse=True)
@@ -113,7 +113,7 @@ def plot_wa(rows: list[dict], out: Path) -> list[Path]:
         ax.set_yticks(range(len(ws)), [f"W{w}" for w in ws])
         ax.set_title(f"{label}: perplexity", color=color(label))
         fig.colorbar(im, ax=ax, label="log10 perplexity")
-    return _save(fig, out, "wa_grid")
+    return save_figure(fig, out, "wa_grid")
 
 
 def plot_sensitivity(rows: list[dict], out: Path) -> list[Path]:
@@ -121,7 +121,7 @@ def plot_sensitivity(rows: list[dict], out: Path) -> list[Path]:
     fp = {r["model"]: r["ppl"] for r in rows if r["scheme"] == "fp" and "ppl" in r}
     if not layer:
         return []
-    plt = _plt()
+    plt = pyplot()
     labels = sorted({r["model"] for r in layer})
     fig, axes = plt.subplots(1, len(labels), figsize=(4.5 * len(labels), 3.4), squeeze=False, layout="constrained")
     for ax, label in zip(axes[0], labels):
@@ -135,7 +135,7 @@ def plot_sensitivity(rows: list[dict], out: Path) -> list[Path]:
         bits = rs[0]["bits"] if rs else ""
         ax.set(xlabel="layer quantized alone", ylabel="perplexity increase" if base else "perplexity",
                title=f"{label}: {rs[0]['site'] if rs else ''} int{bits}")
-    return _save(fig, out, "layer_sensitivity")
+    return save_figure(fig, out, "layer_sensitivity")
 
 
 def plot_sweep(rows: list[dict], out: Path) -> list[Path]:
