@@ -89,28 +89,28 @@ from diffquant.report.style import display as display
 from diffquant.report.tables import markdown as markdown
 
 # custom quantization schemes: formats, granularities, per-site configs, KV-cache schemes and static-grid errors
-from diffquant.quant.config import QuantConfig as QuantConfig
-from diffquant.quant.config import int_config as int_config
-from diffquant.quant.formats import Format as Format
-from diffquant.quant.granularity import KVChannel as KVChannel
-from diffquant.quant.granularity import PerChannel as PerChannel
-from diffquant.quant.granularity import PerGroup as PerGroup
-from diffquant.quant.granularity import PerHead as PerHead
-from diffquant.quant.granularity import PerTensor as PerTensor
-from diffquant.quant.granularity import PerToken as PerToken
+from diffquant.quant.numerics.config import QuantConfig as QuantConfig
+from diffquant.quant.numerics.config import int_config as int_config
+from diffquant.quant.numerics.formats import Format as Format
+from diffquant.quant.numerics.granularity import KVChannel as KVChannel
+from diffquant.quant.numerics.granularity import PerChannel as PerChannel
+from diffquant.quant.numerics.granularity import PerGroup as PerGroup
+from diffquant.quant.numerics.granularity import PerHead as PerHead
+from diffquant.quant.numerics.granularity import PerTensor as PerTensor
+from diffquant.quant.numerics.granularity import PerToken as PerToken
 from diffquant.quant.grid_error import static_grid_errors as static_grid_errors
-from diffquant.quant.scheme import attach_scheme as attach_scheme
-from diffquant.quant.scheme import kv_config as kv_config
-from diffquant.quant.scheme import kv_scheme as kv_scheme
+from diffquant.quant.numerics.scheme import attach_scheme as attach_scheme
+from diffquant.quant.numerics.scheme import kv_config as kv_config
+from diffquant.quant.numerics.scheme import kv_scheme as kv_scheme
 
 # recipes spelled as the command line spells them, and weight solvers by name
 from diffquant.quant.recipe import from_cli as recipe_from_cli
-from diffquant.quant.solvers import parse as parse_solver
+from diffquant.quant.algorithms.solvers import parse as parse_solver
 
 # decoding through a quantized KV cache (prefill against token-by-token decoding, transformers' QuantizedCache)
-from diffquant.quant.kv_cache import decode_greedy as decode_greedy
-from diffquant.quant.kv_cache import decode_logits as decode_logits
-from diffquant.quant.kv_cache import residual_requant_cache as residual_requant_cache
+from diffquant.quant.algorithms.kv_cache import decode_greedy as decode_greedy
+from diffquant.quant.algorithms.kv_cache import decode_logits as decode_logits
+from diffquant.quant.algorithms.kv_cache import residual_requant_cache as residual_requant_cache
 
 # the sweep's cells, evaluators and tables, for an experiment that runs its own grid of cells
 from diffquant.sweeps import Cell as Cell

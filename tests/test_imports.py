@@ -119,9 +119,9 @@ def internal_imports(folder: Path) -> list[str]:
 
 def test_the_import_finder_finds_internal_imports_anywhere(tmp_path):
     (tmp_path / "x.py").write_text("import diffquant as dq\nfrom diffquant import lab, load\nfrom diffquant.lab import "
-                                   "markdown\n\n\ndef f():\n    from diffquant.quant.scheme import get_scheme\n"
+                                   "markdown\n\n\ndef f():\n    from diffquant.quant.numerics.scheme import get_scheme\n"
                                    "    import diffquant.sweeps\n    from diffquant import api\n")
-    assert internal_imports(tmp_path) == ["x.py:7 diffquant.quant.scheme", "x.py:8 diffquant.sweeps",
+    assert internal_imports(tmp_path) == ["x.py:7 diffquant.quant.numerics.scheme", "x.py:8 diffquant.sweeps",
                                           "x.py:9 diffquant.api"]
 
 

@@ -27,7 +27,7 @@ LAYERS = [  # bottom first
     ("api", "commands", "runs"),  # the public API and the command handlers
     ("__init__",),  # import diffquant as dq
     ("cli",),  # the command line's parser and main
-    ("__main__",),  # python -m diffquant
+    ("__main__", "lab"),  # python -m diffquant; the experiments' documented sub-API (diffquant/lab.py)
 ]
 SPLIT = ("quant",)
 
