@@ -6,7 +6,8 @@ import torch
 from diffquant.quant.numerics import math as Q
 from diffquant.quant.numerics.config import QuantConfig, int_config
 from diffquant.quant.numerics.formats import Format
-from diffquant.quant.algorithms.gptq import GPTQ, solve
+from diffquant.quant.algorithms.gptq import solve
+from diffquant.quant.algorithms.gptq_config import GPTQ
 from diffquant.quant.numerics.granularity import PerChannel, PerGroup
 
 
@@ -86,7 +87,7 @@ def test_gptq_beats_rtn_on_outlier_columns():
     qmax = 7
     s = W.abs().amax(dim=1, keepdim=True) / qmax
     rtn = torch.clamp(torch.round(W / s), -qmax, qmax) * s
-    wq, _, _ = solve(W, H, int_config(4, PerChannel(0)))
+    wq, _, _ = solve(W, H, int_config(4, PerChannel(0)), GPTQ())
     err = lambda w: ((X @ (W - w).T) ** 2).mean().item()  # noqa: E731
     assert err(wq) < 0.5 * err(rtn)
 

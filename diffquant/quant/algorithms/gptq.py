@@ -24,7 +24,6 @@ import torch
 from diffquant.errors import DiffquantError
 from diffquant.quant.numerics import math as Q
 from diffquant.quant.numerics.config import QuantConfig
-from diffquant.quant.algorithms.gptq_config import GPTQ
 from diffquant.taps.sites import WEIGHT_DIMS
 
 
@@ -36,10 +35,10 @@ def scales(w: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Te
     return Q.qparams(lo, hi, config.format)
 
 
-def solve(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, gptq: GPTQ = GPTQ()
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GPTQ of one weight `w` ([out, in]) under Hessian `h` ([in, in]): (quantized weight in w's dtype,
-    scale, zero), the scales as `scales` shapes them. Solved in float64."""
+def solve(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, gptq) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ of one weight `w` ([out, in]) under Hessian `h` ([in, in]) with the settings `gptq` (gptq_config.py's
+    GPTQ step: damp, block, act_order, static_groups): (quantized weight in w's dtype, scale, zero), the scales as
+    `scales` shapes them. Solved in float64."""
     fmt, gran = config.format, config.granularity
     rows, cols = w.shape
     if h.shape != (cols, cols):
@@ -98,3 +97,20 @@ def solve(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, gptq: GPTQ = GP
     # the float64 solution rounded once more with the scales in w's dtype: on the grid a fake quantizer with
     # these scales keeps bit-exactly (the codes do not change: they sit within 1e-7 of an integer)
     return Q.fake_quantize(out.to(w.dtype), scale, zero, fmt, gran), scale, zero
+
+
+def layer_step(table, configs, by_layer, gptq, solved):
+    """GPTQ as one of `solve_weights_`'s per-layer steps (quant/algorithms/solvers.py): (the Linears of layer i it
+    reads inputs for, what it does with their Hessians): each weight solved, set on its module through the `Solved`
+    handle (restored bit-exactly on removal) and its scales kept for the fake quantizer."""
+    from diffquant.taps.tap import canonical_weight, stored_weight
+
+    def apply(i, stats):
+        for name, (h, _) in stats.items():
+            module, site = table.modules[name], table.sites[name]
+            w = getattr(module, site.param)
+            wq, scale, zero = solve(canonical_weight(w.detach(), site.layout), h, configs[name], gptq)
+            solved._applied.set(module, site.param, stored_weight(wq, site.layout, w.shape))
+            solved.scales[name] = (scale.cpu(), zero.cpu())
+
+    return (lambda i: by_layer.get(i, {})), apply

@@ -49,6 +49,6 @@ class GPTQ(Solver):
                 + (f":block={self.block}" if self.block != 128 else ""))
 
     def layer_steps(self, model, table, configs, by_layer, solved, calibration) -> list:
-        from diffquant.quant.algorithms.solvers import gptq_step
+        from diffquant.quant.algorithms.gptq import layer_step
 
-        return [gptq_step(table, configs, by_layer, self, solved)]
+        return [layer_step(table, configs, by_layer, self, solved)]

@@ -74,7 +74,9 @@ class AWQ(Solver):
         solved.record["super_weights"] = [{k: o[k] for k in ("layer", "row", "col", "weight")} for o in supers]
         steps = [_awq_step(table, configs, self, solved, supers)]
         if self.gptq:
-            steps.append(gptq_step(table, configs, by_layer, GPTQ(), solved))
+            from diffquant.quant.algorithms.gptq import layer_step
+
+            steps.append(layer_step(table, configs, by_layer, GPTQ(), solved))
         return steps
 
 
@@ -210,21 +212,6 @@ def _layer_by_layer(model, table, calibration, steps, last: int, desc: str, prog
                 apply(i, _input_stats(layer, inputs, wanted))
         if i < last:
             inputs = [_with_hidden(args, kwargs, _hidden(layer(*args, **kwargs))) for args, kwargs in inputs]
-
-
-def gptq_step(table, configs, by_layer, gptq: GPTQ, solved: Solved):
-    from diffquant.quant.algorithms import gptq as G
-    from diffquant.taps.tap import canonical_weight, stored_weight
-
-    def apply(i, stats):
-        for name, (h, _) in stats.items():
-            module, site = table.modules[name], table.sites[name]
-            w = getattr(module, site.param)
-            wq, scale, zero = G.solve(canonical_weight(w.detach(), site.layout), h, configs[name], gptq)
-            solved._applied.set(module, site.param, stored_weight(wq, site.layout, w.shape))
-            solved.scales[name] = (scale.cpu(), zero.cpu())
-
-    return (lambda i: by_layer.get(i, {})), apply
 
 
 def _awq_step(table, configs, awq: AWQ, solved: Solved, supers: list[dict]):
