@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -206,7 +205,8 @@ def append_row(out: Path, row: dict) -> None:
 def write_results(out: Path, rows: list[dict]) -> None:
     atomic_write_json(out / "results.json", {"rows": rows})
     if rows:
-        header = sorted({k for r in rows for k in r if k != "key"}, key=lambda k: (k not in asdict(Cell("", "")), k))
+        header = sorted({k for r in rows for k in r if k not in ("key", "stage_seconds")},  # stages: in the JSON
+                        key=lambda k: (k not in asdict(Cell("", "")), k))
         atomic_write_text(out / "results.csv", to_csv(header, [[r.get(k) for k in header] for r in rows]))
 
 
@@ -214,10 +214,12 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
               progress: bool = True, compile: bool = False, calibration: dict | None = None) -> list[dict]:
     """Evaluate every cell not yet in out/cells.jsonl; returns all rows (old and new) in cell order.
     `compile` fuses the fake quantizers (see `attach_scheme`); `calibration` ({model: token ids}) feeds
-    mitigations that calibrate (smoothquant) and static scales."""
+    mitigations that calibrate (smoothquant) and static scales. Each row holds its wall `seconds` and, under
+    `stage_seconds`, those of quantize_'s steps and the evaluation (printed per cell with `progress`)."""
     from tqdm.auto import tqdm
 
     from diffquant.quant.recipe import from_cli, quantize_
+    from diffquant.stopwatch import Stopwatch
 
     done = load_done(out)
     fp_cache: dict[str, dict] = {r["model"]: r["metrics"] for r in done.values() if r["scheme"] == "fp"}
@@ -228,7 +230,7 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
         model = models[cell.model][0]
         recipe = from_cli(cell.mitigate, cell.weights, cell.scheme())
         float_cell = recipe.scheme.is_identity and not recipe.fixes
-        t0 = time.perf_counter()
+        clock = Stopwatch()  # the cell's stages (none for a cached float cell)
         if float_cell and cell.model in fp_cache:
             metrics, name = fp_cache[cell.model], recipe.scheme.name
         else:
@@ -236,13 +238,17 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
             if recipe.needs_calibration and calib is None:
                 raise DiffquantError(f"{cell.label()}: static scales, fixes and weight solvers need calibration data")
             with quantize_(model, recipe, calib, compile=compile) as q:
+                clock.add(q.seconds)
                 metrics, name = evaluators[cell.model](model), q.scheme.name
+                clock.lap("evaluate")
             if float_cell:
                 fp_cache[cell.model] = metrics
         if not float_cell and cell.model in fp_cache:
             metrics = {**metrics, **versus_float(fp_cache[cell.model], metrics)}
         row = {"key": cell.key(), **asdict(cell), "scheme": name, "metrics": metrics,
-               "seconds": time.perf_counter() - t0}
+               "seconds": clock.total(), "stage_seconds": clock.seconds}
+        if progress and clock.seconds:
+            bar.write(f"{cell.label()}: " + ", ".join(f"{k} {v:.1f} s" for k, v in clock.seconds.items()))
         append_row(out, row)
         done[cell.key()] = row
         write_results(out, [_flat(done[c.key()]) for c in cells if c.key() in done])
