@@ -296,6 +296,13 @@ def test_layer_input_hessians_match_each_modules_own_input(micro_pair):
         x = torch.cat(seen[n]).reshape(-1, seen[n][0].shape[-1]).double()
         torch.testing.assert_close(got[n][0], 2 * x.T @ x / x.shape[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[n][1], x.abs().mean(dim=0), rtol=1e-6, atol=1e-7)
+    # the pass stops at the last input it needs: down_proj itself never runs; the Hessians are the same
+    ran = []
+    h = mods["mlp.down_proj"].register_forward_hook(lambda *a: ran.append(1))
+    with torch.no_grad():
+        again = _input_stats(layer, inputs, mods, mean_abs=False)
+    h.remove()
+    assert not ran and all(torch.equal(again[n][0], got[n][0]) and again[n][1] is None for n in names)
 
 
 def test_quantize_cli_quarot_is_rotation_plus_gptq(micro_pair, tmp_path):
