@@ -330,3 +330,15 @@ def test_quantize_cli_quarot_is_rotation_plus_gptq(micro_pair, tmp_path):
     assert q["mitigation_record"]["mitigation"] == "rotate"  # the recipe: the rotation, then GPTQ
     assert q["recipe"] == {"fixes": ["rotate"], "weights": "gptq", "scheme": "w4a8"}
     assert q["simulated"]["loss"] != r["simulated"]["loss"]
+
+
+def test_gptq_breakdown_runs(capsys):
+    """benchmarks/gptq_breakdown.py's stages on the micro model: one line per layer, every stage timed."""
+    import json
+
+    from benchmarks.gptq_breakdown import main
+
+    main(["--quick", "--layers", "2"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["layer"] for r in rows] == [0, 1]
+    assert all(r[k] >= 0 for r in rows for k in ("statistics", "XᵀX alone", "solve", "Cholesky alone", "propagate"))

@@ -1,0 +1,204 @@
+"""Where GPTQ's time goes, layer by layer and stage by stage, on the calibration benchmarks/llmcompressor_check.py
+uses: SmolLM2-135M-Instruct (the zoo's Q4_1 GGUF dequantized to fp32), 128 KJV windows of 256 tokens from the
+training split, int4 symmetric weights in groups of 64 on every Linear of the decoder layers, no act-order.
+
+    python -m benchmarks.gptq_breakdown [--layers 2] [--before REV]   # stages of the first layers
+    python -m benchmarks.gptq_breakdown --whole [--label NAME]           # the whole model's GPTQ by quantize_
+
+One thread; CPU seconds (the process's own, which a busy machine inflates less than wall seconds; the load average
+is recorded beside them). Each layer, as `solvers._layer_by_layer` runs it:
+
+    statistics   one pass of the layer over the calibration inputs with the Hessian hooks (`_input_stats`);
+                 beside it the layer's whole forward without hooks and the products XᵀX alone (timed on the
+                 first chunk's four input tensors, times the number of chunks), which together make most of it
+    solve        `gptq.solve` of the seven Linears; beside it their Cholesky factors alone (U of each H)
+    propagate    the layer's forward with the solved weights: the next layer's inputs
+
+`--before REV` also times `_input_stats` and `gptq.solve` as they were at git revision REV (read with `git
+show`), alternating with the current ones so both see the same load, and checks that both give bit-identical
+Hessians and weights. Results go into benchmarks/gptq_breakdown.json ("layers", and "whole" by label); a
+whole-model run of an older revision: PYTHONPATH=<a checkout of REV> python <this file> --whole --label REV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "gptq_breakdown.json"
+
+
+def cpu_seconds(f):
+    """(CPU seconds of f(), its result)."""
+    t = time.process_time()
+    r = f()
+    return time.process_time() - t, r
+
+
+def at_revision(rev: str, module: str) -> types.ModuleType:
+    """`module` (a dotted name in this repository) as its source stood at git revision `rev`."""
+    root = HERE.parent
+    path = module.replace(".", "/") + ".py"
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True,
+                            text=True).stdout
+    mod = sys.modules[f"{module}@{rev}"] = types.ModuleType(f"{module}@{rev}")  # dataclasses look it up
+    exec(compile(source, f"{rev}:{path}", "exec"), mod.__dict__)
+    return mod
+
+
+def setting(quick: bool):
+    """(model, calibration windows, scheme, what they are): llmcompressor_check's; `quick`: the micro model."""
+    from experiments.weight_solvers import CALIBRATION_WINDOWS, _data
+
+    from diffquant.quant import granularity as G
+    from diffquant.quant.config import int_config
+    from diffquant.quant.scheme import LAYER_WEIGHTS, QuantScheme
+
+    model, _, _, calib, label = _data(quick, CALIBRATION_WINDOWS)
+    group = 32 if quick else 64
+    scheme = QuantScheme(f"w4a16-g{group}", (), ((LAYER_WEIGHTS, int_config(4, G.PerGroup(group))),))
+    return model.eval(), calib, scheme, {"model": label, "windows": len(calib), "tokens": int(calib.numel()),
+                                         "corpus": "kjv (training split)", "scheme": scheme.name}
+
+
+def layers(model, calib, scheme, count: int, before: str | None) -> list[dict]:
+    """Stage seconds of the first `count` layers (see the module's doc)."""
+    from diffquant.quant import gptq as G
+    from diffquant.quant import solvers as S
+    from diffquant.quant.gptq_config import GPTQ
+    from diffquant.quant.scheme import plan
+    from diffquant.taps import site_table
+    from diffquant.taps.tap import canonical_weight, stored_weight
+
+    old_solvers, old_gptq = (at_revision(before, "diffquant.quant.solvers"),
+                             at_revision(before, "diffquant.quant.gptq")) if before else (None, None)
+    table = site_table(model)
+    configs = {n: c for n, c in plan(model, scheme).items() if table.sites[n].is_weight}
+    rows = []
+    with torch.no_grad():
+        inputs = S._first_layer_inputs(model, table.layers[0], calib)
+        for i in range(count):
+            layer, row = table.layers[i], {"layer": i}
+            wanted = {n: table.modules[n] for n in configs if table.sites[n].layer == i}
+            row["forward (no hooks)"], _ = cpu_seconds(lambda: [layer(*a, **k) for a, k in inputs])
+            row["XᵀX alone"] = len(inputs) * products(layer, inputs[0], wanted)
+            row["statistics"], stats = cpu_seconds(lambda: S._input_stats(layer, inputs, wanted, mean_abs=False))
+            if before:
+                row["statistics before"], old = cpu_seconds(lambda: old_solvers._input_stats(layer, inputs, wanted))
+                assert all(torch.equal(old[n][0], stats[n][0]) for n in wanted), "Hessians differ"
+            row["solve"] = row["Cholesky alone"] = row["solve before"] = 0.0
+            solved = {}
+            for name, (h, _) in stats.items():
+                site, module = table.sites[name], table.modules[name]
+                w = canonical_weight(getattr(module, site.param).detach(), site.layout)
+                seconds, solved[name] = cpu_seconds(lambda: G.solve(w, h, configs[name], GPTQ()))
+                row["solve"] += seconds
+                row["Cholesky alone"] += cpu_seconds(lambda: cholesky(h))[0]
+                if before:
+                    seconds, old = cpu_seconds(lambda: old_gptq.solve(w, h, configs[name], GPTQ()))
+                    row["solve before"] += seconds
+                    assert all(torch.equal(a, b) for a, b in zip(old, solved[name])), f"{name}: weights differ"
+            for name, (wq, _, _) in solved.items():
+                site, module = table.sites[name], table.modules[name]
+                getattr(module, site.param).copy_(stored_weight(wq, site.layout, getattr(module, site.param).shape))
+            row["propagate"], outputs = cpu_seconds(lambda: [S._hidden(layer(*a, **k)) for a, k in inputs])
+            inputs = [S._with_hidden(a, k, h) for (a, k), h in zip(inputs, outputs)]
+            row["per layer"] = row["statistics"] + row["solve"] + row["propagate"]
+            if before:
+                row["per layer before"] = row["statistics before"] + row["solve before"] + row["propagate"]
+            if not before:
+                del row["solve before"]
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
+                             ensure_ascii=False), flush=True)
+            rows.append(row)
+    return rows
+
+
+def products(layer, first, wanted: dict) -> float:
+    """CPU seconds of (XᵀX).double() for each distinct input tensor the `wanted` modules read in one chunk."""
+    seen = {}
+    handles = [m.register_forward_pre_hook(lambda m, a: seen.setdefault(id(a[0]), a[0])) for m in wanted.values()]
+    try:
+        layer(*first[0], **first[1])
+    finally:
+        for h in handles:
+            h.remove()
+    xs = [x.reshape(-1, x.shape[-1]).float() for x in seen.values()]
+    return cpu_seconds(lambda: [(x.T @ x).double() for x in xs])[0]
+
+
+def cholesky(h: torch.Tensor) -> torch.Tensor:
+    """GPTQ's U for the Hessian h, as `gptq.solve` takes it (dampened 1%, no act-order)."""
+    H = h.double().clone()
+    H.diagonal().add_(0.01 * H.diagonal().mean())
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+
+def whole(model, calib, scheme) -> dict:
+    """The whole model's GPTQ through quantize_, as llmcompressor_check times it."""
+    from diffquant.quant.gptq_config import GPTQ
+    from diffquant.quant.recipe import Recipe, quantize_
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    with quantize_(model, Recipe(scheme, solver=GPTQ()), calib):
+        out = {"wall_seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def machine() -> dict:
+    """The CPU, threads, versions, and the git revision of the diffquant that ran (PYTHONPATH may name another)."""
+    import diffquant
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads":
+            torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+            "diffquant": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=Path(diffquant.__file__).parent).stdout.strip()}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=2, help="how many of the first layers to take apart")
+    p.add_argument("--before", help="a git revision whose _input_stats and gptq.solve are timed beside today's")
+    p.add_argument("--whole", action="store_true", help="time the whole model's GPTQ instead")
+    p.add_argument("--label", default="this checkout", help="the whole-model row's name in the JSON")
+    p.add_argument("--quick", action="store_true", help="the micro model on random tokens (a smoke test)")
+    p.add_argument("--out", default=str(OUT))
+    a = p.parse_args(argv)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    model, calib, scheme, what = setting(a.quick)
+    load = os.getloadavg()
+    if a.whole:
+        result = {"whole": {a.label: {**whole(model, calib, scheme), "load_before": load, "load_after":
+                                      os.getloadavg(), "machine": machine()}}}
+    else:
+        rows = layers(model, calib, scheme, a.layers, a.before)
+        result = {"layers": {"rows": rows, "before": a.before, "load_before": load, "load_after": os.getloadavg(),
+                             "machine": machine()}}
+    if a.quick:
+        return
+    out = Path(a.out)
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    old.setdefault("whole", {}).update(result.get("whole", {}))
+    if "layers" in result:
+        old["layers"] = result["layers"]
+    old["calibration"] = what
+    out.write_text(json.dumps(old, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    sys.path.append(str(HERE.parent))  # run as a file: `experiments` from here unless PYTHONPATH names a checkout
+    main()
