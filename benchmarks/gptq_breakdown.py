@@ -23,6 +23,7 @@ whole-model run of an older revision: PYTHONPATH=<a checkout of REV> python <thi
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -154,6 +155,10 @@ def whole(model, calib, scheme) -> dict:
     wall, cpu = time.perf_counter(), time.process_time()
     with quantize_(model, Recipe(scheme, solver=GPTQ()), calib):
         out = {"wall_seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu}
+        digest = hashlib.sha256()  # of every solved weight: two revisions' runs compare by it
+        for name, p in model.named_parameters():
+            digest.update(name.encode() + p.detach().contiguous().numpy().tobytes())
+        out["weights_sha256"] = digest.hexdigest()
     print(json.dumps(out), flush=True)
     return out
 
