@@ -173,6 +173,50 @@ def machine() -> dict:
                                         cwd=Path(diffquant.__file__).parent).stdout.strip()}
 
 
+STAGES = ("forward (no hooks)", "XᵀX alone", "statistics", "statistics before", "Cholesky alone", "solve",
+          "solve before", "propagate", "per layer", "per layer before")
+
+
+def report(d: dict, peers: dict | None) -> str:
+    """benchmarks/gptq_breakdown.md from the JSON: the stages of the first layers, the whole-model runs beside
+    llm-compressor's (docs/weights/llmcompressor.json, `peers`), and what the stages add up to."""
+    from diffquant.report.tables import markdown
+
+    c, lay = d["calibration"], d["layers"]
+    rows, m = lay["rows"], lay["machine"]
+    text = [f"# Where GPTQ's time goes\n\n{c['model']}, {c['scheme']} (every Linear of the decoder layers, no "
+            f"act-order), calibration {c['windows']} windows ({c['tokens']:,} tokens) of {c['corpus']}; one thread, "
+            f"{m['cores']} cores (AMD EPYC), torch {m['torch']}. Written by `python -m benchmarks.gptq_breakdown` from "
+            "benchmarks/gptq_breakdown.json; CPU seconds unless named wall.\n",
+            f"## The first layers, stage by stage\n\nRevision {m['diffquant']}; \"before\": `_input_stats` and "
+            f"`gptq.solve` of {lay['before']} in the same process, alternating, with bit-identical Hessians and weights "
+            f"(checked). 1-minute load average {lay['load_before'][0]:.1f} at the start, {lay['load_after'][0]:.1f} at "
+            "the end.\n"]
+    stages = [k for k in STAGES if k in rows[0]]
+    text.append(markdown(["stage", *[f"layer {r['layer']}" for r in rows]],
+                         [[k, *[f"{r[k]:.2f}" for r in rows]] for k in stages]))
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in stages}
+    text.append(f"\nPer layer {mean['per layer']:.1f} s: the statistics pass {mean['statistics']:.1f} s (the layer's "
+                f"forward up to down_proj's input, and the products XᵀX, {mean['XᵀX alone']:.1f} s alone), the seven "
+                f"solves {mean['solve']:.1f} s (their Cholesky factors {mean['Cholesky alone']:.1f} s alone), the "
+                f"propagation {mean['propagate']:.1f} s (a whole forward of the solved layer). The two passes over the "
+                f"calibration windows and XᵀX are {1 - mean['solve'] / mean['per layer']:.0%} of it: matrix products "
+                "whose every bit the weights depend on, so a faster GPTQ with the same weights can only take from "
+                "the rest.\n")
+    whole = [[label, f"{w['wall_seconds']:.0f}", f"{w['cpu_seconds']:.0f}",
+              f"{w['load_before'][0]:.1f}–{w['load_after'][0]:.1f}", w.get("weights_sha256", "-")[:12]]
+             for label, w in d.get("whole", {}).items()]
+    for row in (peers or {}).get("gptq", {}).get("rows", []):
+        if row["weights"] in ("diffquant gptq", "llm-compressor gptq") and row.get("load"):
+            whole.append([f"{row['weights']} (llmcompressor_check)", f"{row['seconds']:.0f}", "-",
+                          f"{row['load'][0]:.1f}–{row['load'][1]:.1f}", "-"])
+    text.append("## The whole model\n\nWall and CPU seconds of `quantize_` with GPTQ over all 30 layers; the sha256 "
+                "of every solved weight shows two revisions solved the same weights. llm-compressor's rows come from "
+                "docs/weights/llmcompressor.json (its `oneshot`, one thread, in its own venv).\n")
+    text.append(markdown(["run", "wall s", "CPU s", "load (1 min, start–end)", "weights sha256"], whole))
+    return "\n".join(text) + "\n"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2, help="how many of the first layers to take apart")
@@ -180,8 +224,11 @@ def main(argv=None) -> None:
     p.add_argument("--whole", action="store_true", help="time the whole model's GPTQ instead")
     p.add_argument("--label", default="this checkout", help="the whole-model row's name in the JSON")
     p.add_argument("--quick", action="store_true", help="the micro model on random tokens (a smoke test)")
+    p.add_argument("--report", action="store_true", help="only rewrite the .md from the JSON")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
+    if a.report:
+        return write_report(Path(a.out))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     model, calib, scheme, what = setting(a.quick)
     load = os.getloadavg()
@@ -202,6 +249,15 @@ def main(argv=None) -> None:
     old["calibration"] = what
     out.write_text(json.dumps(old, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {out}")
+    if "layers" in old:
+        write_report(out)
+
+
+def write_report(out: Path) -> None:
+    peers = HERE.parent / "docs" / "weights" / "llmcompressor.json"
+    md = out.with_suffix(".md")
+    md.write_text(report(json.loads(out.read_text()), json.loads(peers.read_text()) if peers.is_file() else None))
+    print(f"wrote {md}")
 
 
 if __name__ == "__main__":
