@@ -16,8 +16,10 @@ is recorded beside them). Each layer, as `solvers._layer_by_layer` runs it:
 
 `--before REV` also times `_input_stats` and `gptq.solve` as they were at git revision REV (read with `git
 show`), alternating with the current ones so both see the same load, and checks that both give bit-identical
-Hessians and weights. Results go into benchmarks/gptq_breakdown.json ("layers", and "whole" by label); a
-whole-model run of an older revision: PYTHONPATH=<a checkout of REV> python <this file> --whole --label REV.
+Hessians and weights. Results go into benchmarks/gptq_breakdown.json ("layers", and "whole" by label) and
+gptq_breakdown.md. A whole-model run of an older revision (this file run from a checkout of REV, which it
+imports diffquant and experiments from): cd CHECKOUT && PYTHONPATH=. python THIS_FILE --whole --label "REV
+(before)" --out THIS_JSON.
 """
 
 from __future__ import annotations
@@ -200,9 +202,11 @@ def report(d: dict, peers: dict | None) -> str:
                 f"forward up to down_proj's input, and the products XᵀX, {mean['XᵀX alone']:.1f} s alone), the seven "
                 f"solves {mean['solve']:.1f} s (their Cholesky factors {mean['Cholesky alone']:.1f} s alone), the "
                 f"propagation {mean['propagate']:.1f} s (a whole forward of the solved layer). The two passes over the "
-                f"calibration windows and XᵀX are {1 - mean['solve'] / mean['per layer']:.0%} of it: matrix products "
-                "whose every bit the weights depend on, so a faster GPTQ with the same weights can only take from "
-                "the rest.\n")
+                f"calibration windows, XᵀX included, are {1 - mean['solve'] / mean['per layer']:.0%} of it. They are "
+                "matrix products whose every bit the weights depend on (the Hessians, the next layer's inputs): a GPTQ "
+                "that keeps today's weights bit for bit must run them as they are, so it can gain only on the solves, "
+                "and on what the statistics pass need not compute (down_proj and the residual after its input, now "
+                "skipped).\n")
     whole = [[label, f"{w['wall_seconds']:.0f}", f"{w['cpu_seconds']:.0f}",
               f"{w['load_before'][0]:.1f}–{w['load_after'][0]:.1f}", w.get("weights_sha256", "-")[:12]]
              for label, w in d.get("whole", {}).items()]
@@ -214,6 +218,20 @@ def report(d: dict, peers: dict | None) -> str:
                 "of every solved weight shows two revisions solved the same weights. llm-compressor's rows come from "
                 "docs/weights/llmcompressor.json (its `oneshot`, one thread, in its own venv).\n")
     text.append(markdown(["run", "wall s", "CPU s", "load (1 min, start–end)", "weights sha256"], whole))
+    cpu = {label: w["cpu_seconds"] for label, w in d.get("whole", {}).items() if w.get("cpu_seconds")}
+    peer = next((v for k, v in cpu.items() if k.startswith("llm-compressor")), None)
+    ours = next((v for k, v in reversed(cpu.items()) if "(after)" in k), None)
+    before = next((v for k, v in cpu.items() if "(before)" in k), None)
+    if peer and ours:
+        passes = ours * (1 - mean["solve"] / mean["per layer"])  # the passes' share of the stage table
+        verdict = ("so 2× cannot be reached with today's weights bit for bit on one thread: what would go further "
+                   "changes the arithmetic of those products (fewer calibration tokens, XᵀX as a symmetric rank-k "
+                   "update, the forward in other kernels) or uses more threads" if passes >= peer / 2 else
+                   f"which leaves {peer / 2 - passes:.0f} s for the solves")
+        text.append(f"\nIn CPU seconds diffquant's GPTQ is {peer / ours:.2f}× llm-compressor's speed"
+                    + (f" ({peer / before:.2f}× before this branch)" if before else "") + f". Twice its speed is "
+                    f"{peer / 2:.0f} s, while the two passes over the calibration windows, XᵀX included, take about "
+                    f"{passes:.0f} s of diffquant's {ours:.0f} (their share in the stage table), {verdict}.\n")
     return "\n".join(text) + "\n"
 
 
@@ -261,5 +279,4 @@ def write_report(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.append(str(HERE.parent))  # run as a file: `experiments` from here unless PYTHONPATH names a checkout
     main()
