@@ -215,8 +215,10 @@ def report(d: dict, peers: dict | None) -> str:
             whole.append([f"{row['weights']} (llmcompressor_check)", f"{row['seconds']:.0f}", "-",
                           f"{row['load'][0]:.1f}–{row['load'][1]:.1f}", "-"])
     text.append("## The whole model\n\nWall and CPU seconds of `quantize_` with GPTQ over all 30 layers; the sha256 "
-                "of every solved weight shows two revisions solved the same weights. llm-compressor's rows come from "
-                "docs/weights/llmcompressor.json (its `oneshot`, one thread, in its own venv).\n")
+                "of every solved weight shows two revisions solved the same weights. Rows marked (llmcompressor_check) "
+                "come from docs/weights/llmcompressor.json (wall seconds only); the llm-compressor row with CPU "
+                "seconds is its plain GPTQ run again by `llmcompressor_check.run_peer` (`oneshot` timed in its own "
+                "process, one thread, its own venv) and added here by hand.\n")
     text.append(markdown(["run", "wall s", "CPU s", "load (1 min, start–end)", "weights sha256"], whole))
     cpu = {label: w["cpu_seconds"] for label, w in d.get("whole", {}).items() if w.get("cpu_seconds")}
     peer = next((v for k, v in cpu.items() if k.startswith("llm-compressor")), None)
