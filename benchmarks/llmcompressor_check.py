@@ -74,10 +74,10 @@ if ARGS["method"] == "gptq":
 else:  # AWQ's scales, then round to nearest on the scaled weights (llm-compressor's AWQ has no clip search)
     recipe = [AWQModifier(duo_scaling=ARGS["duo_scaling"]), QuantizationModifier(config_groups=groups,
                                                                                   ignore=["lm_head"])]
-t = time.perf_counter()
+t, cpu = time.perf_counter(), time.process_time()
 oneshot(model=model, tokenizer=AutoTokenizer.from_pretrained(ARGS["model_dir"]), dataset=ds, recipe=recipe, num_calibration_samples=len(calib), max_seq_length=calib.shape[1],
         shuffle_calibration_samples=False)
-seconds = time.perf_counter() - t
+seconds, cpu_seconds = time.perf_counter() - t, time.process_time() - cpu
 weights, grid = {}, {}
 with torch.no_grad():
     for name, m in model.named_modules():
@@ -101,7 +101,7 @@ if ARGS.get("save_dir"):  # the checkpoint as llm-compressor ships it (compresse
     model.save_pretrained(ARGS["save_dir"], save_compressed=True)
     AutoTokenizer.from_pretrained(ARGS["model_dir"]).save_pretrained(ARGS["save_dir"])
 import compressed_tensors, llmcompressor, transformers
-print("RESULT " + json.dumps({"seconds": seconds, "per_sequence_loss": losses, "grid": grid,
+print("RESULT " + json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "per_sequence_loss": losses, "grid": grid,
                               "versions": {"llmcompressor": llmcompressor.__version__,
                                            "compressed_tensors": compressed_tensors.__version__,
                                            "transformers": transformers.__version__, "torch": torch.__version__}}))
@@ -144,13 +144,15 @@ def run_peer(model_dir: Path, calib_path: Path, eval_path: Path, weights: Path, 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     code = f"ARGS = {json.dumps(args)!r}\nimport json\nARGS = json.loads(ARGS)\n" + CHILD
+    load = os.getloadavg()[0]
     out = subprocess.run([str(venv_python()), "-c", code], capture_output=True, text=True, env=env)
     line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("RESULT ")), None)
     if out.returncode or line is None:
         tail = [ln for ln in out.stderr.strip().splitlines() if ln.strip()][-3:]
         raise SystemExit(f"llm-compressor run failed (exit {out.returncode}): {' | '.join(tail)}")
-    cached.write_text(line[len("RESULT "):])
-    return json.loads(line[len("RESULT "):])
+    result = {**json.loads(line[len("RESULT "):]), "load": [load, os.getloadavg()[0]]}
+    cached.write_text(json.dumps(result))
+    return result
 
 
 def layer_errors(model, weights: dict, calib, limit: int = 4) -> dict[str, float]:
@@ -271,13 +273,14 @@ def main(argv=None) -> None:
             continue
         rows, errors = [], {}
         for name in OURS[method]:
-            t0 = time.perf_counter()
+            t0, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
             with quantize_(model, Recipe(scheme, solver=solvers.parse(name)), calib):
-                seconds = time.perf_counter() - t0
+                seconds, cpu, load = time.perf_counter() - t0, time.process_time() - cpu, [load, os.getloadavg()[0]]
                 r = language_modeling(model, seqs)
                 dequant = {f"{n}.weight": m.weight.detach().clone() for n, m in model.named_modules()
                            if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
-            rows.append({"weights": f"diffquant {name}", "seconds": seconds, **_eval_row(r, fp, versus_float)})
+            rows.append({"weights": f"diffquant {name}", "seconds": seconds, "cpu_seconds": cpu, "load": load,
+                         **_eval_row(r, fp, versus_float)})
             if method == "gptq":  # AWQ rescales each Linear's input: float inputs would misread its weights
                 errors[f"diffquant {name}"] = layer_errors(model, dequant, calib)
         for (kind, option), row_label in PEERS[method].items():
@@ -294,7 +297,9 @@ def main(argv=None) -> None:
                 for k, v in saved.items():
                     model.get_parameter(k).copy_(v)
             own = sum(peer["per_sequence_loss"]) / len(peer["per_sequence_loss"])
-            rows.append({"weights": row_label, "seconds": peer["seconds"], "own_forward_loss": own,
+            rows.append({"weights": row_label, "seconds": peer["seconds"], "cpu_seconds": peer.get("cpu_seconds"),
+                         "load": peer.get("load"),
+                         "own_forward_loss": own,
                          "grid": peer["grid"], "versions": peer["versions"], **_eval_row(r, fp, versus_float)})
         sections[method] = {"rows": _paired(rows, REFERENCE[method]), "layer_errors": errors,
                             "calibration": calibration}
@@ -356,7 +361,7 @@ def section_table(r: dict, method: str) -> str:
     sec = r[method]
     c = sec.get("calibration") or r["calibration"]
     fci = r["float"]["ppl_ci95"]
-    body = [["float", f"{r['float']['ppl']:.3f} [{fci[0]:.3f}, {fci[1]:.3f}]", "", "", "", "", ""]]
+    body = [["float", f"{r['float']['ppl']:.3f} [{fci[0]:.3f}, {fci[1]:.3f}]", "", "", "", "", "", ""]]
     for row in sec["rows"]:
         err = sec["layer_errors"].get(row["weights"])
         key = "delta_vs_reference" if "delta_vs_reference" in row or method == "awq" else "delta_vs_diffquant_gptq"
@@ -365,10 +370,22 @@ def section_table(r: dict, method: str) -> str:
                      f"{row['delta_loss']:+.4f} [{row['delta_loss_ci95'][0]:+.4f}, {row['delta_loss_ci95'][1]:+.4f}]",
                      "-" if ci is None else f"{row[key]:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]",
                      f"{statistics.median(err.values()):.2e}" if err else "-", f"{max(err.values()):.2e}" if err else "-",
-                     "-" if "own_forward_loss" not in row else f"{row['own_forward_loss']:.4f} (ours {row['loss']:.4f})"])
+                     "-" if "own_forward_loss" not in row else f"{row['own_forward_loss']:.4f} (ours {row['loss']:.4f})",
+                     _seconds(row)])
     return f"{method.upper()}: calibration {c['corpus']}, {c['windows']} windows ({c['tokens']:,} tokens).\n\n" + markdown(
         ["weights", "perplexity [95%]", "Δloss vs float", f"Δloss vs {REFERENCE[method]} [95%]",
-                     "layer error (median)", "layer error (worst)", "llm-compressor's own forward"], body) + "\n"
+                     "layer error (median)", "layer error (worst)", "llm-compressor's own forward",
+                     "wall seconds, CPU (load)"], body) + "\n"
+
+
+def _seconds(row: dict) -> str:
+    """The row's wall seconds to quantize (one thread), its CPU seconds, and the machine's 1-minute load average at
+    its start and end (rows measured before CPU time and loads were recorded show neither)."""
+    if row.get("seconds") is None:
+        return "-"
+    cpu, load = row.get("cpu_seconds"), row.get("load")
+    return (f"{row['seconds']:.0f}" + (f", CPU {cpu:.0f}" if cpu else "") +
+            (f" (load {load[0]:.1f}–{load[1]:.1f})" if load else ""))
 
 
 def _delta(row: dict) -> tuple[float, list[float]]:
@@ -405,8 +422,26 @@ def gptq_reading(sec: dict) -> str:
             "does); which of these makes the gap was not isolated. The act-order row is compared with diffquant's GPTQ "
             "without act-order: diffquant's gptq:act-order was not run in this check. "
             f"llm-compressor's own quantized forward and ours on its "
-            f"dequantized weights differ by at most {_own_gap(sec):.1e} nats in mean loss (last column), so the "
-            "comparison reads its weights as it uses them.\n")
+            f"dequantized weights differ by at most {_own_gap(sec):.1e} nats in mean loss (last column but one), so "
+            "the comparison reads its weights as it uses them." + speed_reading(ours, theirs) + "\n")
+
+
+def speed_reading(ours: dict, theirs: dict) -> str:
+    """The two plain GPTQs' wall (and CPU) seconds and their ratio, where both rows carry them: wall seconds on a
+    shared machine depend on its load, CPU seconds less so."""
+    if not ours.get("seconds") or not theirs.get("seconds"):
+        return ""
+    loads = "" if not (ours.get("load") and theirs.get("load")) else (
+        f" (1-minute load averages {ours['load'][0]:.1f}–{ours['load'][1]:.1f} and "
+        f"{theirs['load'][0]:.1f}–{theirs['load'][1]:.1f} on {os.cpu_count()} cores)")
+    cpu = "" if not (ours.get("cpu_seconds") and theirs.get("cpu_seconds")) else (
+        f"; in CPU seconds {ours['cpu_seconds']:.0f} and {theirs['cpu_seconds']:.0f}, "
+        f"{theirs['cpu_seconds'] / ours['cpu_seconds']:.2f}×")
+    return (f" Speed, one thread each: diffquant's GPTQ took {ours['seconds']:.0f} s and llm-compressor's "
+            f"{theirs['seconds']:.0f} s{loads}, {theirs['seconds'] / ours['seconds']:.2f}× llm-compressor's speed{cpu}. "
+            "Both "
+            "run each layer twice over the calibration windows (to measure its inputs' Hessians, then to pass the solved "
+            "layer's outputs on); where diffquant's time goes: benchmarks/gptq_breakdown.md.")
 
 
 def awq_reading(sec: dict) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -221,7 +220,8 @@ def append_row(out: Path, row: dict) -> None:
 def write_results(out: Path, rows: list[dict]) -> None:
     atomic_write_json(out / "results.json", {"rows": rows})
     if rows:
-        header = sorted({k for r in rows for k in r if k != "key"}, key=lambda k: (k not in asdict(Cell("", "")), k))
+        header = sorted({k for r in rows for k in r if k not in ("key", "stage_seconds")},  # stages: in the JSON
+                        key=lambda k: (k not in asdict(Cell("", "")), k))
         atomic_write_text(out / "results.csv", to_csv(header, [[r.get(k) for k in header] for r in rows]))
 
 
@@ -229,10 +229,12 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
               progress: bool = True, compile: bool = False, calibration: dict | None = None) -> list[dict]:
     """Evaluate every cell not yet in out/cells.jsonl; returns all rows (old and new) in cell order.
     `compile` fuses the fake quantizers (see `attach_scheme`); `calibration` ({model: token ids}) feeds
-    mitigations that calibrate (smoothquant) and static scales."""
+    mitigations that calibrate (smoothquant) and static scales. Each row holds its wall `seconds` and, under
+    `stage_seconds`, those of quantize_'s steps and the evaluation (printed per cell with `progress`)."""
     from tqdm.auto import tqdm
 
     from diffquant.quant.recipe import quantize_
+    from diffquant.stopwatch import Stopwatch
 
     done = load_done(out)
     fp_cache: dict[str, dict] = {r["model"]: r["metrics"] for r in done.values() if r["scheme"] == "fp"}
@@ -243,7 +245,7 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
         model = models[cell.model][0]
         recipe = cell.recipe()
         float_cell = recipe.scheme.is_identity and not recipe.fixes
-        t0 = time.perf_counter()
+        clock = Stopwatch()  # the cell's stages (none for a cached float cell)
         if float_cell and cell.model in fp_cache:
             metrics, name = fp_cache[cell.model], recipe.scheme.name
         else:
@@ -251,16 +253,20 @@ def run_cells(models: dict[str, tuple], cells: list[Cell], evaluators: dict[str,
             if recipe.needs_calibration and calib is None:
                 raise DiffquantError(f"{cell.label()}: static scales, fixes and weight solvers need calibration data")
             with quantize_(model, recipe, calib, compile=compile) as q:
+                clock.add(q.seconds)
                 metrics, name = evaluators[cell.model](model), q.scheme.name
+                clock.lap("evaluate")
             if float_cell:
                 fp_cache[cell.model] = metrics
         if not float_cell and cell.model in fp_cache:
             metrics = {**metrics, **versus_float(fp_cache[cell.model], metrics)}
         row = {"key": cell.key(), **asdict(cell), "scheme": name, "metrics": metrics,
-               "seconds": time.perf_counter() - t0}
+               "seconds": clock.total(), "stage_seconds": clock.seconds}
         if cell.kind == "recipe":  # its fixes and solver, in the columns the other cells fill from their axes
             row.update(mitigate=" → ".join(f.label() for f in recipe.fixes) or "none",
                        weights=recipe.solver.label() if recipe.solver else "rtn")
+        if progress and clock.seconds:
+            bar.write(f"{cell.label()}: " + ", ".join(f"{k} {v:.1f} s" for k, v in clock.seconds.items()))
         append_row(out, row)
         done[cell.key()] = row
         write_results(out, [_flat(done[c.key()]) for c in cells if c.key() in done])

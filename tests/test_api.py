@@ -64,6 +64,9 @@ def test_quantize_is_the_steps_done_by_hand_and_leaving_restores_the_model(model
         with torch.no_grad():
             got = model(ids).logits
         assert q.scheme.name == "w8a8-static+gptq" and q.record["fixes"][0]["alpha"] == 0.5
+        # each step's wall seconds, in the order the steps ran (values not checked: timing)
+        assert list(q.seconds) == ["fix smoothquant:0.5", "solver gptq", "attach", "static scales"]
+        assert all(v >= 0 for v in q.seconds.values()) and q.record["seconds"] == q.seconds
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref)

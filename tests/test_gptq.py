@@ -48,6 +48,78 @@ def reference_gptq(W, H, bits, group=None, act_order=False, damp=0.01):
     return out[:, torch.argsort(perm)]
 
 
+def lazy_reference(W, H, bits, group=None, act_order=False, block=128, damp=0.01):
+    """`solve` transcribed plainly in W's own layout, the float operations in the same order: lazy blocks of
+    `block` columns (aligned to groups), rank-1 updates within a block, one product for the later blocks; group
+    scales from the group's columns as updated (or, act-order, from the original weight); then the float64
+    solution rounded once more, in float32 and the scales' dtype (W's). Returns (weight, scale [rows, scales]),
+    both in W's dtype."""
+    dtype, W, H = W.dtype, W.double().clone(), H.double().clone()
+    rows, cols = W.shape
+    qmax = 2 ** (bits - 1) - 1
+
+    def absmax_scale(cols_):
+        s = cols_.abs().amax(dim=1) / qmax
+        return torch.where(s > 0, s, torch.ones_like(s))
+
+    width = group or cols
+    original = torch.stack([absmax_scale(W[:, g:g + width]) for g in range(0, cols, width)], dim=1)
+    static = None if group is not None and not act_order else original.repeat_interleave(width, dim=1)[:, :cols]
+    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(cols)
+    W, H = W[:, perm], H[perm][:, perm]
+    if static is not None:
+        static = static[:, perm]
+    H.diagonal().add_(damp * H.diagonal().mean())
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    out, found = torch.zeros_like(W), []
+    if group is not None and not act_order:
+        block = group * max(1, block // group)
+    for i1 in range(0, cols, block):
+        i2 = min(i1 + block, cols)
+        W1, E1 = W[:, i1:i2].clone(), torch.zeros(rows, i2 - i1, dtype=W.dtype)
+        for i in range(i2 - i1):
+            j = i1 + i
+            if static is not None:
+                s = static[:, j]
+            elif j % group == 0:
+                s = absmax_scale(W1[:, i:i + group])
+                found.append(s)
+            q = torch.clamp(torch.round(W1[:, i] / s), -qmax, qmax) * s
+            err = (W1[:, i] - q) / U[j, j]
+            W1[:, i:] -= err[:, None] * U[j, j:i2][None, :]
+            out[:, j], E1[:, i] = q, err
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    out = out[:, torch.argsort(perm)]
+    scale = (torch.stack(found, dim=1) if found else original).to(dtype)
+    s = scale.repeat_interleave(width, dim=1)[:, :cols]  # out in float32, the scales in W's dtype (promoted)
+    return (torch.clamp(torch.round(out.float() / s), -qmax, qmax) * s).to(dtype), scale
+
+
+@pytest.mark.parametrize("group,act_order,block", [(16, False, 32), (16, False, 16), (16, True, 16),
+                                                   (None, False, 16), (None, True, 32)])
+def test_gptq_is_bit_identical_to_its_plain_transcription(group, act_order, block):
+    """The solver's loop (a transposed block, no permutation without act-order) gives exactly the weights and
+    scales of the plain lazy-batch form, on a layer with rounding ties (weights on half steps, scales 1) and
+    act-order ties (two inputs with the same energy), groups of 16 ending with a ragged one of 8. A float64
+    weight keeps its float64 group scales, which are taken from updated columns: any change in the arithmetic
+    of the updates shows in their last bits."""
+    g = torch.Generator().manual_seed(3)
+    rows, cols = 48, 72
+    W = torch.randint(-13, 14, (rows, cols), generator=g).float() / 2  # k/2: every odd k is a tie at scale 1
+    W[:, ::8] = 7.0  # every group's (and row's) absmax: scales of exactly 1
+    X = torch.randn(300, cols, generator=g, dtype=torch.float64)
+    X[:, 9] = X[:, 5]  # equal diagonal entries: act-order keeps their order
+    X[:, 30] *= 10
+    H = 2 * X.T @ X / X.shape[0]
+    config = int_config(4, PerGroup(group) if group else PerChannel(0))
+    assert (W.frac().abs() == 0.5).any()  # the ties are there
+    for w in (W, W.double()):
+        got, scale, _ = solve(w, H, config, GPTQ(block=block, act_order=act_order))
+        want, want_scale = lazy_reference(w, H, 4, group, act_order, block)
+        assert got.dtype == scale.dtype == w.dtype
+        assert torch.equal(got, want) and torch.equal(scale.reshape(rows, -1), want_scale)
+
+
 def _data(rows=24, cols=44, tokens=400, outliers=(3, 17), seed=0):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(tokens, cols // 2, generator=g) @ torch.randn(cols // 2, cols, generator=g)  # correlated inputs
@@ -225,6 +297,13 @@ def test_layer_input_hessians_match_each_modules_own_input(micro_pair):
         x = torch.cat(seen[n]).reshape(-1, seen[n][0].shape[-1]).double()
         torch.testing.assert_close(got[n][0], 2 * x.T @ x / x.shape[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[n][1], x.abs().mean(dim=0), rtol=1e-6, atol=1e-7)
+    # the pass stops at the last input it needs: down_proj itself never runs; the Hessians are the same
+    ran = []
+    h = mods["mlp.down_proj"].register_forward_hook(lambda *a: ran.append(1))
+    with torch.no_grad():
+        again = _input_stats(layer, inputs, mods, mean_abs=False)
+    h.remove()
+    assert not ran and all(torch.equal(again[n][0], got[n][0]) and again[n][1] is None for n in names)
 
 
 def test_quantize_cli_quarot_is_rotation_plus_gptq(micro_pair, tmp_path):
@@ -252,3 +331,15 @@ def test_quantize_cli_quarot_is_rotation_plus_gptq(micro_pair, tmp_path):
     assert q["fix_records"][0]["mitigation"] == "rotate"  # the recipe: the rotation, then GPTQ
     assert q["recipe"] == {"fixes": ["rotate"], "solver": "gptq", "scheme": "w4a8"}
     assert q["simulated"]["loss"] != r["simulated"]["loss"]
+
+
+def test_gptq_breakdown_runs(capsys):
+    """benchmarks/gptq_breakdown.py's stages on the micro model: one line per layer, every stage timed."""
+    import json
+
+    from benchmarks.gptq_breakdown import main
+
+    main(["--quick", "--layers", "2"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["layer"] for r in rows] == [0, 1]
+    assert all(r[k] >= 0 for r in rows for k in ("statistics", "XᵀX alone", "solve", "Cholesky alone", "propagate"))

@@ -11,7 +11,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "diffquant"
 
 LAYERS = [  # bottom first
-    ("allocator", "compiled", "dev", "errors", "frozen", "paths", "pretrained"),  # plain helpers; dev: the tests' tools
+    # plain helpers (dev: the tests' and benchmarks' tools)
+    ("allocator", "compiled", "dev", "errors", "frozen", "paths", "pretrained", "stopwatch"),
     ("kernels",),  # Triton kernels and the torch/Triton switch
     ("taps",),  # sites, taps and the tapped attention
     ("calibration", "designs", "memory", "stats"),  # streaming statistics; the attention designs

@@ -31,6 +31,13 @@ def test_fake_quantize_saves_and_reloads_with_scheme(ckpt, tmp_path, weights, ca
     assert all((f.stat().st_mode & 0o777) == user_mode() for f in out.iterdir())  # the user's umask, not 0600
     result = json.loads((out / "quantize.json").read_text())
     assert result["fp"]["tokens"] == 8 * 31 and result["simulated"]["paired_loss_change"]["n"] == 8
+    # every stage's wall seconds in order, printed as it finished; non-negative, and within the total
+    stages = result["seconds"]
+    total = stages.pop("total")
+    assert list(stages) == ["load model", "data", *(["save float weights"] if weights else []), "evaluate float",
+                            "attach", "static scales", "evaluate simulated", "save"]
+    assert all(v >= 0 for v in stages.values()) and sum(stages.values()) <= total
+    assert all(f"\n{stage}: " in "\n" + printed for stage in stages)
     model, _ = load_model(str(out))
     assert model._diffquant_quant.quantizers  # the scheme is applied on load
     assert all(q.scale is not None for q in model._diffquant_quant.quantizers.values() if not q.config.dynamic)

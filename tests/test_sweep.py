@@ -22,6 +22,25 @@ def test_cells_and_bits():
         build_cells(["a"], ["attn_logits"], [4], ["rows"], None, None, {})
 
 
+def test_sweep_rows_hold_their_stage_seconds(tmp_path, micro_pair, capsys):
+    """Each quantized cell's row (cells.jsonl and results.json) holds quantize_'s steps and its evaluation in
+    `stage_seconds`, within the cell's `seconds`; a printed line per cell names them."""
+    from diffquant.sweeps import Evaluator, run_cells
+
+    g = torch.Generator().manual_seed(0)
+    evalset, calib = torch.randint(3, 512, (2, 16), generator=g), torch.randint(3, 512, (4, 16), generator=g)
+    cells = [Cell("T", "act"), Cell("T", "wa", "linear", 16, "token", 4, weights="gptq")]
+    rows = run_cells({"T": (micro_pair[0], None)}, cells, {"T": Evaluator(["ppl"], evalset, None, "", {})}, tmp_path,
+                     progress=True, calibration={"T": calib})
+    stages = rows[1]["stage_seconds"]
+    assert list(stages) == ["solver gptq", "attach", "static scales", "evaluate"]
+    assert all(v >= 0 for v in stages.values()) and sum(stages.values()) <= rows[1]["seconds"]
+    lines = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert lines[1]["stage_seconds"] == stages and "evaluate" in lines[0]["stage_seconds"]
+    assert "T W4A16 + gptq: solver gptq " in capsys.readouterr().out
+    assert "stage_seconds" not in (tmp_path / "results.csv").read_text()  # a nested value: in the JSON only
+
+
 def test_language_modeling_matches_hand_computation(micro_pair):
     model = micro_pair[0]
     ids = torch.randint(0, 512, (3, 10))

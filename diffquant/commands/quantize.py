@@ -78,7 +78,11 @@ def run_cli(args) -> None:
         raise DiffquantError("--export writes the simulated model (--backend fake) as its own checkpoint; it does not "
                              "go with a real --backend or --save-weights")
     out = prepare_out(args.out, args.force, "quantize.json")
+    from diffquant.stopwatch import Stopwatch
+
+    clock = Stopwatch(say=True)  # each stage's seconds, printed as it finishes and kept in quantize.json
     ((_, (model, tokenizer)),) = load_models(args).items()
+    clock.lap("load model")
     plan(model, recipe.adjusted_scheme())  # a scheme that cannot apply is refused here, before any evaluation
     if export:  # a recipe the format cannot hold is refused before any data, calibration or solving
         from diffquant.quant.recipe import check_export
@@ -87,6 +91,7 @@ def run_cli(args) -> None:
     calib = corpus_windows(args.data, tokenizer, "train", args.seq_len, calib_tokens(args), args.cache_dir,
                            chars=200_000)
     evalset = corpus_windows(args.data, tokenizer, "validation", args.seq_len, args.eval_tokens, args.cache_dir)
+    clock.lap("data")
     from diffquant.evaluate import input_device
 
     device, dtype = input_device(model), model.dtype  # the float, simulated and real passes all run here
@@ -106,20 +111,26 @@ def run_cli(args) -> None:
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         fix_modes(out)
+        clock.lap("save float weights")
     result["fp"] = _evaluate(model, evalset, "float", args.batch_size)
     result["fp_bytes"] = backends.serialized_bytes(model)
+    clock.lap("evaluate float")
     q = quantize_(model, recipe, calib, progress=True)
+    clock.add(q.seconds)  # printed by quantize_ as each step finished
     result["fix_records"] = q.record["fixes"]
     result["solver_record"] = q.record["weights"]
     result["simulated"] = _evaluate(model, evalset, q.scheme.name, args.batch_size)
     result["simulated"]["paired_loss_change"] = paired(result["fp"].pop("per_sequence_loss"),
                                                        result["simulated"].pop("per_sequence_loss"))
+    clock.lap("evaluate simulated")
     if not real:  # what ran, as a file `--recipe` reruns
         recipe.save(out / RECIPE_FILE)
     if export:
         result["export"] = q.export(out, tokenizer)
+        clock.lap("export")
     elif not real:  # the scheme, and a reference to the float model unless its weights were copied
         q.save(out, None if args.save_weights else _source_reference(args.model, args.hub))
+        clock.lap("save")
     else:
         q.remove()
         with tempfile.TemporaryDirectory() as tmp:
@@ -132,6 +143,8 @@ def run_cli(args) -> None:
         result["gap_loss_real_minus_simulated"] = result["real"]["loss"] - result["simulated"]["loss"]
         backends.save_real(qmodel, args.backend, out)
         tokenizer.save_pretrained(out)
+        clock.lap("real backend")
+    result["seconds"] = {**clock.seconds, "total": clock.total()}  # stages in order; their sum is within the total
     atomic_write_json(out / "quantize.json", result)
     if export:
         atomic_write_text(out / "README.md", model_card(result))

@@ -214,6 +214,7 @@ class Quantized:
     solved: object = None
     applied: list = field(default_factory=list)
     calibration_tokens: int = 0
+    seconds: dict = field(default_factory=dict)  # wall seconds of each step, in order (`quantize_`)
 
     @property
     def quantizers(self) -> dict:
@@ -225,7 +226,7 @@ class Quantized:
         return {"recipe": self.recipe.to_dict(), "scheme": self.scheme.name,
                 "fixes": [{k: v for k, v in a.record.items() if k != "scales"} for a in self.applied],
                 "weights": self.solved.record if self.solved is not None else {"weights": "rtn"},
-                "calibration_tokens": self.calibration_tokens}
+                "calibration_tokens": self.calibration_tokens, "seconds": dict(self.seconds)}
 
     removed: bool = False
 
@@ -287,8 +288,11 @@ def quantize_(model, recipe, calibration: "torch.Tensor | None" = None, *, compi
     `calibration` ([n, seq_len] token ids, from a training split, never the evaluation data) feeds the fixes
     that measure (SmoothQuant), the weight solver and the static activation scales; a recipe that needs it and
     gets none is refused before anything changes, as is a scheme that cannot apply to the model. `compile`
-    fuses the fake quantizers with torch.compile."""
+    fuses the fake quantizers with torch.compile. The handle's `seconds` holds each step's wall seconds (each
+    fix, the solver, attaching, static scales); `progress` prints them as they finish and shows the solver's
+    per-layer bar."""
     from diffquant.quant.numerics.scheme import attach_scheme, calibrate, plan
+    from diffquant.stopwatch import Stopwatch
 
     recipe = Recipe.of(recipe)
     scheme = recipe.adjusted_scheme()
@@ -299,16 +303,23 @@ def quantize_(model, recipe, calibration: "torch.Tensor | None" = None, *, compi
     device = model.get_input_embeddings().weight.device
     calib = calibration.to(device) if calibration is not None else None
     q = Quantized(model, recipe, scheme, calibration_tokens=0 if calibration is None else int(calibration.numel()))
+    clock = Stopwatch(say=progress)  # each step's seconds into q.seconds as it finishes (printed with progress)
+    q.seconds = clock.seconds
     try:
         scheme = recipe.scheme
         for fix in recipe.fixes:
             scheme = fix.adjust(scheme)
             q.applied.append(mitigate.mitigate_(model, fix, calib, scheme))
+            clock.lap(f"fix {fix.label()}")
         q.solved = solvers.solve_weights_(model, recipe.solver, scheme, calib, progress=progress)
+        if recipe.solver is not None:
+            clock.lap(f"solver {recipe.solver.label()}")
         q.scheme = q.solved.scheme(scheme)
         q.attachment = attach_scheme(model, q.scheme, compile)
         q.solved.install(q.attachment)
+        clock.lap("attach")
         calibrate(model, q.attachment, calib.split(CALIBRATION_BATCH) if calib is not None else ())
+        clock.lap("static scales")
     except BaseException:
         q.remove()
         raise

@@ -58,36 +58,41 @@ def solve(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, gptq) -> tuple[
         s, z = scales(W, config)
         col_scale = s.squeeze(-1).repeat_interleave(group, dim=1)[:, :cols]
         col_zero = z.squeeze(-1).repeat_interleave(group, dim=1)[:, :cols]
-    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if gptq.act_order \
-        else torch.arange(cols, device=W.device)
-    W, H = W[:, perm], H[perm][:, perm]
-    if col_scale is not None:
-        col_scale, col_zero = col_scale[:, perm], col_zero[:, perm]
+    if gptq.act_order:  # without it the columns keep their order: no copies of W and H permuted by arange
+        perm = torch.argsort(H.diagonal(), descending=True, stable=True)
+        W, H = W[:, perm], H[perm][:, perm]
+        if col_scale is not None:
+            col_scale, col_zero = col_scale[:, perm], col_zero[:, perm]
     H.diagonal().add_(gptq.damp * H.diagonal().mean())
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    out = torch.zeros_like(W)
+    out = torch.empty_like(W)
     group_scales, group_zeros = [], []
     block = group * max(1, gptq.block // group) if lazy_groups else gptq.block
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
-        W1, E1, U1 = W[:, i1:i2].clone(), torch.zeros(rows, i2 - i1, dtype=W.dtype, device=W.device), U[i1:i2, i1:i2]
+        # the block transposed, one row per column of W: each step reads and updates contiguous rows where W's
+        # columns are strided (the step's cost was mostly memory traffic). Every value gets the same operations
+        # in the same order as in W's layout, so the result is bit-identical (tests/test_gptq.py checks it).
+        W1, U1 = W[:, i1:i2].T.contiguous(), U[i1:i2, i1:i2]
+        Q1, E1 = torch.empty_like(W1), torch.empty_like(W1)
         for i in range(i2 - i1):
             j = i1 + i
             if lazy_groups:
                 if j % group == 0:  # the group's scale from its columns as they are now
-                    s, z = scales(W1[:, i:i + group], config)
+                    s, z = scales(W1[i:i + group].T, config)
                     group_scales.append(s.reshape(rows, 1))
                     group_zeros.append(z.reshape(rows, 1))
                 s, z = group_scales[-1][:, 0], group_zeros[-1][:, 0]
             else:
                 s, z = col_scale[:, j], col_zero[:, j]
-            col = W1[:, i]
-            q = Q.dequantize(Q.quantize(col, s, z, fmt), s, z, fmt)
-            err = (col - q) / U1[i, i]
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-            out[:, j], E1[:, i] = q, err
-        W[:, i2:] -= E1 @ U[i1:i2, i2:]
-    out = out[:, torch.argsort(perm)]
+            q = Q.dequantize(Q.quantize(W1[i], s, z, fmt), s, z, fmt)
+            err = (W1[i] - q) / U1[i, i]
+            W1[i + 1:] -= U1[i, i + 1:, None] * err  # the block's later columns (column i is done)
+            Q1[i], E1[i] = q, err
+        out[:, i1:i2] = Q1.T
+        W[:, i2:] -= E1.T.contiguous() @ U[i1:i2, i2:]  # the later blocks, as one product (the paper's lazy batch)
+    if gptq.act_order:
+        out = out[:, torch.argsort(perm)]
     if lazy_groups:
         scale = torch.stack(group_scales, dim=1)  # [out, groups, 1]
         zero = torch.stack(group_zeros, dim=1)
@@ -103,6 +108,7 @@ def layer_step(table, configs, by_layer, gptq, solved):
     """GPTQ as one of `solve_weights_`'s per-layer steps (quant/algorithms/solvers.py): (the Linears of layer i it
     reads inputs for, what it does with their Hessians): each weight solved, set on its module through the `Solved`
     handle (restored bit-exactly on removal) and its scales kept for the fake quantizer."""
+    from diffquant.quant.algorithms.steps import LayerStep
     from diffquant.taps.tap import canonical_weight, stored_weight
 
     def apply(i, stats):
@@ -113,4 +119,4 @@ def layer_step(table, configs, by_layer, gptq, solved):
             solved._applied.set(module, site.param, stored_weight(wq, site.layout, w.shape))
             solved.scales[name] = (scale.cpu(), zero.cpu())
 
-    return (lambda i: by_layer.get(i, {})), apply
+    return LayerStep(lambda i: by_layer.get(i, {}), apply)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
 from diffquant.quant.algorithms.gptq_config import GPTQ
-from diffquant.quant.algorithms.steps import SOLVERS, Solver
+from diffquant.quant.algorithms.steps import SOLVERS, LayerStep, Solver
 
 if TYPE_CHECKING:
     import torch
@@ -206,10 +206,10 @@ def _layer_by_layer(model, table, calibration, steps, last: int, desc: str, prog
     inputs = _first_layer_inputs(model, layers[0], calibration)
     for i in tqdm(range(last + 1), desc=desc, unit="layer", disable=not progress):
         layer = layers[i]
-        for modules, apply in steps:
-            wanted = modules(i)
+        for step in steps:
+            wanted = step.modules(i)
             if wanted:
-                apply(i, _input_stats(layer, inputs, wanted))
+                step.apply(i, _input_stats(layer, inputs, wanted, step.mean_abs))
         if i < last:
             inputs = [_with_hidden(args, kwargs, _hidden(layer(*args, **kwargs))) for args, kwargs in inputs]
 
@@ -263,39 +263,53 @@ def _awq_step(table, configs, awq: AWQ, solved: Solved, supers: list[dict]):
                                 if o["layer"] == i and r is layers[i].mlp.down_proj)
                 solved._applied.set(r, "weight", A.search_clip(r.weight.detach(), hs, configs[name], protect))
 
-    return modules, apply
+    return LayerStep(modules, apply, mean_abs=True)
 
 
-def _input_stats(layer, inputs, modules: dict) -> dict:
-    """{key: (H = 2·XᵀX / tokens, mean |x| per channel)} of each module's input (float64) over one pass of
-    the layer. Modules that read the same tensor (q/k/v, gate/up) share one product, and each chunk's XᵀX
-    is taken in float32 (as the reference GPTQ does) and summed over chunks in float64: on SmolLM2-135M that
-    is 0.24 s per layer and 2,048 tokens on one thread, where a float64 product per module took 0.65 s."""
+def _input_stats(layer, inputs, modules: dict, mean_abs: bool = True) -> dict:
+    """{key: (H = 2·XᵀX / tokens, mean |x| per channel, or None without `mean_abs`)} of each module's input
+    (float64) over one pass of the layer. Modules that read the same tensor (q/k/v, gate/up) share one product,
+    and each chunk's XᵀX is taken in float32 (as the reference GPTQ does) and summed over chunks in float64: on
+    SmolLM2-135M that is 0.24 s per layer and 2,048 tokens on one thread, where a float64 product per module
+    took 0.65 s. Mean |x| costs another 0.4 s per layer and 128 windows: only AWQ reads it.
+
+    A chunk's pass stops once every module has seen its input: the rest of the layer (for a Llama, down_proj
+    and the residual, a quarter of its matmuls) would only compute an output that is thrown away. Each module
+    is assumed to run once per pass, as every Linear of the supported decoder layers does."""
     import torch
 
     sums: dict = {}
     last: list = [None, None]  # the tensor the previous hook saw and its (XᵀX, Σ|x|, n)
+    seen: set = set()  # the keys whose input this chunk has given
 
     def hook_for(key):
         def hook(module, args):
             if args[0] is not last[0]:
                 x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-                last[:] = args[0], ((x.T @ x).double(), x.abs().sum(dim=0, dtype=torch.float64), x.shape[0])
+                ax = x.abs().sum(dim=0, dtype=torch.float64) if mean_abs else 0
+                last[:] = args[0], ((x.T @ x).double(), ax, x.shape[0])
             xx, ax, n = sums.get(key, (0, 0, 0))
             dxx, dax, dn = last[1]
             sums[key] = (xx + dxx, ax + dax, n + dn)
+            seen.add(key)
+            if len(seen) == len(modules):
+                raise _Caught  # the layer's remaining computation is not needed
 
         return hook
 
     handles = [m.register_forward_pre_hook(hook_for(key)) for key, m in modules.items()]
     try:
         for args, kwargs in inputs:
-            layer(*args, **kwargs)
+            seen.clear()
+            try:
+                layer(*args, **kwargs)
+            except _Caught:
+                pass
     finally:
         for h in handles:
             h.remove()
         last[:] = None, None
-    return {key: (2 * xx / n, ax / n) for key, (xx, ax, n) in sums.items()}
+    return {key: (2 * xx / n, ax / n if mean_abs else None) for key, (xx, ax, n) in sums.items()}
 
 
 class _Caught(Exception):

@@ -22,6 +22,7 @@ one is read. No torch here: the command line's help reads these registries.
 from __future__ import annotations
 
 import re
+from typing import Callable, NamedTuple
 
 from diffquant.errors import DiffquantError
 
@@ -77,6 +78,15 @@ class Solver(Step):
     def layer_steps(self, model, table, configs: dict, by_layer: dict, solved, calibration) -> list:
         """[(modules(i) → {key: module whose input it needs}, apply(i, stats))]: what it does to each layer."""
         raise NotImplementedError
+
+
+class LayerStep(NamedTuple):
+    """A solver's work on each layer: the modules whose inputs it needs ({key: module} for layer i), what it does
+    with their statistics, and whether it reads mean |x| (AWQ's scales) besides the Hessians."""
+
+    modules: Callable[[int], dict]
+    apply: Callable[[int, dict], None]
+    mean_abs: bool = False
 
 
 class Registry:
