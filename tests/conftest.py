@@ -22,9 +22,10 @@ LONGEST = ("test_the_python_block_runs_verbatim", "test_notebook_runs", "test_si
 
 
 def pytest_collection_modifyitems(items):
-    """The longest tests first, then the other slow ones, then the rest: xdist deals tests out in collection order, so
-    the long end-to-end runs start at once on both workers and the many short tests fill the gaps (worksteal moves
-    queued ones to an idle worker), instead of one long run ending the suite alone."""
+    """The longest tests first, then the other slow ones, then the rest: xdist's load scheduling deals tests out in
+    collection order, round robin, so the long end-to-end runs alternate between the workers from the start and the
+    many short tests fill the gaps, instead of one long run ending the suite alone. (worksteal hands each worker a
+    contiguous half, so one would get every long test.)"""
     def order(item):
         name = item.name.split("[")[0]
         return (LONGEST.index(name) if name in LONGEST else len(LONGEST), item.get_closest_marker("slow") is None)
