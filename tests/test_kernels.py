@@ -681,7 +681,7 @@ def test_flash_quantized_logits_equal_fake_quant(granularity, dtype):
     from diffquant.quant.numerics import math as Q
     from diffquant.quant.numerics.granularity import parse_granularity
     from diffquant.quant.numerics.scheme import int_config
-    from diffquant.taps.triton_attention import _scales
+    from diffquant.quant.numerics.fake import FakeQuant
 
     q, k, v = _qkv(2, 4, 2, 72, 72, 16, 19, dtype)
     keys = torch.ones(2, 72, dtype=torch.bool)
@@ -692,7 +692,7 @@ def test_flash_quantized_logits_equal_fake_quant(granularity, dtype):
     raw = flash.attention(q, k, v, masking, 0.25, v_div=2, v_mod=2, write_logits=True).logits
     absmax = flash.row_absmax(q, k, masking, 0.25)
     assert torch.equal(absmax, torch.where(visible, raw.abs(), 0.0).amax(-1))
-    quant = flash.Quant(_scales(config, absmax), config.format.qmax)
+    quant = flash.Quant(FakeQuant(config).kernel_scales()(absmax), config.format.qmax)
     r = flash.attention(q, k, v, masking, 0.25, v_div=2, v_mod=2, quant=quant, write_logits=True)
     logits = raw.to(dtype)  # what the explicit path's taps see (bf16 logits in a bf16 model)
     want = Q.dynamic_fake_quantize(logits, config.format, config.granularity, LOGIT_DIMS, visible)
@@ -712,12 +712,13 @@ def test_flash_statistics_before_or_after_the_quantizer(after):
     from diffquant.kernels import flash
     from diffquant.quant.numerics.scheme import int_config
     from diffquant.quant.numerics.granularity import PerToken
-    from diffquant.taps.triton_attention import _scales
+    from diffquant.quant.numerics.fake import FakeQuant
 
     q, k, v = _qkv(1, 2, 2, 40, 40, 16, 20)
     visible = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
     config = int_config(3, PerToken())
-    quant = flash.Quant(_scales(config, flash.row_absmax(q, k, flash.Masking(True), 0.25)), config.format.qmax, after)
+    scales = FakeQuant(config).kernel_scales()  # the quantizer's own answer to the kernel (quant/numerics/fake.py)
+    quant = flash.Quant(scales(flash.row_absmax(q, k, flash.Masking(True), 0.25)), config.format.qmax, after)
     s, ref, r = _flash_site(q, k, v, flash.Masking(True), visible, 0.25, None, v_div=1, v_mod=2, quant=quant)
     if after:  # the written logits are the quantized ones the statistics saw: `_flash_site`'s reference is exact
         assert_exact_but_moments(ref, s)
