@@ -22,10 +22,12 @@ LONGEST = ("test_the_python_block_runs_verbatim", "test_notebook_runs", "test_si
 
 
 def pytest_collection_modifyitems(items):
-    """The longest tests first, then the other slow ones, then the rest: xdist's load scheduling deals tests out in
-    collection order, round robin, so the long end-to-end runs alternate between the workers from the start and the
-    many short tests fill the gaps, instead of one long run ending the suite alone. (worksteal hands each worker a
-    contiguous half, so one would get every long test.)"""
+    """The longest tests first, then the other slow ones, then the rest. xdist's load scheduling hands each worker its
+    next tests from the front of this list, two at a time (`--maxschedchunk 2` in pyproject.toml: by default the first
+    worker got the first quarter of the list in one chunk, every long test with it, and ran them one after the other
+    while the second worker sat idle), so the long end-to-end runs spread over both workers from the start and the
+    many short tests fill the gaps.
+    """
     def order(item):
         name = item.name.split("[")[0]
         return (LONGEST.index(name) if name in LONGEST else len(LONGEST), item.get_closest_marker("slow") is None)
