@@ -237,8 +237,6 @@ def attach_scheme(model, scheme: QuantScheme, compile: bool = False):
 
 def calibrate(model, attachment, batches, device=None) -> None:
     """Run calibration batches through the model to fix the static scales of `attachment`'s quantizers."""
-    import torch
-
     static = [q for q in attachment.quantizers.values() if not q.config.dynamic and not q.fixed]
     if not static:
         return
