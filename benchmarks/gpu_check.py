@@ -40,7 +40,7 @@ REQUIRED = [("torch", "everything", "2.4"), ("transformers", "models", "5.23"), 
             ("scipy", "statistics", None), ("matplotlib", "figures", None), ("tqdm", "progress", None),
             ("yaml", "schemes", None), ("filelock", "caches", None)]
 # seconds per step on a GPU / in the CPU smoke run; the GPU total of each group stays under 8 minutes with start-up
-LIMITS = {"benchmarks": (170, 120), "bf16_profile": (60, 60), "backend": (45, 60), "recipe": (150, 40),
+LIMITS = {"benchmarks": (170, 120), "bf16_profile": (60, 60), "backend": (45, 60), "recipe": (150, 20),
           "index_add": (30, 60), "site_kernel": (60, 90), "flash": (60, 120), "forward": (150, 180),
           "kernel_time": (60, 120), "diff_attention": (30, 60)}
 KERNEL_STEPS = ("index_add", "site_kernel", "flash", "forward", "kernel_time",

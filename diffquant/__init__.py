@@ -37,6 +37,20 @@ def __dir__():
 # `python -m diffquant` imports this package before its __main__ starts the command line; runpy sets argv[0] to
 # "-m" while it does, so the command line's lazy start (diffquant_cli) holds there too
 if not getattr(sys, "_diffquant_command_line", False) and sys.argv[:1] != ["-m"]:
-    from diffquant.designs import register_auto_classes
+    import logging
 
-    register_auto_classes()
+    # transformers imports torchao (where installed) on its way to the Auto classes: without CUDA, torchao logs a
+    # line for each CUDA kernel library it cannot load, and torch a deprecation of torchao's enum registration.
+    # Neither concerns a diffquant user, so both loggers stay below ERROR for this import only.
+    _loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    _levels = [logger.level for logger in _loggers]
+    for _logger in _loggers:
+        _logger.setLevel(logging.ERROR)
+    try:
+        from diffquant.designs import register_auto_classes
+
+        register_auto_classes()
+    finally:
+        for _logger, _level in zip(_loggers, _levels):
+            _logger.setLevel(_level)
+    del _loggers, _levels, _logger, _level, logging

@@ -130,10 +130,13 @@ def build_cells(labels: list[str], sites: list[str], bits: list[int], grans: lis
 
 
 class Evaluator:
-    """Runs the requested evaluations of one model; `fp` results are computed once per model."""
+    """Runs the requested evaluations of one model; `fp` results are computed once per model. `needle_examples`:
+    needle contexts per evaluation (two queries each)."""
 
-    def __init__(self, evals: list[str], sequences, tokenizer, haystack: str, mc: dict[str, list]):
+    def __init__(self, evals: list[str], sequences, tokenizer, haystack: str, mc: dict[str, list],
+                 needle_examples: int = 20):
         self.evals, self.sequences, self.tokenizer, self.haystack, self.mc = evals, sequences, tokenizer, haystack, mc
+        self.needle_examples = needle_examples
 
     def __call__(self, model) -> dict:
         from diffquant.data.needle import needle_accuracy
@@ -148,7 +151,7 @@ class Evaluator:
                             "tokens": r["tokens"], "sequences": r["sequences"],
                             "per_sequence_loss": r["per_sequence_loss"]})
             elif e == "needle":
-                r = needle_accuracy(model, self.tokenizer, self.haystack)
+                r = needle_accuracy(model, self.tokenizer, self.haystack, examples=self.needle_examples)
                 out.update({"needle_choice": r["choice"], "needle_exact": r["exact"]})
             elif e.startswith("mc:"):
                 r = multiple_choice(model, self.tokenizer, self.mc[e[3:]])

@@ -1178,12 +1178,40 @@ def export_part() -> str:
     return "\n".join(_md("docs/export/parity-smollm2-135m.md")).strip()
 
 
+TIMED_SECTIONS = ("quick-start", "profile", "quantize", "export", "sweep", "train", "development")
+
+
+def times_part(section: str, readme: str | None = None, log: dict | None = None) -> str:
+    """Beside a README code block: how long each of its commands took when docs/readme_commands.py ran them all in
+    order from a fresh clone (docs/readme_commands/log.json), those over a minute, with the machine and each
+    command's load; empty until that log exists."""
+    from docs.readme_commands import commands, minutes
+
+    log = _load("docs/readme_commands/log.json") if log is None else log
+    readme = README.read_text() if readme is None else readme
+    begin = f"<!-- times:{section}:begin -->"
+    if not log or begin not in readme:
+        return ""
+    block = readme.split(begin, 1)[0].rsplit("```bash", 1)[1]
+    by_command = {r["command"]: r for r in log["commands"] if r.get("rc") == 0}
+    timed = [by_command[c] for c in commands("```bash" + block) if by_command.get(c, {}).get("seconds", 0) >= 60]
+    if not timed:
+        return ""
+    m = log["machine"]
+    each = "; ".join(f"`{r['command'] if len(r['command']) < 50 else r['command'].split(' --')[0] + ' …'}` "
+                     f"{minutes(r['seconds'])} (load {r['load_start']:g} → {r['load_end']:g})" for r in timed)
+    return (f"*Time from a fresh clone and an empty cache on {m['cores']} cores ({m['cpu']}), commit "
+            f"{log['commit'][:7]} ([log](docs/readme_commands/log.md)): {each}.*")
+
+
 def README_PARTS() -> list[tuple[tuple[str, str], str, str]]:
     """The README's generated parts: (markers, text, what)."""
     return [(("<!-- quick:begin -->", "<!-- quick:end -->"), quick_part(), "the quick demo's numbers"),
             (("<!-- profile:begin -->", "<!-- profile:end -->"), profile_part(), "SmolLM2's profile table"),
             (("<!-- export:begin -->", "<!-- export:end -->"), export_part(), "the export's parity"),
-            (("<!-- findings:begin -->", "<!-- findings:end -->"), findings_part(), "the findings")]
+            (("<!-- findings:begin -->", "<!-- findings:end -->"), findings_part(), "the findings")] + \
+        [((f"<!-- times:{s}:begin -->", f"<!-- times:{s}:end -->"), times_part(s), f"the {s} commands' times")
+         for s in TIMED_SECTIONS]
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ class Settings:
     needle_fraction: float = 0.3  # share of training text that is needle documents
     bits: list[int] = field(default_factory=lambda: [16, 8, 6, 4])
     seeds: list[int] = field(default_factory=lambda: [0])
+    examples: int = 20  # needle contexts per cell, two queries each
 
 
 def main(argv=None) -> None:
@@ -31,7 +32,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     s = Settings(seeds=a.seeds)
     if a.quick:
-        s.train_tokens, s.bits = 10_000, [16, 4]
+        s.train_tokens, s.bits, s.examples = 10_000, [16, 4], 4
     run(s, Path(a.out), Path(a.pairs) if a.pairs else None)
 
 
@@ -46,11 +47,13 @@ def run(s: Settings, out: Path, pairs: Path | None = None) -> None:
     groups: dict[tuple, list[float]] = {}
     folders = trained_pairs(s.preset, s.corpus, s.train_tokens, s.seeds, pairs or out / "pairs", s.needle_fraction)
     for seed, folder in zip(s.seeds, folders):
-        for r in sweep_pair(folder, dev, val, ["needle"], 1024, out / f"seed{seed}", ["attn_logits"], s.bits):
+        for r in sweep_pair(folder, dev, val, ["needle"], 1024, out / f"seed{seed}", ["attn_logits"], s.bits,
+                            needle_examples=s.examples):
             groups.setdefault((r["model"], r["bits"]), []).append(r["needle_choice"])
     body = [[m, *[fmt_ms(groups[(m, b)]) for b in s.bits]] for m in sorted({k[0] for k in groups})]
     table = (f"Needle retrieval accuracy (the right number is the likeliest of the 6 in context; chance 0.167), "
-             f"logits quantized, {s.preset} pair, {s.train_tokens:,} tokens, seeds {s.seeds}.\n\n"
+             f"logits quantized, {s.preset} pair, {s.train_tokens:,} tokens, seeds {s.seeds}, {2 * s.examples} queries "
+             "per cell.\n\n"
              + markdown(["model", *[f"{b}-bit" for b in s.bits]], body))
     atomic_write_text(out / "needle.md", table)
     print(table)

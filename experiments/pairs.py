@@ -90,13 +90,14 @@ def trained_pairs(preset: str, corpus: str, tokens: int, seeds: list[int], root:
 
 
 def sweep_pair(folder: Path, dev: str, val: str, evals: list[str], eval_tokens: int, out: Path, sites=(),
-               bits=(), granularities=("tensor",), wa=None) -> list[dict]:
+               bits=(), granularities=("tensor",), wa=None, needle_examples: int = 20) -> list[dict]:
     """Load a trained pair and run sweep cells on it (results and figures in `out`)."""
     from diffquant.lab import Evaluator, build_cells, encode, run_cells, sequences
 
     models = dq.load_pair(folder, designs=("baseline", "diff"), device=dev)
     evalset = sequences(encode(models["DIFF"][1], val), 256, eval_tokens)
-    evaluators = {label: Evaluator(evals, evalset, tok, val, {}) for label, (_, tok) in models.items()}
+    evaluators = {label: Evaluator(evals, evalset, tok, val, {}, needle_examples)
+                  for label, (_, tok) in models.items()}
     cells = build_cells(list(models), list(sites), list(bits), list(granularities), wa, None, {})
     out.mkdir(parents=True, exist_ok=True)
     rows = run_cells(models, cells, evaluators, out, progress=False)

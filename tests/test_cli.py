@@ -205,3 +205,14 @@ def test_help_prints_only_help():
                          ("diffquant", ["--help"])):  # python -m diffquant is the same command line
         run = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True)
         assert run.returncode == 0 and run.stdout.startswith("usage: diffquant") and run.stderr == "", run.stderr
+
+
+def test_import_diffquant_prints_nothing():
+    """`import diffquant` registers the designs with transformers, which imports torchao where it is installed: its
+    missing-CUDA-kernel lines and torch's deprecation notes stay quiet for that import, and the loggers keep the
+    levels they had (a user's own logging setup is untouched)."""
+    code = ("import logging; import diffquant, diffquant.api; "
+            "print(logging.getLogger('torchao').level, logging.getLogger('torch.utils._pytree').level)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert run.stdout.split() == ["0", "0"]

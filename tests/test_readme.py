@@ -2,6 +2,7 @@
 docs/RESULTS.md are what docs/readme_results.py writes from the committed files, and it stays short with the
 main job on its first screen."""
 
+import json
 import os
 import re
 import subprocess
@@ -19,7 +20,7 @@ def python_blocks(text: str) -> list[str]:
 
 
 def test_readme_is_short_and_opens_with_install_and_a_profile_command():
-    lines = README.splitlines()
+    lines = [line for line in README.splitlines() if not re.fullmatch(r"<!-- [\w:-]+ -->", line)]  # as rendered
     assert len(lines) <= 300
     first = "\n".join(lines[:40])
     assert "pip install" in first and "diffquant profile --model" in first
@@ -102,6 +103,49 @@ def _check_printed_numbers(stdout: str, tmp_path: Path) -> None:
     # model; recomputing it would solve GPTQ over 30 layers again (minutes), so only its form is checked here
     printed = float(next(line for line in stdout.splitlines() if line.startswith("smoothquant:0.5")).split()[-1])
     assert printed > np.exp(loss)
+
+
+def test_every_readme_command_runs_or_is_skipped_for_a_stated_reason():
+    """docs/readme_commands.py reads the README's shell lines as a reader would (continuations joined, comments
+    dropped), and each either runs or names why not; the placeholder model is the only substitution."""
+    from conftest import load_script_module
+
+    rc = load_script_module("docs/readme_commands.py", "readme_commands_plan")
+    text = "```bash\npip install torch==2.13.0   # the CUDA build\ndiffquant sweep --model m \\\n  --bits 4  # x\n" \
+           "diffquant profile --model path/to/your/model --out o\ntorchrun -m diffquant_cli train\n```\n" \
+           "```python\nx = 1\n```\n```bash\ndiffquant sweep --model m --bits 4\n```\n"
+    rows = rc.plan(rc.commands(text))
+    assert [r["command"] for r in rows] == ["pip install torch==2.13.0", "diffquant sweep --model m --bits 4",
+                                           "diffquant profile --model path/to/your/model --out o",
+                                           "torchrun -m diffquant_cli train", "diffquant sweep --model m --bits 4"]
+    assert "GPU" in rows[0]["skip"] and rows[1]["run"] == rows[1]["command"] and rows[4]["skip"] == "ran above"
+    assert rows[2]["run"] == "diffquant profile --model smollm2-135m --out o"
+    assert "8 processes" in rows[3]["skip"]
+    real = rc.plan(rc.commands(README))
+    assert all(("run" in r) != ("skip" in r) for r in real)
+    ran = [r["run"].split()[:2] for r in real if "run" in r]
+    for command in (["diffquant", "profile"], ["diffquant", "quantize"], ["diffquant", "sweep"], ["diffquant", "train"]):
+        assert command in ran
+
+
+@pytest.mark.slow
+def test_the_readme_commands_run_with_small_token_counts(tmp_path):
+    """What CI cannot afford as written (a 28-minute demo, GPTQ on SmolLM2) runs here as the same lines on a micro
+    model with small token counts, every flag the README wrote kept: a renamed flag or a refused combination fails
+    here. Offline but for the Debian archive the suite already uses (KJV, WordNet)."""
+    from conftest import write_micro_diff_checkpoint
+
+    write_micro_diff_checkpoint(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "docs.readme_commands", "--quick", str(tmp_path / "w"), "--model",
+                          str(tmp_path / "m")], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    log = json.loads((tmp_path / "w/log.json").read_text())
+    failed = [r for r in log["commands"] if r.get("rc")]
+    assert run.returncode == 0 and not failed, (failed or [{}])[0].get("output_tail", run.stderr[-3000:])
+    ran = [r for r in log["commands"] if "rc" in r]
+    assert len(ran) >= 5
+    assert (tmp_path / "w/runs/smollm2-w4/config.json").is_file()  # the export
+    assert (tmp_path / "w/runs/sweep/accuracy_vs_bits.png").is_file()
 
 
 def test_generated_parts_and_the_results_page_are_current():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from diffquant.cli import main
+from diffquant.errors import DiffquantError
 
 ROOT = Path(__file__).parent.parent
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -76,14 +77,6 @@ def test_demo_quick(tmp_path, capsys):
     assert {r["bits"] for r in summary["sweep"] if r["kind"] == "act"} == {16, 8, 6, 4}
     assert "report:" in capsys.readouterr().out
     assert main(["plot", str(out)]) == 0
-    # --force recomputes the sweep instead of resuming another run's cells
-    cells = out / "sweep" / "cells.jsonl"
-    rows = [json.loads(line) for line in cells.read_text().splitlines()]
-    cells.write_text("".join(json.dumps({**r, "ppl": 12345.0}) + "\n" for r in rows))
-    assert main(["demo", "--quick", "--force", "--out", str(out)]) == 0
-    again = json.loads((out / "summary.json").read_text())["sweep"]
-    assert all(r["ppl"] != 12345.0 for r in again)
-    assert [r["ppl"] for r in again] == pytest.approx([r["ppl"] for r in summary["sweep"]], rel=1e-6)
     # the committed quick run (docs/demo-quick, the README's "what you will see"): the same numbers, so a change in
     # the training or evaluation path fails here instead of drifting the README (rel 1e-4: float summation order
     # on another CPU; the drift this guards against was 1.5e-3)
@@ -94,6 +87,25 @@ def test_demo_quick(tmp_path, capsys):
     # the sweep's 4-bit activation cells amplify rounding: the pair trained with one thread (this suite) and with two
     # (the committed run) differ by 4e-8 in perplexity and by 1.1e-4 in DIFF's W8A4 cell (measured), so 5e-4 there
     assert [r["ppl"] for r in summary["sweep"]] == pytest.approx([r["ppl"] for r in committed["sweep"]], rel=5e-4)
+
+
+def test_demo_force_recomputes_the_sweep_instead_of_resuming_stale_cells(tmp_path):
+    """`demo --force` into a folder that holds another run: the sweep is computed again, never resumed from the
+    cells it finds (a few thousand training tokens here: the quick demo's path, at a tenth of its cost)."""
+    from diffquant.commands.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(train_tokens=4096, eval_tokens=256, profile_tokens=256, sweep_bits=(16, 4),
+                     granularities=("tensor",), wa_bits=(8,), smollm_tokens=256, track_points=2)
+    out = tmp_path / "demo"
+    first = run_demo(cfg, out)["sweep"]
+    cells = out / "sweep" / "cells.jsonl"
+    rows = [json.loads(line) for line in cells.read_text().splitlines()]
+    cells.write_text("".join(json.dumps({**r, "ppl": 12345.0}) + "\n" for r in rows))
+    with pytest.raises(DiffquantError, match="--force"):
+        run_demo(cfg, out)
+    again = run_demo(cfg, out, force=True)["sweep"]
+    assert all(r["ppl"] != 12345.0 for r in again)
+    assert [r["ppl"] for r in again] == pytest.approx([r["ppl"] for r in first], rel=1e-6)
 
 
 def test_notebook_runs(tmp_path, quick_pairs):

@@ -33,7 +33,9 @@ def fit_texts(fig) -> None:
                   (ax.yaxis.label, box.height, "height")]
     if fig._suptitle is not None:
         boxes.append((fig._suptitle, fig.bbox.width * 0.98, "width"))
-    fig.canvas.draw()
+    engine = fig.get_layout_engine()
+    if engine is not None:  # the axes where the layout puts them (a full draw would also render every line)
+        engine.execute(fig)
     for ax in fig.axes:  # a log axis labels some minor ticks too (4×10⁻³, 6×10⁻³): where they crowd, major ones only
         for axis in (ax.xaxis, ax.yaxis):
             labels = [t.label1.get_window_extent(renderer) for t in axis._update_ticks()
@@ -81,6 +83,13 @@ def save_figure(fig, out: Path, stem: str) -> list[Path]:
     """Write `fig` as out/stem.png and out/stem.svg after the layout pass (fit_texts), atomically and reproducibly
     (the same numbers give the same files), then close it; returns the two paths."""
     fit_texts(fig)
+    # The layout (constrained, with the wrapped texts) and the tight box are computed once, here: savefig's
+    # bbox_inches="tight" would draw each file twice, and the layout engine solve again on every draw.
+    engine = fig.get_layout_engine()
+    if engine is not None:
+        engine.execute(fig)
+        fig.set_layout_engine("none")
+    bbox = fig.get_tightbbox(fig.canvas.get_renderer()).padded(pyplot().rcParams["savefig.pad_inches"])
     paths = []
     for ext in ("png", "svg"):
         path = out / f"{stem}.{ext}"
@@ -88,7 +97,7 @@ def save_figure(fig, out: Path, stem: str) -> list[Path]:
         # no date in the SVG and its element ids salted by the stem: redrawing the same numbers writes the same file
         plt = pyplot()
         with plt.rc_context({"svg.hashsalt": stem}):
-            fig.savefig(tmp, dpi=130, bbox_inches="tight", metadata={"Date": None} if ext == "svg" else None)
+            fig.savefig(tmp, dpi=130, bbox_inches=bbox, metadata={"Date": None} if ext == "svg" else None)
         tmp.replace(path)
         paths.append(path)
     pyplot().close(fig)

@@ -1,0 +1,212 @@
+"""Run the README's shell commands in order, exactly as written, and log each one's time, machine and load.
+
+    python -m docs.readme_commands                # clone HEAD into runs/readme-commands (a fresh venv, an empty
+                                                  # cache, no hub), run every command; log → docs/readme_commands/
+    python -m docs.readme_commands --resume       # go on after a stop: the clone, its venv and finished commands kept
+    python -m docs.readme_commands --quick DIR    # the same commands in this environment, in DIR, with a micro
+                                                  # model and small token counts (tests/test_readme.py)
+
+The commands are the lines of the README's ```bash blocks (a trailing `\\` joins lines, a comment after two spaces
+is dropped). Each line either runs as written or is skipped for a stated reason (RULES: the CUDA install line on a
+CPU machine, torchrun's 8 processes, the hours-long mutation run); the README's one placeholder model
+(`path/to/your/model`) becomes the zoo model its neighbours use. The log is rewritten atomically after each command,
+so a stop loses no finished command, and `docs.readme_results` writes the README's time estimates from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG = ROOT / "docs" / "readme_commands" / "log.json"
+
+# (pattern searched in the command, what to do): "run", or a reason to skip. First match wins; unmatched lines run.
+RULES = [
+    (r"^pip install torch==[\d.]+$", "the CUDA build's line, for a machine with an NVIDIA GPU (its CPU twin ran)"),
+    (r"^torchrun ", "8 processes on a GPU node (`M` is your model); the suite runs torchrun's profile and train with "
+                    "2 CPU processes (tests/test_profile.py, tests/test_train.py)"),
+    (r"benchmarks\.mutations", "hours per module; docs/mutations.md holds its last run"),
+]
+# In --quick, also skipped: what the suite runs elsewhere or cannot run inside itself.
+QUICK_RULES = [
+    (r"^pip install", "the suite runs in an installed environment"),
+    (r"pytest", "the suite itself"),
+    (r"benchmarks\.run", "a timing run; tests/test_gpu_scripts.py runs its sections on CPU through gpu_check's smoke"),
+    (r"docs\.readme_results", "tests/test_readme.py runs it"),
+]
+PLACEHOLDERS = {"path/to/your/model": "smollm2-135m"}
+
+
+def commands(readme: str) -> list[str]:
+    """Every command line of the README's ```bash blocks, in order, continuations joined, comments dropped."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s{2,}#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                out.append(re.sub(r"\s+", " ", line))
+    return out
+
+
+def plan(cmds: list[str], quick: bool = False) -> list[dict]:
+    """Each command with what runs ("run": the line to execute, or "skip": why not). A repeated line runs once."""
+    seen, rows = set(), []
+    for cmd in cmds:
+        row = {"command": cmd}
+        reason = next((r for p, r in RULES + (QUICK_RULES if quick else []) if re.search(p, cmd)), None)
+        if cmd in seen:
+            reason = "ran above"
+        seen.add(cmd)
+        if reason:
+            row["skip"] = reason
+        else:
+            run = cmd
+            for old, new in PLACEHOLDERS.items():
+                run = run.replace(old, new)
+            row["run"] = run
+        rows.append(row)
+    return rows
+
+
+def quick_line(cmd: str, model: str) -> str:
+    """The command on a micro model with small token counts: what the suite runs, every flag the README wrote kept."""
+    words = shlex.split(cmd)
+    out, i = [], 0
+    sizes = {"--tokens": "2048" if words[1:2] == ["train"] else "512", "--kurtosis-tokens": "256"}
+    while i < len(words):
+        w = words[i]
+        if w == "--model":
+            out += [w, model]
+            i += 2
+            continue
+        if w in sizes:
+            out += [w, sizes[w]]
+            i += 2
+            continue
+        if w == "--preset":
+            out += [w, "micro"]
+            i += 2
+            continue
+        out.append(w)
+        i += 1
+    if out[:1] == ["diffquant"] and out[1] in ("profile", "quantize", "sweep"):
+        out += ["--seq-len", "64"]
+    if out[:1] == ["diffquant"] and out[1] in ("quantize", "sweep"):
+        out += ["--calib-tokens", "256", "--eval-tokens", "256"]
+    if out[:1] == ["diffquant"] and out[1] == "sweep":
+        out += ["--mc-limit", "16"]
+    return shlex.join(out)
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
+        platform.processor()
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.platform()}
+
+
+def write_atomic(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_prefix: str = "",
+            echo=print) -> dict:
+    """Run the rows' commands in order in `cwd`, skipping those the log already holds as passed (with --resume);
+    a failure is recorded with its output's tail and the next command runs. The log is rewritten after each."""
+    done = {r["command"]: r for r in doc.get("commands", []) if r.get("rc") == 0}
+    doc["commands"] = []
+    for row in rows:
+        if "skip" in row:
+            doc["commands"].append(row)
+            continue
+        if row["command"] in done and done[row["command"]].get("run") == row["run"]:
+            doc["commands"].append(done[row["command"]])
+            continue
+        echo(f"$ {row['run']}")
+        load0, t0 = os.getloadavg()[0], time.perf_counter()
+        p = subprocess.run(["bash", "-c", shell_prefix + row["run"]], cwd=cwd, env=env, capture_output=True,
+                           text=True)
+        entry = {**row, "commit": doc.get("commit"), "rc": p.returncode, "seconds": round(time.perf_counter() - t0, 1),
+                 "load_start": round(load0, 2), "load_end": round(os.getloadavg()[0], 2)}
+        if p.returncode:
+            entry["output_tail"] = (p.stdout + p.stderr)[-3000:]
+        doc["commands"].append(entry)
+        write_atomic(log, doc)
+        echo(f"  exit {p.returncode} in {entry['seconds']:.0f} s (load {entry['load_start']} → {entry['load_end']})")
+    write_atomic(log, doc)
+    return doc
+
+
+def markdown(doc: dict) -> str:
+    m = doc["machine"]
+    lines = [f"# The README's commands, run in order from a fresh clone\n",
+             f"Commit {doc['commit'][:12]}, {doc['date']}; {m['cpu']}, {m['cores']} cores, Python {m['python']}; "
+             "a fresh venv, an empty diffquant cache, `HF_HUB_OFFLINE=1`. Written by `python -m docs.readme_commands`; "
+             "load is the 1-minute load average at the command's start and end.\n",
+             "| command | exit | time | load | note |", "|---|---|---|---|---|"]
+    for r in doc["commands"]:
+        cmd = r["command"].replace("|", "\\|")
+        if "skip" in r:
+            lines.append(f"| `{cmd}` | | | | skipped: {r['skip']} |")
+            continue
+        note = "" if r["run"] == r["command"] else f"ran as `{r['run']}`"
+        lines.append(f"| `{cmd}` | {r['rc']} | {minutes(r['seconds'])} | {r['load_start']} → {r['load_end']} | "
+                     f"{note} |")
+    return "\n".join(lines) + "\n"
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--resume", action="store_true", help="keep the clone, its venv and the commands that passed")
+    p.add_argument("--work", default="runs/readme-commands", help="the clone's folder (default runs/readme-commands)")
+    p.add_argument("--quick", metavar="DIR", help="run in this environment in DIR, micro model, small token counts")
+    p.add_argument("--model", help="--quick: the micro model folder to use for every --model")
+    a = p.parse_args(argv)
+    cmds = commands((ROOT / "README.md").read_text())
+    if a.quick:
+        rows = plan(cmds, quick=True)
+        for row in rows:
+            if "run" in row:
+                row["run"] = quick_line(row["run"], a.model)
+        out = Path(a.quick)
+        out.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        doc = run_all(rows, out, env, out / "log.json", {"quick": True})
+        return 1 if any(r.get("rc") for r in doc["commands"]) else 0
+    work = (ROOT / a.work).resolve()
+    log = LOG
+    doc = json.loads(log.read_text()) if a.resume and log.is_file() else {}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    if work.exists() and not a.resume:
+        raise SystemExit(f"{work} exists: remove it, or pass --resume")
+    if not work.exists():  # a fresh clone; on --resume (the earlier clone lost) its installs run again
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(work)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(work / ".venv")], check=True)
+        if a.resume:
+            doc["commands"] = [r for r in doc.get("commands", []) if not r["command"].startswith("pip ")]
+    doc.update(commit=commit, date=time.strftime("%Y-%m-%d"), machine=machine())
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env.update(DIFFQUANT_CACHE=str(work / "cache"), HF_HUB_OFFLINE="1")
+    doc = run_all(plan(cmds), work, env, log, doc, shell_prefix=". .venv/bin/activate && ")
+    (log.parent / "log.md").write_text(markdown(doc))
+    return 1 if any(r.get("rc") for r in doc["commands"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
