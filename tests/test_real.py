@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from diffquant.cli import main
-from diffquant.errors import DiffquantError
 
 ROOT = Path(__file__).parent.parent
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -89,21 +88,22 @@ def test_demo_quick(tmp_path, capsys):
     assert [r["ppl"] for r in summary["sweep"]] == pytest.approx([r["ppl"] for r in committed["sweep"]], rel=5e-4)
 
 
-def test_demo_force_recomputes_the_sweep_instead_of_resuming_stale_cells(tmp_path):
-    """`demo --force` into a folder that holds another run: the sweep is computed again, never resumed from the
-    cells it finds (a few thousand training tokens here: the quick demo's path, at a tenth of its cost)."""
-    from diffquant.commands.demo import DemoConfig, run_demo
+def test_demo_force_recomputes_the_sweep_instead_of_resuming_stale_cells(tmp_path, micro_pair):
+    """`demo --force` into a folder that holds another run's sweep: its cells are computed again, never resumed (the
+    demo's sweep step on a micro pair; without --force the same folder resumes, which the stale value shows)."""
+    from diffquant.commands.demo import DemoConfig, sweep_step
+    from diffquant.models.presets import PRESETS
 
-    cfg = DemoConfig(train_tokens=4096, eval_tokens=256, profile_tokens=256, sweep_bits=(16, 4),
-                     granularities=("tensor",), wa_bits=(8,), smollm_tokens=256, track_points=2)
-    out = tmp_path / "demo"
-    first = run_demo(cfg, out)["sweep"]
-    cells = out / "sweep" / "cells.jsonl"
+    cfg = DemoConfig(sweep_bits=(16, 4), granularities=("tensor",), wa_bits=(8,))
+    models = {"Transformer": (micro_pair[0], None), "DIFF": (micro_pair[1], None)}
+    evalset = torch.randint(0, PRESETS["micro"].vocab, (4, 64), generator=torch.Generator().manual_seed(3))
+    out = tmp_path / "sweep"
+    first = sweep_step(cfg, models, evalset, "", out, force=False)
+    cells = out / "cells.jsonl"
     rows = [json.loads(line) for line in cells.read_text().splitlines()]
-    cells.write_text("".join(json.dumps({**r, "ppl": 12345.0}) + "\n" for r in rows))
-    with pytest.raises(DiffquantError, match="--force"):
-        run_demo(cfg, out)
-    again = run_demo(cfg, out, force=True)["sweep"]
+    cells.write_text("".join(json.dumps({**r, "metrics": {**r["metrics"], "ppl": 12345.0}}) + "\n" for r in rows))
+    assert {r["ppl"] for r in sweep_step(cfg, models, evalset, "", out, force=False)} == {12345.0}  # resumed
+    again = sweep_step(cfg, models, evalset, "", out, force=True)
     assert all(r["ppl"] != 12345.0 for r in again)
     assert [r["ppl"] for r in again] == pytest.approx([r["ppl"] for r in first], rel=1e-6)
 

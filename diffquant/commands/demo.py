@@ -95,6 +95,24 @@ def _pair(cfg: DemoConfig, cache: str | None, device: str) -> tuple[Path, dict]:
     return folder, results
 
 
+def sweep_step(cfg: DemoConfig, models: dict, evalset, val: str, out: Path, force: bool) -> list[dict]:
+    """The logit bit sweep and the W x A grid of the pair into `out`, resumed from its cells.jsonl, or, with
+    `force`, computed again: a forced demo never reuses another run's cells."""
+    from diffquant.report.sweep_plots import plot_sweep
+    from diffquant.sweeps import Evaluator, build_cells, run_cells, write_results
+
+    evaluators = {label: Evaluator(["ppl"], evalset, tok, val, {}) for label, (_, tok) in models.items()}
+    cells = build_cells(list(models), ["attn_logits"], list(cfg.sweep_bits), list(cfg.granularities),
+                        list(cfg.wa_bits), None, {})
+    if force:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(exist_ok=True)
+    rows = run_cells(models, cells, evaluators, out)
+    write_results(out, rows)
+    plot_sweep(rows, out)
+    return rows
+
+
 def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool = False) -> dict:
     from diffquant.data.corpora import load_text, split
     from diffquant.data.tokens import encode, sequences
@@ -103,8 +121,6 @@ def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool =
     from diffquant.profiler import profile_model
     from diffquant.report.emergence_plots import plot_emergence
     from diffquant.report.profile_report import profile_json, sink_rows, table5_rows, write_report
-    from diffquant.report.sweep_plots import plot_sweep
-    from diffquant.sweeps import Evaluator, build_cells, run_cells, write_results
 
     out = prepare_out(out, force, "report.md")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -136,15 +152,7 @@ def run_demo(cfg: DemoConfig, out: Path, cache: str | None = None, force: bool =
 
     print(f"[3/5] attention-logit bit sweep and W x A grid on the {evalset.numel():,}-token evaluation slice")
     t = time.perf_counter()
-    evaluators = {label: Evaluator(["ppl"], evalset, tok, val, {}) for label, (_, tok) in models.items()}
-    cells = build_cells(list(models), ["attn_logits"], list(cfg.sweep_bits), list(cfg.granularities),
-                        list(cfg.wa_bits), None, {})
-    if force:  # the sweep resumes from its cells.jsonl: never from another run's cells
-        shutil.rmtree(out / "sweep", ignore_errors=True)
-    (out / "sweep").mkdir(exist_ok=True)
-    rows = run_cells(models, cells, evaluators, out / "sweep")
-    write_results(out / "sweep", rows)
-    plot_sweep(rows, out / "sweep")
+    rows = sweep_step(cfg, models, evalset, val, out / "sweep", force)
     timings["sweep"] = time.perf_counter() - t
 
     print(f"[4/5] profiling {display('smollm2-135m')} on {cfg.smollm_tokens:,} tokens")
