@@ -121,8 +121,28 @@ def write_atomic(path: Path, doc: dict) -> None:
     os.replace(tmp, path)
 
 
+def in_process(line: str, cwd: Path) -> tuple[int, str]:
+    """A `diffquant ...` line through diffquant's command line in this process (--quick: one interpreter start for
+    every command instead of one each), in `cwd`; (exit code, output)."""
+    import contextlib
+    import io
+
+    from diffquant.cli import main as cli
+
+    buf, here = io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            code = cli(shlex.split(line)[1:])
+    except SystemExit as e:  # argparse's refusal
+        code = e.code if isinstance(e.code, int) else 2
+    finally:
+        os.chdir(here)
+    return code, buf.getvalue()
+
+
 def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_prefix: str = "",
-            echo=print) -> dict:
+            echo=print, here: bool = False) -> dict:
     """Run the rows' commands in order in `cwd`, skipping those the log already holds as passed (with --resume);
     a failure is recorded with its output's tail and the next command runs. The log is rewritten after each."""
     done = {r["command"]: r for r in doc.get("commands", []) if r.get("rc") == 0}
@@ -136,22 +156,26 @@ def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_
             continue
         echo(f"$ {row['run']}")
         load0, t0 = os.getloadavg()[0], time.perf_counter()
-        p = subprocess.run(["bash", "-c", shell_prefix + row["run"]], cwd=cwd, env=env, capture_output=True,
-                           text=True)
-        entry = {**row, "commit": doc.get("commit"), "rc": p.returncode, "seconds": round(time.perf_counter() - t0, 1),
+        if here and row["run"].startswith("diffquant "):
+            code, output = in_process(row["run"], cwd)
+        else:
+            p = subprocess.run(["bash", "-c", shell_prefix + row["run"]], cwd=cwd, env=env, capture_output=True,
+                               text=True)
+            code, output = p.returncode, p.stdout + p.stderr
+        entry = {**row, "commit": doc.get("commit"), "rc": code, "seconds": round(time.perf_counter() - t0, 1),
                  "load_start": round(load0, 2), "load_end": round(os.getloadavg()[0], 2)}
-        if p.returncode:
-            entry["output_tail"] = (p.stdout + p.stderr)[-3000:]
+        if code:
+            entry["output_tail"] = output[-3000:]
         doc["commands"].append(entry)
         write_atomic(log, doc)
-        echo(f"  exit {p.returncode} in {entry['seconds']:.0f} s (load {entry['load_start']} → {entry['load_end']})")
+        echo(f"  exit {code} in {entry['seconds']:.0f} s (load {entry['load_start']} → {entry['load_end']})")
     write_atomic(log, doc)
     return doc
 
 
 def markdown(doc: dict) -> str:
     m = doc["machine"]
-    lines = [f"# The README's commands, run in order from a fresh clone\n",
+    lines = ["# The README's commands, run in order from a fresh clone\n",
              f"Commit {doc['commit'][:12]}, {doc['date']}; {m['cpu']}, {m['cores']} cores, Python {m['python']}; "
              "a fresh venv, an empty diffquant cache, `HF_HUB_OFFLINE=1`. Written by `python -m docs.readme_commands`; "
              "load is the 1-minute load average at the command's start and end.\n",
@@ -186,8 +210,8 @@ def main(argv=None) -> int:
                 row["run"] = quick_line(row["run"], a.model)
         out = Path(a.quick)
         out.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        doc = run_all(rows, out, env, out / "log.json", {"quick": True})
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        doc = run_all(rows, out, dict(os.environ), out / "log.json", {"quick": True}, here=True)
         return 1 if any(r.get("rc") for r in doc["commands"]) else 0
     work = (ROOT / a.work).resolve()
     log = LOG
