@@ -7,6 +7,9 @@ import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # two workers on two cores: one thread each
+    # and so the programs the tests start (the command line, experiments, torchrun ranks, gpu_check's steps): two
+    # OpenMP threads each beside the other worker would oversubscribe the cores, and OpenMP's waiting threads spin
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The longest tests, longest first (`pytest --durations` on 2 cores, 2026-12-07, under load from other work).
