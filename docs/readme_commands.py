@@ -63,7 +63,7 @@ def plan(cmds: list[str], quick: bool = False) -> list[dict]:
     for cmd in cmds:
         row = {"command": cmd}
         reason = next((r for p, r in RULES + (QUICK_RULES if quick else []) if re.search(p, cmd)), None)
-        if cmd in seen:
+        if cmd in seen and reason is None:
             reason = "ran above"
         seen.add(cmd)
         if reason:
@@ -78,32 +78,32 @@ def plan(cmds: list[str], quick: bool = False) -> list[dict]:
 
 
 def quick_line(cmd: str, model: str) -> str:
-    """The command on a micro model with small token counts: what the suite runs, every flag the README wrote kept."""
-    words = shlex.split(cmd)
+    """The command on a micro model with small token counts: what the suite runs. Every flag the README wrote is
+    kept; the model, the presets and the budgets get small values in place (`--flag value` or `--flag=value`),
+    and the budgets a command leaves at its default are added."""
+    words = []
+    for w in shlex.split(cmd):  # --flag=value as two words
+        words += w.split("=", 1) if w.startswith("--") and "=" in w else [w]
+    command = words[1] if words[:1] == ["diffquant"] and len(words) > 1 else None
+    small = {"--model": model, "--preset": "micro", "--kurtosis-tokens": "256",
+             "--tokens": "2048" if command == "train" else "512"}
+    if command in ("profile", "quantize", "sweep"):
+        small["--seq-len"] = "64"
+    if command in ("quantize", "sweep"):
+        small.update({"--calib-tokens": "256", "--eval-tokens": "256"})
+    if command == "sweep":
+        small["--mc-limit"] = "16"
     out, i = [], 0
-    sizes = {"--tokens": "2048" if words[1:2] == ["train"] else "512", "--kurtosis-tokens": "256"}
     while i < len(words):
-        w = words[i]
-        if w == "--model":
-            out += [w, model]
+        if words[i] in small and i + 1 < len(words):
+            out += [words[i], small.pop(words[i])]
             i += 2
-            continue
-        if w in sizes:
-            out += [w, sizes[w]]
-            i += 2
-            continue
-        if w == "--preset":
-            out += [w, "micro"]
-            i += 2
-            continue
-        out.append(w)
-        i += 1
-    if out[:1] == ["diffquant"] and out[1] in ("profile", "quantize", "sweep"):
-        out += ["--seq-len", "64"]
-    if out[:1] == ["diffquant"] and out[1] in ("quantize", "sweep"):
-        out += ["--calib-tokens", "256", "--eval-tokens", "256"]
-    if out[:1] == ["diffquant"] and out[1] == "sweep":
-        out += ["--mc-limit", "16"]
+        else:
+            out.append(words[i])
+            i += 1
+    for flag in ("--seq-len", "--calib-tokens", "--eval-tokens", "--mc-limit"):  # defaults made small
+        if flag in small:
+            out += [flag, small[flag]]
     return shlex.join(out)
 
 
@@ -127,15 +127,22 @@ def in_process(line: str, cwd: Path) -> tuple[int, str]:
     import contextlib
     import io
 
-    from diffquant.cli import main as cli
+    import traceback
+
+    from diffquant_cli import main as cli  # the `diffquant` command's entry point (pyproject's scripts)
 
     buf, here = io.StringIO(), os.getcwd()
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-            code = cli(shlex.split(line)[1:])
-    except SystemExit as e:  # argparse's refusal
-        code = e.code if isinstance(e.code, int) else 2
+            try:
+                code = cli(shlex.split(line)[1:])
+            except SystemExit as e:  # argparse's refusal, or --help
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                print(e.code if isinstance(e.code, str) else "")
+            except Exception:  # noqa: BLE001 - recorded in the log with its traceback
+                traceback.print_exc()
+                code = 1
     finally:
         os.chdir(here)
     return code, buf.getvalue()
@@ -146,13 +153,12 @@ def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_
     """Run the rows' commands in order in `cwd`, skipping those the log already holds as passed (with --resume);
     a failure is recorded with its output's tail and the next command runs. The log is rewritten after each."""
     done = {r["command"]: r for r in doc.get("commands", []) if r.get("rc") == 0}
-    doc["commands"] = []
+    kept = [done[r["command"]] for r in rows if "run" in r and done.get(r["command"], {}).get("run") == r["run"]]
+    doc["commands"], doc["finished"] = kept, False  # until each row is reached again, the finished ones stay logged
     for row in rows:
-        if "skip" in row:
-            doc["commands"].append(row)
-            continue
-        if row["command"] in done and done[row["command"]].get("run") == row["run"]:
-            doc["commands"].append(done[row["command"]])
+        if "skip" in row or done.get(row["command"], {}).get("run") == row["run"]:
+            doc["commands"] = [r for r in doc["commands"] if r["command"] != row["command"]] + \
+                [row if "skip" in row else done[row["command"]]]
             continue
         echo(f"$ {row['run']}")
         load0, t0 = os.getloadavg()[0], time.perf_counter()
@@ -166,19 +172,35 @@ def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_
                  "load_start": round(load0, 2), "load_end": round(os.getloadavg()[0], 2)}
         if code:
             entry["output_tail"] = output[-3000:]
-        doc["commands"].append(entry)
-        write_atomic(log, doc)
+        doc["commands"] = [r for r in doc["commands"] if r["command"] != row["command"]] + [entry]
+        write_log(log, doc)
         echo(f"  exit {code} in {entry['seconds']:.0f} s (load {entry['load_start']} → {entry['load_end']})")
-    write_atomic(log, doc)
+    order = [r["command"] for r in rows]
+    doc["commands"].sort(key=lambda r: order.index(r["command"]))
+    doc["finished"] = True
+    write_log(log, doc)
     return doc
+
+
+def write_log(log: Path, doc: dict) -> None:
+    """The log as JSON and, for a full run, as the Markdown table beside it (both rewritten after each command)."""
+    write_atomic(log, doc)
+    if "machine" in doc:
+        tmp = log.with_suffix(".md.tmp")
+        tmp.write_text(markdown(doc))
+        os.replace(tmp, log.with_suffix(".md"))
 
 
 def markdown(doc: dict) -> str:
     m = doc["machine"]
+    commits = sorted({r["commit"][:12] for r in doc["commands"] if r.get("commit")})
+    state = "" if doc.get("finished") else " **The run is in progress: the commands below it has not reached yet.**"
     lines = ["# The README's commands, run in order from a fresh clone\n",
-             f"Commit {doc['commit'][:12]}, {doc['date']}; {m['cpu']}, {m['cores']} cores, Python {m['python']}; "
-             "a fresh venv, an empty diffquant cache, `HF_HUB_OFFLINE=1`. Written by `python -m docs.readme_commands`; "
-             "load is the 1-minute load average at the command's start and end.\n",
+             f"Commit {', '.join(commits) or doc['commit'][:12]}, {doc['date']}; {m['cpu']}, {m['cores']} cores, "
+             f"Python {m['python']}; a fresh clone and venv, an empty diffquant cache (`DIFFQUANT_CACHE`), its own "
+             "Hugging Face home, `HF_HUB_OFFLINE=1`; pip as this machine configures it (its package index, and a "
+             "local wheel folder that holds torch's CPU build). Written by `python -m docs.readme_commands`; load is "
+             f"the 1-minute load average at each command's start and end.{state}\n",
              "| command | exit | time | load | note |", "|---|---|---|---|---|"]
     for r in doc["commands"]:
         cmd = r["command"].replace("|", "\\|")
@@ -186,6 +208,9 @@ def markdown(doc: dict) -> str:
             lines.append(f"| `{cmd}` | | | | skipped: {r['skip']} |")
             continue
         note = "" if r["run"] == r["command"] else f"ran as `{r['run']}`"
+        if r["rc"]:
+            tail = r.get("output_tail", "").strip().splitlines()
+            note = (note + "; " if note else "") + "failed: " + (tail[-1].replace("|", "\\|") if tail else "")
         lines.append(f"| `{cmd}` | {r['rc']} | {minutes(r['seconds'])} | {r['load_start']} → {r['load_end']} | "
                      f"{note} |")
     return "\n".join(lines) + "\n"
@@ -200,11 +225,12 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the clone, its venv and the commands that passed")
     p.add_argument("--work", default="runs/readme-commands", help="the clone's folder (default runs/readme-commands)")
     p.add_argument("--quick", metavar="DIR", help="run in this environment in DIR, micro model, small token counts")
-    p.add_argument("--model", help="--quick: the micro model folder to use for every --model")
+    p.add_argument("--model", help="--quick: the micro model folder every --model becomes (required with --quick)")
     a = p.parse_args(argv)
-    cmds = commands((ROOT / "README.md").read_text())
     if a.quick:
-        rows = plan(cmds, quick=True)
+        if not a.model:
+            p.error("--quick needs --model: a small model folder with its tokenizer")
+        rows = plan(commands((ROOT / "README.md").read_text()), quick=True)
         for row in rows:
             if "run" in row:
                 row["run"] = quick_line(row["run"], a.model)
@@ -214,21 +240,25 @@ def main(argv=None) -> int:
         doc = run_all(rows, out, dict(os.environ), out / "log.json", {"quick": True}, here=True)
         return 1 if any(r.get("rc") for r in doc["commands"]) else 0
     work = (ROOT / a.work).resolve()
-    log = LOG
-    doc = json.loads(log.read_text()) if a.resume and log.is_file() else {}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    doc = json.loads(LOG.read_text()) if a.resume and LOG.is_file() else {}
     if work.exists() and not a.resume:
         raise SystemExit(f"{work} exists: remove it, or pass --resume")
-    if not work.exists():  # a fresh clone; on --resume (the earlier clone lost) its installs run again
+    if not work.exists():  # a fresh clone of HEAD; on --resume (the earlier clone lost) its installs run again
         subprocess.run(["git", "clone", "-q", str(ROOT), str(work)], check=True)
         subprocess.run([sys.executable, "-m", "venv", str(work / ".venv")], check=True)
         if a.resume:
             doc["commands"] = [r for r in doc.get("commands", []) if not r["command"].startswith("pip ")]
+    # the commands and the commit are the clone's: what ran, whatever the working tree here holds
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=work, capture_output=True, text=True).stdout.strip()
     doc.update(commit=commit, date=time.strftime("%Y-%m-%d"), machine=machine())
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    env.update(DIFFQUANT_CACHE=str(work / "cache"), HF_HUB_OFFLINE="1")
-    doc = run_all(plan(cmds), work, env, log, doc, shell_prefix=". .venv/bin/activate && ")
-    (log.parent / "log.md").write_text(markdown(doc))
+    # nothing of this environment's Python: not its venv on PATH (a failed install would run this checkout's
+    # diffquant), not its caches
+    venv_bin = os.path.join(os.environ.get("VIRTUAL_ENV", "/nonexistent"), "bin")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "DIFFQUANT_CACHE", "HF_HOME")}
+    env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep) if d != venv_bin)
+    env.update(DIFFQUANT_CACHE=str(work / "cache"), HF_HOME=str(work / "hf"), HF_HUB_OFFLINE="1")
+    doc = run_all(plan(commands((work / "README.md").read_text())), work, env, LOG, doc,
+                  shell_prefix=". .venv/bin/activate && ")
     return 1 if any(r.get("rc") for r in doc["commands"]) else 0
 
 

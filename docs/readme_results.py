@@ -1162,7 +1162,7 @@ def _headnorm_finding() -> list[str]:
                  "A1 + |λ|·A2: a Transformer with a head norm. ")
     text += ("Against the Transformer it moved " + ("; ".join(parts) if parts else "nothing detectably") + ". ")
     if smaller:
-        text += (f"DIFF without its norm" + (f" kept λ at {lam_nonorm[0]:.2f}…{lam_nonorm[1]:.2f} and" if lam_nonorm else "")
+        text += ("DIFF without its norm" + (f" kept λ at {lam_nonorm[0]:.2f}…{lam_nonorm[1]:.2f} and" if lam_nonorm else "")
                  + " had smaller ∞-norms than the Transformer, the paper's direction: "
                  + ", ".join(f"{label[k].removesuffix(' ∞-norm')} {said(dmap, k)}" for k in smaller) + ". ")
     text += (f"No difference in the static W8A8 / W4A4 costs was detected (only {costs[0]['mde_sd'] * costs[0]['sd']:.3g} "
@@ -1184,7 +1184,7 @@ TIMED_SECTIONS = ("quick-start", "profile", "quantize", "export", "sweep", "trai
 def times_part(section: str, readme: str | None = None, log: dict | None = None) -> str:
     """Beside a README code block: how long each of its commands took when docs/readme_commands.py ran them all in
     order from a fresh clone (docs/readme_commands/log.json), those over a minute, with the machine and each
-    command's load; empty until that log exists."""
+    command's load; empty until that log exists, and marked while its run is in progress."""
     from docs.readme_commands import commands, minutes
 
     log = _load("docs/readme_commands/log.json") if log is None else log
@@ -1192,16 +1192,27 @@ def times_part(section: str, readme: str | None = None, log: dict | None = None)
     begin = f"<!-- times:{section}:begin -->"
     if not log or begin not in readme:
         return ""
-    block = readme.split(begin, 1)[0].rsplit("```bash", 1)[1]
+    head = readme.split(begin, 1)[0]
+    if not head.rstrip().endswith("```") or "```bash" not in head:
+        return ""  # the markers stand right after the block they time
+    block = head.rsplit("```bash", 1)[1]
     by_command = {r["command"]: r for r in log["commands"] if r.get("rc") == 0}
     timed = [by_command[c] for c in commands("```bash" + block) if by_command.get(c, {}).get("seconds", 0) >= 60]
     if not timed:
         return ""
+
+    def name(r: dict) -> str:
+        shown = r["command"].split(" --")[0] + " …" if r["command"].startswith("diffquant ") else r["command"]
+        model = re.search(r"--model (\S+)", r["run"])
+        return f"`{shown}`" + (f" (on {model.group(1)})" if r["run"] != r["command"] and model else "")
+
     m = log["machine"]
-    each = "; ".join(f"`{r['command'] if len(r['command']) < 50 else r['command'].split(' --')[0] + ' …'}` "
-                     f"{minutes(r['seconds'])} (load {r['load_start']:g} → {r['load_end']:g})" for r in timed)
-    return (f"*Time from a fresh clone and an empty cache on {m['cores']} cores ({m['cpu']}), commit "
-            f"{log['commit'][:7]} ([log](docs/readme_commands/log.md)): {each}.*")
+    commits = ", ".join(sorted({r.get("commit", log["commit"])[:7] for r in timed}))
+    each = "; ".join(f"{name(r)} {minutes(r['seconds'])} (load {r['load_start']:g} → {r['load_end']:g})"
+                     for r in timed)
+    state = "" if log.get("finished", True) else " (the run is in progress)"
+    return (f"*Time from a fresh clone and an empty cache on {m['cores']} cores ({m['cpu']}), commit {commits} "
+            f"([log](docs/readme_commands/log.md){state}): {each}.*")
 
 
 def README_PARTS() -> list[tuple[tuple[str, str], str, str]]:

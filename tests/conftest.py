@@ -14,6 +14,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # The longest tests, longest first (`pytest --durations` on 2 cores, 2026-12-07, under load from other work).
 LONGEST = ("test_the_python_block_runs_verbatim", "test_notebook_runs", "test_simulation_matches_transformers_quanto_cache",
+           "test_the_readme_commands_run_with_small_token_counts",
            "test_experiments_quick", "test_gpu_check_kernel_steps_run_on_cpu", "test_demo_quick",
            "test_gpu_check_runs_end_to_end_on_cpu", "test_sigterm_during_training_then_resume",
            "test_gpu_recipe_quick_runs_offline", "test_pair_mode_on_a_trained_pair",

@@ -258,21 +258,31 @@ def test_fixes_table_says_its_family_against_the_fair_comparisons(tmp_path, monk
 
 def test_times_beside_a_readme_block_come_from_the_commands_log(load_script):
     """Each README block's generated line lists its commands that took a minute or more in the fresh-clone run, in
-    the block's order, with their load; a command the log does not hold as passed, or a short one, is left out."""
+    the block's order, with their load and the commit each ran at; a command the log does not hold as passed, or a
+    short one, is left out; a substituted model is named; a run in progress says so."""
     rr = load_script("docs/readme_results.py", "readme_results_times")
     readme = ("```bash\npip install -e . && diffquant demo   # the demo\ndiffquant sites\n"
               "diffquant sweep --model smollm2-135m --sites attn_logits --bits 16,8 \\\n  --out runs/sweep\n"
-              "diffquant train --preset tiny\n```\n<!-- times:x:begin -->\n\n<!-- times:x:end -->\n")
-    log = {"commit": "0123456789abcdef", "machine": {"cores": 2, "cpu": "CPU Z"},
-           "commands": [{"command": "pip install -e . && diffquant demo", "rc": 0, "seconds": 1722.0,
-                         "load_start": 0.5, "load_end": 2.25},
-                        {"command": "diffquant sites", "rc": 0, "seconds": 59.9, "load_start": 1, "load_end": 1},
-                        {"command": "diffquant sweep --model smollm2-135m --sites attn_logits --bits 16,8 --out "
-                                    "runs/sweep", "rc": 0, "seconds": 75.0, "load_start": 1.0, "load_end": 3.0},
-                        {"command": "diffquant train --preset tiny", "rc": 1, "seconds": 500.0, "load_start": 1,
-                         "load_end": 1}]}
+              "diffquant profile --model path/to/your/model --out p\ndiffquant train --preset tiny\n```\n"
+              "<!-- times:x:begin -->\n\n<!-- times:x:end -->\n")
+    sweep = "diffquant sweep --model smollm2-135m --sites attn_logits --bits 16,8 --out runs/sweep"
+    log = {"commit": "0123456789abcdef", "machine": {"cores": 2, "cpu": "CPU Z"}, "finished": True,
+           "commands": [{"command": "pip install -e . && diffquant demo", "run": "pip install -e . && diffquant demo",
+                         "rc": 0, "seconds": 1722.0, "load_start": 0.5, "load_end": 2.25, "commit": "0123456789ab"},
+                        {"command": "diffquant sites", "run": "diffquant sites", "rc": 0, "seconds": 59.9,
+                         "load_start": 1, "load_end": 1, "commit": "0123456789ab"},
+                        {"command": sweep, "run": sweep, "rc": 0, "seconds": 75.0, "load_start": 1.0, "load_end": 3.0,
+                         "commit": "fedcba987654"},
+                        {"command": "diffquant profile --model path/to/your/model --out p",
+                         "run": "diffquant profile --model smollm2-135m --out p", "rc": 0, "seconds": 200.0,
+                         "load_start": 2, "load_end": 2, "commit": "0123456789ab"},
+                        {"command": "diffquant train --preset tiny", "run": "diffquant train --preset tiny", "rc": 1,
+                         "seconds": 500.0, "load_start": 1, "load_end": 1, "commit": "0123456789ab"}]}
     line = rr.times_part("x", readme, log)
-    assert line == ("*Time from a fresh clone and an empty cache on 2 cores (CPU Z), commit 0123456 "
+    assert line == ("*Time from a fresh clone and an empty cache on 2 cores (CPU Z), commit 0123456, fedcba9 "
                     "([log](docs/readme_commands/log.md)): `pip install -e . && diffquant demo` 28.7 min "
-                    "(load 0.5 → 2.25); `diffquant sweep …` 75 s (load 1 → 3).*")
+                    "(load 0.5 → 2.25); `diffquant sweep …` 75 s (load 1 → 3); `diffquant profile …` (on smollm2-135m) "
+                    "3.3 min (load 2 → 2).*")
+    assert "(the run is in progress)" in rr.times_part("x", readme, {**log, "finished": False})
     assert rr.times_part("y", readme, log) == "" and rr.times_part("x", readme, {**log, "commands": []}) == ""
+    assert rr.times_part("x", "no block\n<!-- times:x:begin -->\n\n<!-- times:x:end -->\n", log) == ""

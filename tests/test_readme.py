@@ -130,9 +130,11 @@ def test_every_readme_command_runs_or_is_skipped_for_a_stated_reason():
 
 @pytest.mark.slow
 def test_the_readme_commands_run_with_small_token_counts(tmp_path):
-    """What CI cannot afford as written (a 28-minute demo, GPTQ on SmolLM2) runs here as the same lines on a micro
-    model with small token counts, every flag the README wrote kept: a renamed flag or a refused combination fails
-    here. Offline but for the Debian archive the suite already uses (KJV, WordNet)."""
+    """The README's diffquant lines (profile, both quantize lines with the export, the sweep, train), which CI cannot
+    afford as written (GPTQ and a sweep on SmolLM2), run here on a micro model with small token counts, every flag
+    the README wrote kept: a renamed flag or a refused combination fails here. (The demo line runs as `demo --quick`
+    in tests/test_real.py; the install lines are this suite's own.) Offline but for the Debian archive the suite
+    already uses (KJV, WordNet)."""
     from conftest import write_micro_diff_checkpoint
 
     write_micro_diff_checkpoint(tmp_path)
