@@ -449,6 +449,25 @@ def test_compiled_fake_quant_is_bit_identical(symmetric, gran):
     assert torch.equal(eager, fused)
 
 
+def test_the_fused_round_trip_branch_against_a_plain_computation(monkeypatch):
+    """fake_quantize(compiled=True) takes the fused round trip's branch. Here it runs through CompiledOrEager's own
+    eager fallback (its path where compiling fails), so a fast test checks the branch itself against plain
+    arithmetic: the scale, zero point and the format's range passed in order (asymmetric int4, both ends clamped),
+    and the cast back to x's dtype (bfloat16). The compiled code against eager: the slow test above."""
+    from diffquant.compiled import CompiledOrEager
+
+    eager = CompiledOrEager(Q._int_roundtrip)
+    eager.failed = True
+    monkeypatch.setattr(Q, "_COMPILED_ROUNDTRIP", eager)
+    x = (torch.randn(4, 40, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    fmt = Format("int", 4, False)  # codes 0..15
+    y = Q.fake_quantize(x, torch.tensor(0.25), torch.tensor(6.0), fmt, compiled=True)
+    codes = torch.round(x.float() / 0.25) + 6
+    assert (codes > 15).any() and (codes < 0).any()  # both ends of the range clamp
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, ((codes.clamp(0, 15) - 6) * 0.25).to(torch.bfloat16))
+
+
 def test_compile_failure_falls_back_to_eager(monkeypatch):
     from diffquant.compiled import CompiledOrEager
 
