@@ -864,14 +864,16 @@ def run_demo(quick: bool = False) -> None:
     finish_demo(out, cache, minutes, load, os.getloadavg()[0])
 
 
-def finish_demo(out: Path, cache: str, minutes: float, load: float, load_end: float | None = None) -> None:
-    """The summary says where a user's default cache is, not the temporary one, and how long the run took."""
+def finish_demo(out: Path, cache: str, minutes: float, load: float, load_end: float | None = None,
+                measured_by: str | None = None) -> None:
+    """The summary says where a user's default cache is, not the temporary one, and how long the run took
+    (`measured_by`: the command that timed it, default this script's --run-demo / --run-quick)."""
     summary = out / "summary.json"
     s = json.loads(summary.read_text().replace(cache, "~/.cache/diffquant"))
+    measured_by = measured_by or f"`python -m docs.readme_results --run-{'quick' if out.name == 'demo-quick' else 'demo'}`"
     s["timing_note"] = (f"{minutes:.1f} min from an empty cache, fetching KJV and SmolLM2 included, measured by "
-                        f"`python -m docs.readme_results --run-{'quick' if out.name == 'demo-quick' else 'demo'}` on "
-                        f"{os.cpu_count()} cores with a load average of {load:.1f} from other work when it started"
-                        + (f" and {load_end:.1f} when it ended" if load_end is not None else ""))
+                        f"{measured_by} on {os.cpu_count()} cores with a load average of {load:.1f} from other work "
+                        "when it started" + (f" and {load_end:.1f} when it ended" if load_end is not None else ""))
     from diffquant.commands.demo import render_report
     from diffquant.paths import atomic_write_json, atomic_write_text
 

@@ -41,7 +41,7 @@ SEQ = 256
 # Seconds each step took in the committed runs (docs/demo/summary.json, docs/demo-quick/summary.json: 2 CPU cores,
 # an empty cache, other work on the machine; `python -m docs.readme_results --run-demo / --run-quick` measures them
 # again, and a test keeps these equal to those files), for the plan the demo prints before it starts.
-STEP_SECONDS = {"full": {"train": 1614, "profile": 9, "sweep": 43, "smollm2": 31, "load": 4.2},
+STEP_SECONDS = {"full": {"train": 423, "profile": 18, "sweep": 58, "smollm2": 43, "load": 2.2},
                 "quick": {"train": 341, "profile": 23, "sweep": 60, "smollm2": 64, "load": 2.4}}
 
 
