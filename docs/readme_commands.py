@@ -46,10 +46,17 @@ QUICK_RULES = [
 PLACEHOLDERS = {"path/to/your/model": "smollm2-135m"}
 
 
+PYTHON_BLOCK = "python: the README's Python block"  # the log's name for it; it runs as `python -` in a fresh process
+
+
 def commands(readme: str) -> list[str]:
-    """Every command line of the README's ```bash blocks, in order, continuations joined, comments dropped."""
+    """Every command line of the README's ```bash blocks, in order, continuations joined, comments dropped; a
+    ```python block is one command (PYTHON_BLOCK), run as a reader pastes it into a fresh interpreter."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+    for kind, block in re.findall(r"```(bash|python)\n(.*?)```", readme, flags=re.S):
+        if kind == "python":
+            out.append(PYTHON_BLOCK)
+            continue
         for line in block.replace("\\\n", " ").splitlines():
             line = re.sub(r"\s{2,}#.*$", "", line).strip()
             if line and not line.startswith("#"):
@@ -57,10 +64,19 @@ def commands(readme: str) -> list[str]:
     return out
 
 
-def plan(cmds: list[str], quick: bool = False) -> list[dict]:
-    """Each command with what runs ("run": the line to execute, or "skip": why not). A repeated line runs once."""
+def python_code(readme: str) -> str:
+    return "\n".join(re.findall(r"```python\n(.*?)```", readme, flags=re.S))
+
+
+def plan(cmds: list[str], quick: bool = False, readme: str = "") -> list[dict]:
+    """Each command with what runs ("run": the line to execute, or "skip": why not). A repeated line runs once;
+    the Python block (from `readme`) runs as `python -` with the block on its input."""
     seen, rows = set(), []
     for cmd in cmds:
+        if cmd == PYTHON_BLOCK:
+            rows.append({"command": cmd, "skip": "tests/test_readme.py runs it verbatim"} if quick else
+                        {"command": cmd, "run": f"python - <<'README_PYTHON'\n{python_code(readme)}\nREADME_PYTHON"})
+            continue
         row = {"command": cmd}
         reason = next((r for p, r in RULES + (QUICK_RULES if quick else []) if re.search(p, cmd)), None)
         if cmd in seen and reason is None:
@@ -207,7 +223,7 @@ def markdown(doc: dict) -> str:
         if "skip" in r:
             lines.append(f"| `{cmd}` | | | | skipped: {r['skip']} |")
             continue
-        note = "" if r["run"] == r["command"] else f"ran as `{r['run']}`"
+        note = "" if r["run"] == r["command"] or r["command"] == PYTHON_BLOCK else f"ran as `{r['run']}`"
         if r["rc"]:
             tail = r.get("output_tail", "").strip().splitlines()
             note = (note + "; " if note else "") + "failed: " + (tail[-1].replace("|", "\\|") if tail else "")
@@ -230,7 +246,7 @@ def main(argv=None) -> int:
     if a.quick:
         if not a.model:
             p.error("--quick needs --model: a small model folder with its tokenizer")
-        rows = plan(commands((ROOT / "README.md").read_text()), quick=True)
+        rows = plan(commands((ROOT / "README.md").read_text()), quick=True)  # (the Python block: skipped)
         for row in rows:
             if "run" in row:
                 row["run"] = quick_line(row["run"], a.model)
@@ -257,8 +273,8 @@ def main(argv=None) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "DIFFQUANT_CACHE", "HF_HOME")}
     env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep) if d != venv_bin)
     env.update(DIFFQUANT_CACHE=str(work / "cache"), HF_HOME=str(work / "hf"), HF_HUB_OFFLINE="1")
-    doc = run_all(plan(commands((work / "README.md").read_text())), work, env, LOG, doc,
-                  shell_prefix=". .venv/bin/activate && ")
+    readme = (work / "README.md").read_text()
+    doc = run_all(plan(commands(readme), readme=readme), work, env, LOG, doc, shell_prefix=". .venv/bin/activate && ")
     return 1 if any(r.get("rc") for r in doc["commands"]) else 0
 
 

@@ -1180,14 +1180,14 @@ def export_part() -> str:
     return "\n".join(_md("docs/export/parity-smollm2-135m.md")).strip()
 
 
-TIMED_SECTIONS = ("quick-start", "profile", "quantize", "export", "sweep", "train", "development")
+TIMED_SECTIONS = ("quick-start", "profile", "python", "quantize", "export", "sweep", "train", "development")
 
 
 def times_part(section: str, readme: str | None = None, log: dict | None = None) -> str:
     """Beside a README code block: how long each of its commands took when docs/readme_commands.py ran them all in
     order from a fresh clone (docs/readme_commands/log.json), those over a minute, with the machine and each
     command's load; empty until that log exists, and marked while its run is in progress."""
-    from docs.readme_commands import commands, minutes
+    from docs.readme_commands import PYTHON_BLOCK, commands, minutes
 
     log = _load("docs/readme_commands/log.json") if log is None else log
     readme = README.read_text() if readme is None else readme
@@ -1195,15 +1195,19 @@ def times_part(section: str, readme: str | None = None, log: dict | None = None)
     if not log or begin not in readme:
         return ""
     head = readme.split(begin, 1)[0]
-    if not head.rstrip().endswith("```") or "```bash" not in head:
+    opened = re.findall(r"```(bash|python)\n", head)
+    if not head.rstrip().endswith("```") or not opened:
         return ""  # the markers stand right after the block they time
-    block = head.rsplit("```bash", 1)[1]
+    block = head.rsplit(f"```{opened[-1]}\n", 1)[1]
     by_command = {r["command"]: r for r in log["commands"] if r.get("rc") == 0}
-    timed = [by_command[c] for c in commands("```bash" + block) if by_command.get(c, {}).get("seconds", 0) >= 60]
+    timed = [by_command[c] for c in commands(f"```{opened[-1]}\n" + block)
+             if by_command.get(c, {}).get("seconds", 0) >= 60]
     if not timed:
         return ""
 
     def name(r: dict) -> str:
+        if r["command"] == PYTHON_BLOCK:
+            return "the block, in a fresh interpreter"
         shown = r["command"].split(" --")[0] + " …" if r["command"].startswith("diffquant ") else r["command"]
         model = re.search(r"--model (\S+)", r["run"])
         return f"`{shown}`" + (f" (on {model.group(1)})" if r["run"] != r["command"] and model else "")

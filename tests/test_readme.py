@@ -114,11 +114,14 @@ def test_every_readme_command_runs_or_is_skipped_for_a_stated_reason():
     text = "```bash\npip install torch==2.13.0   # the CUDA build\ndiffquant sweep --model m \\\n  --bits 4  # x\n" \
            "diffquant profile --model path/to/your/model --out o\ntorchrun -m diffquant_cli train\n```\n" \
            "```python\nx = 1\n```\n```bash\ndiffquant sweep --model m --bits 4\n```\n"
-    rows = rc.plan(rc.commands(text))
+    rows = rc.plan(rc.commands(text), readme=text)
     assert [r["command"] for r in rows] == ["pip install torch==2.13.0", "diffquant sweep --model m --bits 4",
                                            "diffquant profile --model path/to/your/model --out o",
-                                           "torchrun -m diffquant_cli train", "diffquant sweep --model m --bits 4"]
-    assert "GPU" in rows[0]["skip"] and rows[1]["run"] == rows[1]["command"] and rows[4]["skip"] == "ran above"
+                                           "torchrun -m diffquant_cli train", rc.PYTHON_BLOCK,
+                                           "diffquant sweep --model m --bits 4"]
+    assert "GPU" in rows[0]["skip"] and rows[1]["run"] == rows[1]["command"] and rows[5]["skip"] == "ran above"
+    assert rows[4]["run"] == "python - <<'README_PYTHON'\nx = 1\n\nREADME_PYTHON"  # as pasted, in a fresh process
+    assert "skip" in rc.plan(rc.commands(text), quick=True)[4]  # the suite runs it verbatim elsewhere
     assert rows[2]["run"] == "diffquant profile --model smollm2-135m --out o"
     assert "8 processes" in rows[3]["skip"]
     real = rc.plan(rc.commands(README))
