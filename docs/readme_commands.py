@@ -168,13 +168,18 @@ def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_
             echo=print, here: bool = False) -> dict:
     """Run the rows' commands in order in `cwd`, skipping those the log already holds as passed (with --resume);
     a failure is recorded with its output's tail and the next command runs. The log is rewritten after each."""
-    done = {r["command"]: r for r in doc.get("commands", []) if r.get("rc") == 0}
-    kept = [done[r["command"]] for r in rows if "run" in r and done.get(r["command"], {}).get("run") == r["run"]]
-    doc["commands"], doc["finished"] = kept, False  # until each row is reached again, the finished ones stay logged
+    order = [r["command"] for r in rows]
+    earlier = {r["command"]: r for r in doc.get("commands", []) if r["command"] in order}
+    done = {c: r for c, r in earlier.items() if r.get("rc") == 0}
+    doc["commands"], doc["finished"] = list(earlier.values()), False  # each stays logged until reached again
+
+    def put(entry: dict) -> None:
+        doc["commands"] = sorted([r for r in doc["commands"] if r["command"] != entry["command"]] + [entry],
+                                 key=lambda r: order.index(r["command"]))
+
     for row in rows:
         if "skip" in row or done.get(row["command"], {}).get("run") == row["run"]:
-            doc["commands"] = [r for r in doc["commands"] if r["command"] != row["command"]] + \
-                [row if "skip" in row else done[row["command"]]]
+            put(row if "skip" in row else done[row["command"]])
             continue
         echo(f"$ {row['run']}")
         load0, t0 = os.getloadavg()[0], time.perf_counter()
@@ -188,11 +193,9 @@ def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_
                  "load_start": round(load0, 2), "load_end": round(os.getloadavg()[0], 2)}
         if code:
             entry["output_tail"] = output[-3000:]
-        doc["commands"] = [r for r in doc["commands"] if r["command"] != row["command"]] + [entry]
+        put(entry)
         write_log(log, doc)
         echo(f"  exit {code} in {entry['seconds']:.0f} s (load {entry['load_start']} → {entry['load_end']})")
-    order = [r["command"] for r in rows]
-    doc["commands"].sort(key=lambda r: order.index(r["command"]))
     doc["finished"] = True
     write_log(log, doc)
     return doc
@@ -210,7 +213,8 @@ def write_log(log: Path, doc: dict) -> None:
 def markdown(doc: dict) -> str:
     m = doc["machine"]
     commits = sorted({r["commit"][:12] for r in doc["commands"] if r.get("commit")})
-    state = "" if doc.get("finished") else " **The run is in progress: the commands below it has not reached yet.**"
+    state = "" if doc.get("finished") else (" **This run has not finished: a command missing below, or stopped by a "
+                                             "signal, has no measured time yet.**")
     lines = ["# The README's commands, run in order from a fresh clone\n",
              f"Commit {', '.join(commits) or doc['commit'][:12]}, {doc['date']}; {m['cpu']}, {m['cores']} cores, "
              f"Python {m['python']}; a fresh clone and venv, an empty diffquant cache (`DIFFQUANT_CACHE`), its own "
@@ -224,9 +228,13 @@ def markdown(doc: dict) -> str:
             lines.append(f"| `{cmd}` | | | | skipped: {r['skip']} |")
             continue
         note = "" if r["run"] == r["command"] or r["command"] == PYTHON_BLOCK else f"ran as `{r['run']}`"
-        if r["rc"]:
+        if r["rc"] < 0:
+            note = (note + "; " if note else "") + f"stopped by signal {-r['rc']} before it finished"
+        elif r["rc"]:
             tail = r.get("output_tail", "").strip().splitlines()
             note = (note + "; " if note else "") + "failed: " + (tail[-1].replace("|", "\\|") if tail else "")
+        if r.get("restored"):
+            note += f" (entry restored {r['restored']})"
         lines.append(f"| `{cmd}` | {r['rc']} | {minutes(r['seconds'])} | {r['load_start']} → {r['load_end']} | "
                      f"{note} |")
     return "\n".join(lines) + "\n"

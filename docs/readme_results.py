@@ -1216,7 +1216,7 @@ def times_part(section: str, readme: str | None = None, log: dict | None = None)
     commits = ", ".join(sorted({r.get("commit", log["commit"])[:7] for r in timed}))
     each = "; ".join(f"{name(r)} {minutes(r['seconds'])} (load {r['load_start']:g} → {r['load_end']:g})"
                      for r in timed)
-    state = "" if log.get("finished", True) else " (the run is in progress)"
+    state = "" if log.get("finished", True) else ", a run not yet complete"
     return (f"*Time from a fresh clone and an empty cache on {m['cores']} cores ({m['cpu']}), commit {commits} "
             f"([log](docs/readme_commands/log.md){state}): {each}.*")
 

@@ -283,6 +283,6 @@ def test_times_beside_a_readme_block_come_from_the_commands_log(load_script):
                     "([log](docs/readme_commands/log.md)): `pip install -e . && diffquant demo` 28.7 min "
                     "(load 0.5 → 2.25); `diffquant sweep …` 75 s (load 1 → 3); `diffquant profile …` (on smollm2-135m) "
                     "3.3 min (load 2 → 2).*")
-    assert "(the run is in progress)" in rr.times_part("x", readme, {**log, "finished": False})
+    assert ", a run not yet complete)" in rr.times_part("x", readme, {**log, "finished": False})
     assert rr.times_part("y", readme, log) == "" and rr.times_part("x", readme, {**log, "commands": []}) == ""
     assert rr.times_part("x", "no block\n<!-- times:x:begin -->\n\n<!-- times:x:end -->\n", log) == ""
