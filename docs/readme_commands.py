@@ -249,6 +249,8 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the clone, its venv and the commands that passed")
     p.add_argument("--work", default="runs/readme-commands", help="the clone's folder (default runs/readme-commands)")
     p.add_argument("--quick", metavar="DIR", help="run in this environment in DIR, micro model, small token counts")
+    p.add_argument("--rerun", action="append", default=[], metavar="TEXT",
+                   help="with --resume: run again the commands that contain TEXT (repeatable), even if they passed")
     p.add_argument("--model", help="--quick: the micro model folder every --model becomes (required with --quick)")
     a = p.parse_args(argv)
     if a.quick:
@@ -265,6 +267,7 @@ def main(argv=None) -> int:
         return 1 if any(r.get("rc") for r in doc["commands"]) else 0
     work = (ROOT / a.work).resolve()
     doc = json.loads(LOG.read_text()) if a.resume and LOG.is_file() else {}
+    doc["commands"] = [r for r in doc.get("commands", []) if not any(t in r["command"] for t in a.rerun)]
     if work.exists() and not a.resume:
         raise SystemExit(f"{work} exists: remove it, or pass --resume")
     if not work.exists():  # a fresh clone of HEAD; on --resume (the earlier clone lost) its installs run again
