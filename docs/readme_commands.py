@@ -165,7 +165,7 @@ def in_process(line: str, cwd: Path) -> tuple[int, str]:
 
 
 def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_prefix: str = "",
-            echo=print, here: bool = False) -> dict:
+            echo=print, here: bool = False, reused: bool = False) -> dict:
     """Run the rows' commands in order in `cwd`, skipping those the log already holds as passed (with --resume);
     a failure is recorded with its output's tail and the next command runs. The log is rewritten after each."""
     order = [r["command"] for r in rows]
@@ -193,6 +193,8 @@ def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_
                  "load_start": round(load0, 2), "load_end": round(os.getloadavg()[0], 2)}
         if code:
             entry["output_tail"] = output[-3000:]
+        if reused:  # --resume in the clone an earlier run left: its venv installed, its caches filled
+            entry["reused_clone"] = True
         put(entry)
         write_log(log, doc)
         echo(f"  exit {code} in {entry['seconds']:.0f} s (load {entry['load_start']} → {entry['load_end']})")
@@ -233,6 +235,8 @@ def markdown(doc: dict) -> str:
         elif r["rc"]:
             tail = r.get("output_tail", "").strip().splitlines()
             note = (note + "; " if note else "") + "failed: " + (tail[-1].replace("|", "\\|") if tail else "")
+        if r.get("reused_clone"):
+            note += ("; " if note else "") + "run by --resume in the earlier run's clone (venv installed, caches warm)"
         if r.get("restored"):
             note += f" (entry restored {r['restored']})"
         lines.append(f"| `{cmd}` | {r['rc']} | {minutes(r['seconds'])} | {r['load_start']} → {r['load_end']} | "
@@ -270,6 +274,7 @@ def main(argv=None) -> int:
     doc["commands"] = [r for r in doc.get("commands", []) if not any(t in r["command"] for t in a.rerun)]
     if work.exists() and not a.resume:
         raise SystemExit(f"{work} exists: remove it, or pass --resume")
+    reused = work.exists()
     if not work.exists():  # a fresh clone of HEAD; on --resume (the earlier clone lost) its installs run again
         subprocess.run(["git", "clone", "-q", str(ROOT), str(work)], check=True)
         subprocess.run([sys.executable, "-m", "venv", str(work / ".venv")], check=True)
@@ -285,7 +290,8 @@ def main(argv=None) -> int:
     env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep) if d != venv_bin)
     env.update(DIFFQUANT_CACHE=str(work / "cache"), HF_HOME=str(work / "hf"), HF_HUB_OFFLINE="1")
     readme = (work / "README.md").read_text()
-    doc = run_all(plan(commands(readme), readme=readme), work, env, LOG, doc, shell_prefix=". .venv/bin/activate && ")
+    doc = run_all(plan(commands(readme), readme=readme), work, env, LOG, doc, shell_prefix=". .venv/bin/activate && ",
+                  reused=reused)
     return 1 if any(r.get("rc") for r in doc["commands"]) else 0
 
 

@@ -1207,10 +1207,11 @@ def times_part(section: str, readme: str | None = None, log: dict | None = None)
 
     def name(r: dict) -> str:
         if r["command"] == PYTHON_BLOCK:
-            return "the block, in a fresh interpreter"
+            return "the block, in a fresh interpreter" + (" (caches warm)" if r.get("reused_clone") else "")
         shown = r["command"].split(" --")[0] + " …" if r["command"].startswith("diffquant ") else r["command"]
         model = re.search(r"--model (\S+)", r["run"])
-        return f"`{shown}`" + (f" (on {model.group(1)})" if r["run"] != r["command"] and model else "")
+        return (f"`{shown}`" + (f" (on {model.group(1)})" if r["run"] != r["command"] and model else "")
+                + (" (rerun in that clone: installed, caches warm)" if r.get("reused_clone") else ""))
 
     m = log["machine"]
     commits = ", ".join(sorted({r.get("commit", log["commit"])[:7] for r in timed}))

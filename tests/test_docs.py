@@ -284,5 +284,7 @@ def test_times_beside_a_readme_block_come_from_the_commands_log(load_script):
                     "(load 0.5 → 2.25); `diffquant sweep …` 75 s (load 1 → 3); `diffquant profile …` (on smollm2-135m) "
                     "3.3 min (load 2 → 2).*")
     assert ", a run not yet complete)" in rr.times_part("x", readme, {**log, "finished": False})
+    warm = {**log, "commands": [{**r, "reused_clone": True} if r["command"] == sweep else r for r in log["commands"]]}
+    assert "`diffquant sweep …` (rerun in that clone: installed, caches warm) 75 s" in rr.times_part("x", readme, warm)
     assert rr.times_part("y", readme, log) == "" and rr.times_part("x", readme, {**log, "commands": []}) == ""
     assert rr.times_part("x", "no block\n<!-- times:x:begin -->\n\n<!-- times:x:end -->\n", log) == ""
