@@ -44,8 +44,6 @@ QUICK_RULES = [
     (r"docs\.readme_results", "tests/test_readme.py runs it"),
 ]
 PLACEHOLDERS = {"path/to/your/model": "smollm2-135m"}
-
-
 PYTHON_BLOCK = "python: the README's Python block"  # the log's name for it; it runs as `python -` in a fresh process
 
 
@@ -130,19 +128,11 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.platform()}
 
 
-def write_atomic(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def in_process(line: str, cwd: Path) -> tuple[int, str]:
     """A `diffquant ...` line through diffquant's command line in this process (--quick: one interpreter start for
     every command instead of one each), in `cwd`; (exit code, output)."""
     import contextlib
     import io
-
     import traceback
 
     from diffquant_cli import main as cli  # the `diffquant` command's entry point (pyproject's scripts)
@@ -205,11 +195,11 @@ def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_
 
 def write_log(log: Path, doc: dict) -> None:
     """The log as JSON and, for a full run, as the Markdown table beside it (both rewritten after each command)."""
-    write_atomic(log, doc)
+    from diffquant.paths import atomic_write_text
+
+    atomic_write_text(log, json.dumps(doc, indent=1) + "\n")
     if "machine" in doc:
-        tmp = log.with_suffix(".md.tmp")
-        tmp.write_text(markdown(doc))
-        os.replace(tmp, log.with_suffix(".md"))
+        atomic_write_text(log.with_suffix(".md"), markdown(doc))
 
 
 def markdown(doc: dict) -> str:
