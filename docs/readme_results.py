@@ -1029,6 +1029,14 @@ def profile_part() -> str:
             "q·k/√d at causal positions. The paper's 3B Transformer: 318.0 and 3608.6; DIFF: 38.8 and 1688.2.")
 
 
+def top1_pair(table5: list[list]) -> str:
+    """'hidden states DIFF 139.1 vs Transformer 114.5, attention logits 50.3 vs 46.5' from a Table 5 (rows: model,
+    activation, top-1, ...)."""
+    top = {(r[0], r[1]): r[2] for r in table5}
+    return ", ".join(f"{act} DIFF {top[('DIFF', act)]:.1f} vs Transformer {top[('Transformer', act)]:.1f}"
+                     for act in ("hidden states", "attention logits") if ("DIFF", act) in top and ("Transformer", act) in top)
+
+
 def findings_part() -> str:
     """The headline findings, one sentence each with its scale and a link into docs/RESULTS.md, read off the
     committed result files (a missing file leaves its sentence out)."""
@@ -1040,8 +1048,8 @@ def findings_part() -> str:
                                               "Transformer's 1e-6, DIFF's 1e-5")
         out.append(f"- **The demo pair** ({d['parameters'] / 1e6:.1f}M parameters, {s['config']['train_tokens']:,} KJV "
                    f"tokens, one seed{eps}): DIFF's held-out perplexity {d['ppl']:.2f} vs the Transformer's {t['ppl']:.2f}; "
-                   "no outliers in the paper's sense at this size, and the one run's largest values do not order the "
-                   "two (float rounding in training moves them by several units) ([the demo](docs/RESULTS.md#the-demo)).")
+                   f"largest |values| {top1_pair(s['table5'])}, one run each, so no order between the designs; no "
+                   "outliers in the paper's sense at this size ([the demo](docs/RESULTS.md#the-demo)).")
     search = _load("docs/emergence/search.json")
     if search is not None:
         worst = max(v["hidden_ratio"] for v in search["results"].values())

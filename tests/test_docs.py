@@ -288,3 +288,12 @@ def test_times_beside_a_readme_block_come_from_the_commands_log(load_script):
     assert "`diffquant sweep …` (rerun in that clone: installed, caches warm) 75 s" in rr.times_part("x", readme, warm)
     assert rr.times_part("y", readme, log) == "" and rr.times_part("x", readme, {**log, "commands": []}) == ""
     assert rr.times_part("x", "no block\n<!-- times:x:begin -->\n\n<!-- times:x:end -->\n", log) == ""
+
+
+def test_the_demo_finding_reads_each_designs_top1_from_table5(load_script):
+    """The README's demo sentence names each design's largest value from the Table 5 rows, not swapped."""
+    rr = load_script("docs/readme_results.py", "readme_results_top1")
+    table5 = [["Transformer", "attention logits", 46.48, 1], ["DIFF", "attention logits", 50.33, 1],
+              ["Transformer", "hidden states", 114.5, 1], ["DIFF", "hidden states", 139.14, 1]]
+    assert rr.top1_pair(table5) == ("hidden states DIFF 139.1 vs Transformer 114.5, "
+                                    "attention logits DIFF 50.3 vs Transformer 46.5")
