@@ -15,8 +15,10 @@ mutant), runs only the tests that reach the mutated function, and names each mut
 
 Each module runs in its own folder under .mutations/ (a copy of the tree that tests need, and mutmut's
 `mutants/` with its verdicts), against its own fast test files (`CORE`, the one table to change when a module
-moves). A rerun keeps the verdicts of killed mutants whose function is unchanged and runs the rest again
-(survivors too, so new tests are tried on them). Survivors that no test can kill, because they compute the same
+moves). The verdicts are also kept in the repository (benchmarks/mutation_verdicts/, written as mutmut records
+them), so a fresh checkout resumes where the last run stopped: a rerun keeps the verdicts of killed mutants whose
+function is unchanged (mutmut's hash of the function) and runs the rest again (survivors too, so new tests are
+tried on them); the report counts a verdict whose function has changed since as not run. Survivors that no test can kill, because they compute the same
 numbers, are argued in benchmarks/mutations_equivalent.json (`--equivalent NAME REASON`), keyed by mutant name
 with the diff they were argued for (a changed diff marks the argument stale); they are not rerun. The report:
 killed, survived, equivalent and the score (killed / (mutants − equivalent − not run)) per module, each
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".mutations"
 EQUIVALENTS = ROOT / "benchmarks" / "mutations_equivalent.json"
 REPORT = ROOT / "docs" / "mutations"  # .md and .json
+VERDICTS = ROOT / "benchmarks" / "mutation_verdicts"  # per module: exit codes, function hashes, survivors' diffs
 COPIED = ("diffquant", "tests", "experiments", "benchmarks", "docs", "diffquant_cli.py", "README.md")
 
 # module -> its fast test files (or single tests). Of these, the tests that reach the mutated function run.
@@ -104,6 +107,13 @@ def workspace(module: str) -> Path:
         for f in stale.rglob("*.py"):
             if f.relative_to(ws / "mutants").as_posix() != module:
                 f.unlink()
+    meta = ws / "mutants" / (module + ".meta")
+    kept = _kept(module)
+    if kept and not meta.exists():  # a fresh checkout: mutmut merges these, dropping changed functions' verdicts
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps({"exit_code_by_key": kept["exit_code_by_key"],
+                                    "hash_by_function_name": kept["hash_by_function_name"],
+                                    "durations_by_key": {}, "estimated_durations_by_key": {}}))
     pytest_ini = _pytest_options()
     (ws / "pyproject.toml").write_text(
         "[tool.mutmut]\n"
@@ -134,23 +144,56 @@ def _meta(ws: Path, module: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _names(ws: Path, module: str) -> list[str]:
-    """Every mutant of the module (mutmut's own generator), restricted to `FUNCTIONS` where the table says."""
+def _kept_path(module: str) -> Path:
+    return VERDICTS / (module.replace("/", "_").removesuffix(".py") + ".json")
+
+
+def _kept(module: str) -> dict:
+    path = _kept_path(module)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _keep(ws: Path, module: str) -> None:
+    """Copy the module's verdicts (and the diffs of its survivors, which need mutmut's generated file) into
+    the repository."""
+    meta = _meta(ws, module)
+    if not meta:
+        return
+    codes = meta["exit_code_by_key"]
+    alive = [n for n, c in codes.items() if STATUS.get(c) in ("survived", "no tests")]
+    kept = {"exit_code_by_key": dict(sorted(codes.items())),
+            "hash_by_function_name": dict(sorted(meta.get("hash_by_function_name", {}).items())),
+            "diffs": _diffs(ws, module, alive) if (ws / "mutants" / module).exists() else _kept(module).get("diffs", {})}
+    _write(_kept_path(module), json.dumps(kept, indent=0, ensure_ascii=False) + "\n")
+
+
+def fresh(codes: dict[str, int | None], then: dict[str, str], now: dict[str, str]) -> dict[str, int | None]:
+    """The verdicts (mutant name: exit code) whose function has the same hash now as when they were given:
+    a verdict on code that has changed since says nothing about the code as it is."""
+    return {n: c for n, c in codes.items()
+            if (f := n.rsplit(".", 1)[1].rsplit("__mutmut_", 1)[0]) in now and then.get(f) == now[f]}
+
+
+def _names(ws: Path, module: str) -> tuple[list[str], dict[str, str]]:
+    """Every mutant of the module (mutmut's own generator), restricted to `FUNCTIONS` where the table says, and
+    the hash of each mutated function (mutmut's, to tell which verdicts a change of the code made stale)."""
     code = f"""
+import json
 from pathlib import Path
 from mutmut.mutation.file_mutation import mutate_file_contents
-print("\\n".join(mutate_file_contents({module!r}, Path({module!r}).read_text()).mutant_names))
+m = mutate_file_contents({module!r}, Path({module!r}).read_text())
+print(json.dumps([list(m.mutant_names), dict(m.hash_by_function_name)]))
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ws, capture_output=True, text=True, check=True).stdout
+    names, hashes = json.loads(out)
     prefix = module.removesuffix(".py").replace("/", ".") + "."
-    names = [prefix + n for n in out.split()]
     keep = FUNCTIONS.get(module)
-    return [n for n in names if keep is None or n.rsplit(".", 1)[1].rsplit("__mutmut_", 1)[0] in keep]
+    return [prefix + n for n in names if keep is None or n.rsplit("__mutmut_", 1)[0] in keep], hashes
 
 
 def run_module(module: str, jobs: int) -> None:
     ws = workspace(module)
-    names = _names(ws, module)
+    names, _ = _names(ws, module)
     meta = _meta(ws, module)
     done = meta.get("exit_code_by_key", {})
     argued = json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
@@ -161,6 +204,7 @@ def run_module(module: str, jobs: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "PYTHONDONTWRITEBYTECODE": "1"}
     for i in range(0, len(pending), 400):  # explicitly named mutants always run: the pending ones, in chunks
         subprocess.run(["mutmut", "run", "--max-children", str(jobs), *pending[i:i + 400]], cwd=ws, env=env)
+        _keep(ws, module)
 
 
 def _diffs(ws: Path, module: str, names: list[str]) -> dict[str, str]:
@@ -198,14 +242,19 @@ def report() -> dict:
     modules, survivors = {}, {}
     for module in CORE:
         ws = WORK / module.replace("/", "_").removesuffix(".py")
-        if not (ws / "mutants").exists():
+        if not (ws / "mutants").exists() and not _kept(module):
             modules[module] = {"run": False}
             continue
-        names = _names(ws, module)
-        done = _meta(ws, module).get("exit_code_by_key", {})
+        ws = workspace(module)  # restores the kept verdicts in a fresh checkout
+        names, hashes = _names(ws, module)
+        meta = _meta(ws, module)
+        done = fresh(meta.get("exit_code_by_key", {}), meta.get("hash_by_function_name", {}), hashes)
+        if (ws / "mutants" / module).exists():
+            _keep(ws, module)
         counts = {"mutants": len(names), "killed": 0, "timeout": 0, "survived": 0, "equivalent": 0, "no tests": 0,
                   "not run": 0, "other": 0}
-        diffs = _diffs(ws, module, [n for n in names if STATUS.get(done.get(n)) in ("survived", "no tests")])
+        alive = [n for n in names if STATUS.get(done.get(n)) in ("survived", "no tests")]
+        diffs = _diffs(ws, module, alive) if (ws / "mutants" / module).exists() else _kept(module).get("diffs", {})
         for n in names:
             status = STATUS.get(done.get(n), "other")
             if status in ("survived", "no tests"):

@@ -27,3 +27,22 @@ def test_every_argued_equivalent_names_its_module_diff_and_reason():
     for name, argued in json.loads(mutations.EQUIVALENTS.read_text()).items():
         assert name.rsplit(".", 1)[0] in modules, name
         assert argued["diff"].strip() and len(argued["reason"]) > 20, name
+
+
+def test_a_kept_verdict_counts_only_while_its_function_is_unchanged():
+    codes = {"diffquant.m.x_f__mutmut_1": 1, "diffquant.m.x_f__mutmut_2": 0,
+             "diffquant.m.xǁCǁg__mutmut_1": 1, "diffquant.m.x_gone__mutmut_1": 1}
+    then = {"x_f": "aa", "xǁCǁg": "bb", "x_gone": "cc"}
+    now = {"x_f": "aa", "xǁCǁg": "b2"}  # g changed, gone was deleted
+    assert mutations.fresh(codes, then, now) == {"diffquant.m.x_f__mutmut_1": 1, "diffquant.m.x_f__mutmut_2": 0}
+    assert mutations.fresh(codes, {}, now) == {}  # verdicts without hashes say nothing
+
+
+def test_kept_verdicts_name_core_mutants_and_carry_each_survivors_diff():
+    for path in sorted(mutations.VERDICTS.glob("*.json")):
+        module = next(m for m in mutations.CORE if mutations._kept_path(m) == path)
+        kept = json.loads(path.read_text())
+        prefix = module.removesuffix(".py").replace("/", ".") + "."
+        assert all(n.startswith(prefix) for n in kept["exit_code_by_key"]), path
+        alive = {n for n, c in kept["exit_code_by_key"].items() if mutations.STATUS.get(c) in ("survived", "no tests")}
+        assert alive <= set(kept["diffs"]), path
