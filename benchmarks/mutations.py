@@ -240,10 +240,17 @@ def report() -> dict:
     """docs/mutations.md and .json from every module's verdicts and the argued equivalents."""
     equivalents = json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
     modules, survivors = {}, {}
+    path = REPORT.with_suffix(".json")
+    earlier = json.loads(path.read_text()) if path.exists() else {"modules": {}, "survivors": {}}
     for module in CORE:
         ws = WORK / module.replace("/", "_").removesuffix(".py")
         if not (ws / "mutants").exists() and not _kept(module):
-            modules[module] = {"run": False}
+            carried = earlier["modules"].get(module, {})
+            if carried.get("run"):  # run before verdicts were kept: its counts stand until the next run
+                modules[module] = {**carried, "carried": True}
+                survivors.update({n: v for n, v in earlier["survivors"].items() if v["module"] == module})
+            else:
+                modules[module] = {"run": False}
             continue
         ws = workspace(module)  # restores the kept verdicts in a fresh checkout
         names, hashes = _names(ws, module)
@@ -288,8 +295,12 @@ def _markdown(doc: dict) -> str:
             lines.append(f"| {module} | | | | | | not run | |")
             continue
         score = "" if m["score"] is None else f"{100 * m['score']:.1f}%"
-        lines.append(f"| {module} | {m['mutants']} | {m['killed'] + m['timeout']} | {m['survived']} | "
+        mark = " †" if m.get("carried") else ""
+        lines.append(f"| {module}{mark} | {m['mutants']} | {m['killed'] + m['timeout']} | {m['survived']} | "
                      f"{m['no tests']} | {m['equivalent']} | {m['not run']} | {score} |")
+    if any(m.get("carried") for m in doc["modules"].values()):
+        lines += ["", "† From an earlier run whose per-mutant verdicts were not kept (before "
+                  "benchmarks/mutation_verdicts/): its counts stand until the module is run again."]
     lines += ["", "## Survivors", ""]
     if not doc["survivors"]:
         lines.append("None.")
