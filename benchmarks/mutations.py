@@ -160,11 +160,22 @@ def _keep(ws: Path, module: str) -> None:
     if not meta:
         return
     codes = meta["exit_code_by_key"]
-    alive = [n for n, c in codes.items() if STATUS.get(c) in ("survived", "no tests")]
+    alive = _alive(codes, _equivalents())
     kept = {"exit_code_by_key": dict(sorted(codes.items())),
             "hash_by_function_name": dict(sorted(meta.get("hash_by_function_name", {}).items())),
             "diffs": _diffs(ws, module, alive) if (ws / "mutants" / module).exists() else _kept(module).get("diffs", {})}
     _write(_kept_path(module), json.dumps(kept, indent=0, ensure_ascii=False) + "\n")
+
+
+def _equivalents() -> dict:
+    return json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
+
+
+def _alive(codes: dict[str, int | None], equivalents: dict) -> list[str]:
+    """The mutants whose diff the report shows or checks: survivors, and argued equivalents (never rerun, so
+    without a verdict of their own) that no test has killed."""
+    return [n for n, c in codes.items() if STATUS.get(c) in ("survived", "no tests")
+            or (n in equivalents and STATUS.get(c) not in ("killed", "timeout"))]
 
 
 def fresh(codes: dict[str, int | None], then: dict[str, str], now: dict[str, str]) -> dict[str, int | None]:
@@ -196,14 +207,21 @@ def run_module(module: str, jobs: int) -> None:
     names, _ = _names(ws, module)
     meta = _meta(ws, module)
     done = meta.get("exit_code_by_key", {})
-    argued = json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
+    argued = _equivalents()
     pending = [n for n in names if STATUS.get(done.get(n), "other") not in ("killed", "timeout") and n not in argued]
     print(f"{module}: {len(names)} mutants, {len(pending)} to run", flush=True)
-    if not pending:
-        return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "PYTHONDONTWRITEBYTECODE": "1"}
     for i in range(0, len(pending), 400):  # explicitly named mutants always run: the pending ones, in chunks
         subprocess.run(["mutmut", "run", "--max-children", str(jobs), *pending[i:i + 400]], cwd=ws, env=env)
+        _keep(ws, module)
+    if not (ws / "mutants" / module).exists():
+        return
+    done = _meta(ws, module).get("exit_code_by_key", {})
+    unrun = [n for n in names if n in argued and done.get(n) is None]
+    diffs = _diffs(ws, module, unrun)
+    stale = [n for n in unrun if diffs[n] != argued[n]["diff"]]  # argued for another diff: run it like any other
+    if stale:
+        subprocess.run(["mutmut", "run", "--max-children", str(jobs), *stale], cwd=ws, env=env)
         _keep(ws, module)
 
 
@@ -224,7 +242,7 @@ print(json.dumps({{n: get_diff_for_mutant(n, path={module!r}) for n in json.load
 
 def argue(pairs: list[list[str]]) -> None:
     """Add (mutant name, reason) pairs to EQUIVALENTS, each with the diff it is argued for."""
-    equivalents = json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
+    equivalents = _equivalents()
     for name, reason in pairs:
         module = next((m for m in CORE if name.startswith(m.removesuffix(".py").replace("/", ".") + ".")), None)
         if module is None:
@@ -238,7 +256,7 @@ def argue(pairs: list[list[str]]) -> None:
 
 def report() -> dict:
     """docs/mutations.md and .json from every module's verdicts and the argued equivalents."""
-    equivalents = json.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
+    equivalents = _equivalents()
     modules, survivors = {}, {}
     path = REPORT.with_suffix(".json")
     earlier = json.loads(path.read_text()) if path.exists() else {"modules": {}, "survivors": {}}
@@ -260,17 +278,16 @@ def report() -> dict:
             _keep(ws, module)
         counts = {"mutants": len(names), "killed": 0, "timeout": 0, "survived": 0, "equivalent": 0, "no tests": 0,
                   "not run": 0, "other": 0}
-        alive = [n for n in names if STATUS.get(done.get(n)) in ("survived", "no tests")]
+        alive = _alive({n: done.get(n) for n in names}, equivalents)
         diffs = _diffs(ws, module, alive) if (ws / "mutants" / module).exists() else _kept(module).get("diffs", {})
         for n in names:
             status = STATUS.get(done.get(n), "other")
-            if status in ("survived", "no tests"):
-                diff = diffs[n]
+            if n in alive:
                 argued = equivalents.get(n)
-                if argued and argued["diff"] == diff:
+                if argued and argued["diff"] == diffs.get(n):
                     status = "equivalent"
-                else:
-                    survivors[n] = {"module": module, "status": status, "diff": diff,
+                elif status in ("survived", "no tests"):
+                    survivors[n] = {"module": module, "status": status, "diff": diffs[n],
                                     "stale argument": bool(argued)}
             counts[status] += 1
         tried = counts["mutants"] - counts["equivalent"] - counts["not run"]

@@ -158,18 +158,21 @@ def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_
             echo=print, here: bool = False, reused: bool = False) -> dict:
     """Run the rows' commands in order in `cwd`, skipping those the log already holds as passed (with --resume);
     a failure is recorded with its output's tail and the next command runs. The log is rewritten after each."""
-    order = [r["command"] for r in rows]
-    earlier = {r["command"]: r for r in doc.get("commands", []) if r["command"] in order}
-    done = {c: r for c, r in earlier.items() if r.get("rc") == 0}
-    doc["commands"], doc["finished"] = list(earlier.values()), False  # each stays logged until reached again
+    # one entry per row, in the README's order (a line the README repeats is one row that ran and one skipped,
+    # so entries are kept by position, never looked up by their text alone); an earlier run's entry stays
+    # logged until its command is reached again
+    earlier = {r["command"]: r for r in doc.get("commands", []) if "skip" not in r}
+    entries = [None if "skip" in row else earlier.get(row["command"]) for row in rows]
+    doc["finished"] = False
 
-    def put(entry: dict) -> None:
-        doc["commands"] = sorted([r for r in doc["commands"] if r["command"] != entry["command"]] + [entry],
-                                 key=lambda r: order.index(r["command"]))
+    def put(i: int, entry: dict) -> None:
+        entries[i] = entry
+        doc["commands"] = [e for e in entries if e is not None]
 
-    for row in rows:
-        if "skip" in row or done.get(row["command"], {}).get("run") == row["run"]:
-            put(row if "skip" in row else done[row["command"]])
+    for i, row in enumerate(rows):
+        done = earlier.get(row["command"], {})
+        if "skip" in row or (done.get("rc") == 0 and done.get("run") == row["run"]):
+            put(i, row if "skip" in row else done)
             continue
         echo(f"$ {row['run']}")
         load0, t0 = os.getloadavg()[0], time.perf_counter()
@@ -185,7 +188,7 @@ def run_all(rows: list[dict], cwd: Path, env: dict, log: Path, doc: dict, shell_
             entry["output_tail"] = output[-3000:]
         if reused:  # --resume in the clone an earlier run left: its venv installed, its caches filled
             entry["reused_clone"] = True
-        put(entry)
+        put(i, entry)
         write_log(log, doc)
         echo(f"  exit {code} in {entry['seconds']:.0f} s (load {entry['load_start']} → {entry['load_end']})")
     doc["finished"] = True

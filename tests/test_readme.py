@@ -131,6 +131,25 @@ def test_every_readme_command_runs_or_is_skipped_for_a_stated_reason():
         assert command in ran
 
 
+def test_the_commands_log_keeps_a_repeated_lines_run_and_resumes_only_what_did_not_pass(tmp_path):
+    """A line the README repeats is one entry that ran and one skipped: the skipped one never replaces the
+    other (it did, and the suite's time vanished from the README); --resume reruns only what did not pass."""
+    from conftest import load_script_module
+
+    rc = load_script_module("docs/readme_commands.py", "readme_commands_log")
+    rows = rc.plan(["echo a", "exit 3", "echo a"])
+    log = tmp_path / "log.json"
+    doc = rc.run_all(rows, tmp_path, dict(os.environ), log, {"commit": "c1"}, echo=lambda *_: None)
+    assert [e.get("rc", e.get("skip")) for e in doc["commands"]] == [0, 3, "ran above"]
+    assert json.loads(log.read_text())["commands"] == doc["commands"] and doc["finished"]
+    first = dict(doc["commands"][0])
+    again = rc.run_all(rc.plan(["echo a", "exit 3", "echo a"]), tmp_path, dict(os.environ), log,
+                       {**json.loads(log.read_text()), "commit": "c2"}, echo=lambda *_: None, reused=True)
+    assert again["commands"][0] == first  # passed: kept as it was, not rerun
+    assert again["commands"][1]["commit"] == "c2" and again["commands"][1]["reused_clone"]  # failed: rerun
+    assert again["commands"][2] == {"command": "echo a", "skip": "ran above"}
+
+
 @pytest.mark.slow
 def test_the_readme_commands_run_with_small_token_counts(tmp_path):
     """The README's diffquant lines (profile, both quantize lines with the export, the sweep, train), which CI cannot
