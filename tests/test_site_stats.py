@@ -1,0 +1,266 @@
+"""SiteStats' numbers against plain numpy, on the paths the profiler takes that the wider tests in test_stats.py
+leave to a self-comparison: low-precision input, a pass of constant or small values, query blocks of one attention
+call (positions offset, one pass, folds waiting for the call's last block), merges with an empty or a non-finite
+shard, a copy and a pickle that count on, and every rounded or named field of the summary (issue 50's mutation
+run of site_stats.py left these alive)."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+
+from diffquant.stats import site_stats
+from diffquant.stats.site_stats import SiteStats
+from diffquant.taps.context import Block
+
+TOKEN = ("batch", "pos", "channel")
+LOGITS = ("batch", "head", "q_pos", "k_pos")
+
+
+def _kurt(x) -> float:
+    x = np.asarray(x, dtype=np.float64).ravel()
+    return 0.0 if x.var() == 0 else float(sps.kurtosis(x, fisher=False))
+
+
+def test_bfloat16_input_is_summed_in_float32_about_its_own_mean():
+    """A bf16 activation far from zero: the mean taken in bf16 (the mutant that skips the float32 cast) is off by
+    its rounding, ~1e-2 at 300, and with it every moment."""
+    g = torch.Generator().manual_seed(31)
+    x = (torch.randn(3, 7, 16, generator=g) * 2 + 300).bfloat16()
+    s = SiteStats(TOKEN)
+    s.update(x)
+    out = s.summary()
+    ref = x.double().numpy().ravel()
+    assert out["count"] == ref.size
+    assert out["mean"] == pytest.approx(ref.mean(), rel=1e-9)
+    assert out["std"] == pytest.approx(ref.std(), rel=1e-5)
+    assert out["kurtosis"] == pytest.approx(_kurt(ref), rel=1e-5)
+    assert out["absmax"] == float(np.abs(ref).max())
+
+
+def test_constant_and_small_passes_have_kurtosis_zero_and_their_own_infinity_norm():
+    """Per-pass statistics where they are easy to get wrong: a constant pass (variance 0: kurtosis 0, not NaN and
+    not 1), a pass whose ∞-norm is below 1 (a floor at 1 would show), and folds of several pending passes into
+    sums that already hold earlier ones (summary folds, then more passes, then summary again)."""
+    g = torch.Generator().manual_seed(32)
+    passes = [torch.full((2, 3, 4), 2.0), torch.randn(2, 3, 4, generator=g) * 0.1, torch.randn(2, 3, 4, generator=g),
+              torch.randn(2, 3, 4, generator=g) * 0.2, torch.full((2, 3, 4), -0.5)]
+    s = SiteStats(TOKEN)
+    for i, x in enumerate(passes):
+        s.update(x, row_offset=2 * i)
+        if i == 2:
+            s.summary()  # three passes folded at once, then two more onto them
+    out = s.summary()
+    kurt = [_kurt(x.numpy()) for x in passes]
+    inf = [float(x.abs().max()) for x in passes]
+    assert kurt[0] == 0.0 and kurt[-1] == 0.0 and max(inf[1], inf[3]) < 1
+    assert out["passes"] == 5
+    assert out["pass_kurtosis_mean"] == pytest.approx(np.mean(kurt), rel=1e-6)
+    assert out["pass_kurtosis_max"] == pytest.approx(max(kurt), rel=1e-6)
+    assert out["pass_infnorm_mean"] == pytest.approx(np.mean(inf), rel=1e-7)
+    assert out["pass_infnorm_max"] == max(inf)
+    every = torch.cat(passes, dim=0).numpy()
+    assert out["channel_absmax"] == [round(float(v), 6) for v in np.abs(every).max(axis=(0, 1))]
+    assert out["position_absmax"] == [round(float(v), 6) for v in np.abs(every).max(axis=(0, 2))]
+
+
+def test_small_magnitudes_keep_their_channel_and_position_maxima():
+    """Every |x| below 1 (maxima floored at 1 would read 1.0), on a site with channels along the last dim and on a
+    one-dimensional site (its channel maxima are the values themselves, not one number)."""
+    g = torch.Generator().manual_seed(33)
+    x = torch.rand(2, 5, 3, generator=g) * 0.9 - 0.45
+    s = SiteStats(TOKEN)
+    s.update(x)
+    out = s.summary()
+    a = np.abs(x.numpy())
+    assert out["channel_absmax"] == [round(float(v), 6) for v in a.max(axis=(0, 1))]
+    assert out["position_absmax"] == [round(float(v), 6) for v in a.max(axis=(0, 2))]
+    v = torch.tensor([0.25, -0.75, 0.5, -0.125])
+    one = SiteStats(("channel",))
+    one.update(v)
+    assert one.summary()["channel_absmax"] == [0.25, 0.75, 0.5, 0.125]
+
+
+def _logits(seed: int, queries: int = 8, keys: int = 10) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, queries, keys, generator=g) + 1.5  # a mean away from 0: a pooled sum scaled wrong shows
+
+
+def test_query_blocks_of_one_call_are_one_pass_at_their_own_positions():
+    """A blocked attention call (query blocks starting at 0, 1 and 5 of 8 queries over 10 keys) after 63 unblocked
+    calls: the pending sums reach the fold threshold (64) inside the call, which must wait for its last block, so
+    the three blocks make one pass; positions are offset by each block's start; token ids reach the top-k through
+    the call's query count. All against numpy on the whole calls."""
+    calls = [_logits(100 + i) for i in range(64)]
+    ids = torch.arange(8).reshape(1, 8) + 1000
+    s = SiteStats(LOGITS, k=5)
+    for i, x in enumerate(calls[:-1]):
+        s.update(x, input_ids=ids, row_offset=i)
+    x = calls[-1]
+    x[0, 1, 6, 9] = 40.0  # the largest value, in the last call's last block
+    for start, end in ((0, 1), (1, 5), (5, 8)):
+        s.update(x[:, :, start:end], input_ids=ids, row_offset=63, block=Block(start, end, 8, 10))
+    out = s.summary()
+    every = np.stack([c.numpy() for c in calls]).reshape(64, -1).astype(np.float64)
+    assert out["passes"] == 64 and out["count"] == every.size
+    assert out["mean"] == pytest.approx(every.mean(), rel=1e-7)
+    assert out["kurtosis"] == pytest.approx(_kurt(every), rel=1e-6)
+    kurt = [_kurt(c) for c in every]
+    assert out["pass_kurtosis_mean"] == pytest.approx(np.mean(kurt), rel=1e-6)
+    assert out["pass_kurtosis_max"] == pytest.approx(max(kurt), rel=1e-6)
+    assert out["pass_infnorm_mean"] == pytest.approx(np.abs(every).max(axis=1).mean(), rel=1e-7)
+    stacked = np.stack([c.numpy()[0] for c in calls])  # [call, head, q, k]
+    assert out["position_absmax"] == [round(float(v), 6) for v in np.abs(stacked).max(axis=(0, 1, 3))]
+    assert out["channel_absmax"] == [round(float(v), 6) for v in np.abs(stacked).max(axis=(0, 2, 3))]
+    top = out["topk"][0]
+    assert top["value"] == 40.0 and (top["batch"], top["head"], top["q_pos"], top["k_pos"]) == (63, 1, 6, 9)
+    assert top["token_id"] == 1006  # ids[0, 6]: read at the call's query, not the block's
+
+
+def test_a_blocked_update_does_not_write_to_the_activation():
+    """With a mask and `dense` columns (a causal block: every query sees the first `dense` keys), the masked
+    columns are zeroed in a copy, never in the caller's tensor."""
+    x = _logits(7)
+    valid = torch.ones(1, 1, 8, 10, dtype=torch.bool).tril(diagonal=2)
+    before = x.clone()
+    s = SiteStats(LOGITS)
+    s.update(x, valid, block=Block(0, 8, 8, 10, dense=3))
+    assert torch.equal(x, before)
+    ref = x[valid.expand_as(x)].double().numpy()
+    assert s.summary()["count"] == ref.size and s.summary()["mean"] == pytest.approx(ref.mean(), rel=1e-7)
+
+
+def _shard_data():
+    g = torch.Generator().manual_seed(34)
+    a = torch.randn(2, 5, 4, generator=g) * 3
+    b = torch.randn(3, 4, 4, generator=g) * 3
+    b[1, 2, 0], b[2, 0, 3] = float("inf"), float("nan")
+    valid = torch.ones(2, 5, 1, dtype=torch.bool)
+    valid[0, :2] = False
+    return a, valid, b
+
+
+def test_a_merge_counts_non_finite_values_positions_and_hits_of_both_shards_and_counts_on():
+    """Two shards (padding in one, inf and NaN in the other) merged, then both the merge and a single process fed
+    one more batch: non-finite count, valid positions, LLM.int8 hit fractions at the default threshold 6 and the
+    path that computed them equal numpy's on everything (a merge that lost the threshold, or subtracted a count,
+    would show only once it counts on)."""
+    a, valid, b = _shard_data()
+    c = torch.randn(1, 6, 4, generator=torch.Generator().manual_seed(35)) * 4
+    left, right = SiteStats(TOKEN), SiteStats(TOKEN)
+    left.update(a, valid)
+    right.update(b, row_offset=2)
+    merged = left.merge(right)
+    merged.update(c, row_offset=5)
+    out = merged.summary()
+    finite_b = np.isfinite(b.numpy())
+    positions = int(valid.sum()) + 3 * 4 + 6
+    hits = ((np.abs(a.numpy()) >= 6) & valid.numpy()).sum(axis=(0, 1)) + \
+        ((np.abs(np.nan_to_num(b.numpy(), nan=0.0, posinf=0.0)) >= 6) & finite_b).sum(axis=(0, 1)) + \
+        (np.abs(c.numpy()) >= 6).sum(axis=(0, 1))
+    assert hits.sum() > 0 and out["nonfinite"] == 2 and out["kernels"] == "torch"
+    assert out["channel_hit_fraction"] == [round(h / positions, 6) for h in hits.tolist()]
+    counted = np.concatenate([a.numpy()[valid.numpy().repeat(4, -1)], b.numpy()[finite_b], c.numpy().ravel()])
+    counted = counted.astype(np.float64)
+    assert out["count"] == counted.size and out["mean"] == pytest.approx(counted.mean(), rel=1e-7)
+    assert out["passes"] == 3
+
+
+def test_a_merge_with_an_empty_shard_keeps_everything_of_the_other():
+    """A rank that saw nothing (no channel maxima, no hits yet) merged on either side."""
+    a, valid, _ = _shard_data()
+    full = SiteStats(TOKEN)
+    full.update(a, valid)
+    want = full.summary()
+    for merged in (SiteStats(TOKEN).merge(full), full.merge(SiteStats(TOKEN))):
+        got = merged.summary()
+        assert got["channel_absmax"] == want["channel_absmax"] and got["position_absmax"] == want["position_absmax"]
+        assert got["channel_hit_fraction"] == want["channel_hit_fraction"] and got["count"] == want["count"]
+        assert got["kernels"] == "torch"
+
+
+def test_the_paths_that_computed_statistics_are_named_once_each():
+    assert site_stats._paths("torch", None) == "torch"
+    assert site_stats._paths("torch+triton", "torch") == "torch+triton"
+    assert site_stats._paths("triton", "torch") == "torch+triton"
+    assert site_stats._paths(None, None) is None
+
+
+def test_a_copy_and_a_pickle_count_on_as_the_original():
+    """`to` (gathering across ranks) and pickling (a saved profile) keep the threshold, the path and every sum:
+    fed the same batch afterwards, each equals the original fed it too."""
+    a, valid, b = _shard_data()
+    s = SiteStats(TOKEN, outlier_threshold=2.5)
+    s.update(a, valid)
+    copies = [s.to("cpu"), pickle.loads(pickle.dumps(s))]
+    for t in (s, *copies):
+        t.update(b, row_offset=2)
+    want = s.summary()
+    assert want["channel_hit_fraction"] != [0.0] * 4
+    for t in copies:
+        got = t.summary()
+        assert got == want
+
+
+def test_state_tensors_live_on_the_given_device_in_exact_types():
+    """Counts in int64 and per-pass sums in float64, on the device asked for (meta: no memory), before any update."""
+    s = SiteStats(TOKEN, device="meta")
+    for name in ("positions", "nonfinite"):
+        t = getattr(s, name)
+        assert (t.device.type, t.dtype, t.shape) == ("meta", torch.int64, ()), name
+    for name in ("pass_kurt", "pass_inf"):
+        t = getattr(s, name)
+        assert (t.device.type, t.dtype, t.shape) == ("meta", torch.float64, (2,)), name
+    assert s.moments.n.device.type == "meta" and s.hist.counts.device.type == "meta"
+    assert s.topk._abs.device.type == "meta" and s.topk._coords.device.type == "meta"
+
+
+def test_the_default_keeps_the_top_100_and_names_the_ranks_it_reports():
+    """The profiler's default k = 100: 150 distinct values keep exactly the 100 largest; the summary's ranks are
+    top1, 2, 3, 10 and 100, each the value at that rank."""
+    x = (torch.randperm(150).float() + 1).reshape(1, 150, 1) * torch.tensor([1.0, -1.0]).repeat(75).reshape(1, 150, 1)
+    s = SiteStats(TOKEN)
+    s.update(x)
+    out = s.summary()
+    ranked = np.sort(np.abs(x.numpy().ravel()))[::-1]
+    assert len(out["topk"]) == 100 and s.k == 100
+    assert out["top"] == {f"top{r}": float(ranked[r - 1]) for r in (1, 2, 3, 10, 100)}
+
+
+def test_token_id_zero_is_reported():
+    x = torch.zeros(1, 4, 2)
+    x[0, 2, 1] = 9.0
+    s = SiteStats(TOKEN, k=1)
+    s.update(x, input_ids=torch.tensor([[5, 7, 0, 3]]))
+    assert s.summary()["topk"] == [{"value": 9.0, "batch": 0, "pos": 2, "channel": 1, "token_id": 0}]
+
+
+def test_one_position_gives_hit_fractions_over_one_and_fields_rounded_to_six_places():
+    x = torch.tensor([[[7.1234567, 0.3333333, -6.5, 1.0]]])  # one position: fractions are 0 or 1 of it
+    s = SiteStats(TOKEN)
+    s.update(x)
+    out = s.summary()
+    assert out["channel_hit_fraction"] == [1.0, 0.0, 1.0, 0.0]
+    assert out["channel_absmax"] == [round(float(v), 6) for v in x.abs().reshape(-1).tolist()]
+    assert out["position_absmax"] == [round(float(x.abs().max()), 6)] != [float(x.abs().max())]
+    two = SiteStats(TOKEN, outlier_threshold=0.3)
+    two.update(torch.tensor([[[0.1, 0.5, 0.2]], [[0.4, 0.1, 0.2]], [[0.35, 0.9, 0.1]]]))
+    assert two.summary()["channel_hit_fraction"] == [round(2 / 3, 6), round(2 / 3, 6), 0.0]
+
+
+def test_the_spread_histogram_keeps_float32s_largest_magnitudes_in_the_last_bin(monkeypatch):
+    """Where reading back is not free (a GPU), left-out values keep their own bins with weight 0 and NaN's
+    patterns are clamped into the last bin: a finite value in that last bin (|x| near float32's maximum) must
+    stay counted there, as the CPU path counts it."""
+    x = torch.tensor([[[3.4e38, 1.0, float("nan"), -2.0]]])
+    got = {}
+    for free in (frozenset({"cpu"}), frozenset()):
+        monkeypatch.setattr(site_stats, "FREE_READS", free)
+        s = SiteStats(TOKEN)
+        s.update(x)
+        got[free] = s.hist.counts.clone()
+    last = site_stats.NBINS - 1
+    assert torch.equal(got[frozenset()], got[frozenset({"cpu"})])
+    assert int(got[frozenset()][last]) == 1 and int(got[frozenset()].sum()) == 3
