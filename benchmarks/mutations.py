@@ -154,6 +154,22 @@ def _kept(module: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def _carry_killed(ws: Path, module: str, before: dict) -> None:
+    """Put back the kills mutmut forgot. It clears every verdict when the tests it chooses from change, but a
+    mutant some of the earlier tests killed is killed by any selection that still holds them: where the module's
+    test files now include every earlier one and the mutant's function is unchanged, its earlier kill stands."""
+    if "tests" not in before or not set(before["tests"]) <= set(CORE[module]):
+        return
+    path = ws / "mutants" / (module + ".meta")
+    meta = json.loads(path.read_text())
+    codes, hashes = meta["exit_code_by_key"], meta.get("hash_by_function_name", {})
+    kept = fresh(before["exit_code_by_key"], before.get("hash_by_function_name", {}), hashes)
+    carried = {n: c for n, c in kept.items() if codes.get(n) is None and STATUS.get(c) in ("killed", "timeout")}
+    if carried:
+        codes.update(carried)
+        path.write_text(json.dumps(meta))
+
+
 def _keep(ws: Path, module: str) -> None:
     """Copy the module's verdicts (and the diffs of its survivors, which need mutmut's generated file) into
     the repository."""
@@ -162,7 +178,7 @@ def _keep(ws: Path, module: str) -> None:
         return
     codes = meta["exit_code_by_key"]
     alive = _alive(codes, _equivalents())
-    kept = {"exit_code_by_key": dict(sorted(codes.items())),
+    kept = {"tests": list(CORE[module]), "exit_code_by_key": dict(sorted(codes.items())),
             "hash_by_function_name": dict(sorted(meta.get("hash_by_function_name", {}).items())),
             "diffs": _diffs(ws, module, alive) if (ws / "mutants" / module).exists() else _kept(module).get("diffs", {})}
     _write(_kept_path(module), json.dumps(kept, indent=0, ensure_ascii=False) + "\n")
@@ -204,6 +220,7 @@ print(json.dumps([list(m.mutant_names), dict(m.hash_by_function_name)]))
 
 
 def run_module(module: str, jobs: int) -> None:
+    before = _kept(module)  # mutmut forgets every verdict when its test selection changes: see _carry_killed
     ws = workspace(module)
     names, _ = _names(ws, module)
     meta = _meta(ws, module)
@@ -214,6 +231,7 @@ def run_module(module: str, jobs: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "PYTHONDONTWRITEBYTECODE": "1"}
     for i in range(0, len(pending), 400):  # explicitly named mutants always run: the pending ones, in chunks
         subprocess.run(["mutmut", "run", "--max-children", str(jobs), *pending[i:i + 400]], cwd=ws, env=env)
+        _carry_killed(ws, module, before)
         _keep(ws, module)
     if not (ws / "mutants" / module).exists():
         return
@@ -223,6 +241,7 @@ def run_module(module: str, jobs: int) -> None:
     stale = [n for n in unrun if diffs[n] != argued[n]["diff"]]  # argued for another diff: run it like any other
     if stale:
         subprocess.run(["mutmut", "run", "--max-children", str(jobs), *stale], cwd=ws, env=env)
+        _carry_killed(ws, module, before)
         _keep(ws, module)
 
 

@@ -135,6 +135,7 @@ def _both(updates, dims, k=40, threshold=6.0):
         for x, valid, block in updates:
             s.update(x, valid, block=block)
         s._fold()
+        assert (s._kernel is not None) == (path == "triton")  # that path really ran (`path` alone names the choice)
         out[path] = s
     return out["torch"], out["triton"]
 
@@ -150,6 +151,8 @@ def assert_exact_but_moments(a, b):
     assert torch.equal(a.topk._coords, b.topk._coords)
     assert a.passes == b.passes and torch.equal(a.pass_inf, b.pass_inf)
     assert a.path == "torch" and b.path == "triton"
+    for name, dtype in (("channel_absmax", torch.float32), ("channel_hits", torch.int64)):
+        assert getattr(b, name) is None or getattr(b, name).dtype == dtype, name
 
 
 def reference_moments(values: torch.Tensor) -> dict:
@@ -204,6 +207,51 @@ def test_site_kernel_logits_weights_and_bf16():
     a, b = _both([(h, None, None)], ("batch", "pos", "channel"))
     assert_exact_but_moments(a, b)
     assert_contract_moments(b.moments, h.float().flatten())
+
+
+def test_site_kernel_scalar_site_and_a_pickle_without_its_kernel():
+    """A zero-dim site (a scalar such as a loss) on both paths; a pickled site (a saved profile) leaves the
+    kernel and its device buffers behind and counts on as the original."""
+    import pickle
+
+    a, b = _both([(torch.tensor(3.5), None, None), (torch.tensor(-7.25), None, None)], ())
+    assert_exact_but_moments(a, b)
+    assert b.summary()["absmax"] == 7.25 and b.summary()["count"] == 2
+    copy = pickle.loads(pickle.dumps(b))
+    assert copy._kernel is None and copy.summary() == b.summary()
+
+
+def _perturbed(value, scale):
+    if isinstance(value, list):
+        return value[:-1] if value else [1.0]
+    if isinstance(value, dict):
+        return {**value, "extra": 1.0}
+    return value + 1 if isinstance(value, int) else value * (1 + scale)
+
+
+@pytest.mark.parametrize("key", ["count", "nonfinite", "absmax", "top", "topk", "channel_absmax",
+                                 "channel_hit_fraction", "std", "kurtosis"])
+def test_the_contract_check_reports_each_statistic_it_compares(monkeypatch, key):
+    """The check "auto" trusts before choosing Triton must see a Triton path that differs in any one statistic it
+    compares (each altered alone in the Triton side's summary), and pass a difference within the contract (std and
+    kurtosis within 1e-6 relative)."""
+    from diffquant.stats import site_stats
+
+    real = site_stats.SiteStats.summary
+    scale = {"key": 1e-5}
+
+    def summary(self, full=True):
+        s = real(self, full)
+        if self.path == "triton":
+            s[key] = _perturbed(s[key], scale["key"])
+        return s
+
+    monkeypatch.setattr(site_stats.SiteStats, "summary", summary)
+    message = site_stats.contract_check("cpu")
+    assert message is not None and message.startswith(key + " "), message
+    if key in ("std", "kurtosis"):
+        scale["key"] = 5e-7
+        assert site_stats.contract_check("cpu") is None
 
 
 def test_site_kernel_subnormals_and_zeros():

@@ -46,3 +46,23 @@ def test_kept_verdicts_name_core_mutants_and_carry_each_survivors_diff():
         assert all(n.startswith(prefix) for n in kept["exit_code_by_key"]), path
         alive = {n for n, c in kept["exit_code_by_key"].items() if mutations.STATUS.get(c) in ("survived", "no tests")}
         assert alive <= set(kept["diffs"]), path
+
+
+def test_kills_forgotten_by_mutmut_come_back_only_for_a_wider_selection_and_an_unchanged_function(tmp_path,
+                                                                                                 monkeypatch):
+    module = "diffquant/m.py"
+    before = {"tests": ["tests/a.py"], "hash_by_function_name": {"x_f": "h1", "x_g": "old"},
+              "exit_code_by_key": {"diffquant.m.x_f__mutmut_1": 1, "diffquant.m.x_f__mutmut_2": 0,
+                                   "diffquant.m.x_g__mutmut_1": 1}}
+    meta = tmp_path / "mutants" / (module + ".meta")
+    meta.parent.mkdir(parents=True)
+    cleared = {"exit_code_by_key": dict.fromkeys(before["exit_code_by_key"]),
+               "hash_by_function_name": {"x_f": "h1", "x_g": "new"}}
+    for tests, carried in ((("tests/a.py", "tests/b.py"), {"diffquant.m.x_f__mutmut_1": 1}), (("tests/b.py",), {})):
+        monkeypatch.setitem(mutations.CORE, module, tests)
+        meta.write_text(json.dumps(cleared))
+        mutations._carry_killed(tmp_path, module, before)
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        assert {n: c for n, c in codes.items() if c is not None} == carried, tests
+    mutations._carry_killed(tmp_path, module, {k: v for k, v in before.items() if k != "tests"})  # unknown selection
+    assert all(c is None for c in json.loads(meta.read_text())["exit_code_by_key"].values())
