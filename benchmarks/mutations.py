@@ -81,7 +81,8 @@ SLOW = ("tests/test_hot_path.py::test_blocks_cut_at_their_last_key_equal_uncut_b
         "tests/test_mitigate.py::test_smoothquant_search_applies_the_alpha_of_least_calibration_loss")  # 11 s
 # Error messages are not numbers: lines raising them are not mutated (their wording has tests of its own)
 NOT_MUTATED = (r"raise (DiffquantError|ValueError)\(",)
-STATUS = {1: "killed", 3: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
+# exit codes of mutmut's forked test runs; a signal (abort, segfault) means the mutant crashed the tests: caught
+STATUS = {1: "killed", 3: "killed", -6: "killed", -11: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
           0: "survived", 5: "no tests", 33: "no tests", None: "not run"}
 
 
@@ -178,9 +179,9 @@ def _keep(ws: Path, module: str) -> None:
         return
     codes = meta["exit_code_by_key"]
     alive = _alive(codes, _equivalents())
+    diffs = _diffs(ws, module, alive) if (ws / "mutants" / module).exists() else _kept(module).get("diffs", {})
     kept = {"tests": list(CORE[module]), "exit_code_by_key": dict(sorted(codes.items())),
-            "hash_by_function_name": dict(sorted(meta.get("hash_by_function_name", {}).items())),
-            "diffs": _diffs(ws, module, alive) if (ws / "mutants" / module).exists() else _kept(module).get("diffs", {})}
+            "hash_by_function_name": dict(sorted(meta.get("hash_by_function_name", {}).items())), "diffs": diffs}
     _write(_kept_path(module), json.dumps(kept, indent=0, ensure_ascii=False) + "\n")
 
 
@@ -324,7 +325,8 @@ def _markdown(doc: dict) -> str:
     lines = ["# Mutation testing of the numeric core", "",
              "Written by `python -m benchmarks.mutations` (see its docstring): each mutant is one small change of a "
              "function, run against the module's fast tests. Killed includes timeouts (a mutant that made a test "
-             "hang); the score is killed / (mutants − equivalent − not run).", "",
+             "hang) and crashes (one that aborted the test process); the score is killed / (mutants − equivalent − "
+             "not run).", "",
              "| module | mutants | killed | survived | no tests | equivalent | not run | score |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for module, m in doc["modules"].items():

@@ -217,6 +217,9 @@ def test_site_kernel_scalar_site_and_a_pickle_without_its_kernel():
     a, b = _both([(torch.tensor(3.5), None, None), (torch.tensor(-7.25), None, None)], ())
     assert_exact_but_moments(a, b)
     assert b.summary()["absmax"] == 7.25 and b.summary()["count"] == 2
+    a, b = _both([(torch.tensor([0.5, -4.0, 2.0]), None, None)], ("channel",))  # one dim: not reshaped to one value
+    assert_exact_but_moments(a, b)
+    assert b.summary()["channel_absmax"] == [0.5, 4.0, 2.0]
     copy = pickle.loads(pickle.dumps(b))
     assert copy._kernel is None and copy.summary() == b.summary()
 
@@ -252,6 +255,20 @@ def test_the_contract_check_reports_each_statistic_it_compares(monkeypatch, key)
     if key in ("std", "kurtosis"):
         scale["key"] = 5e-7
         assert site_stats.contract_check("cpu") is None
+
+
+def test_a_merge_or_copy_of_unused_statistics_keeps_the_kernels_asked_for():
+    """A rank that saw nothing yet, merged or copied (gathering), then fed: it still takes the path it was asked
+    for, not the process's default choice."""
+    from diffquant.stats.site_stats import SiteStats
+
+    dims = ("batch", "pos", "channel")
+    x = torch.randn(2, 3, 8)
+    for made in (lambda: SiteStats(dims, kernels="triton").merge(SiteStats(dims, kernels="triton")),
+                 lambda: SiteStats(dims, kernels="triton").to("cpu")):
+        s = made()
+        s.update(x)
+        assert s.path == "triton" and s._kernel is not None
 
 
 def test_site_kernel_subnormals_and_zeros():

@@ -264,3 +264,47 @@ def test_the_spread_histogram_keeps_float32s_largest_magnitudes_in_the_last_bin(
     last = site_stats.NBINS - 1
     assert torch.equal(got[frozenset()], got[frozenset({"cpu"})])
     assert int(got[frozenset()][last]) == 1 and int(got[frozenset()].sum()) == 3
+
+
+def _kernel_update(s: SiteStats, x, valid, ids, row_offset):
+    """What the tapped attention's flash kernel hands `update_from_kernel`, computed here in float64 from x."""
+    counted = valid.expand_as(x) & torch.isfinite(x)
+    v = x[counted].double()
+    d = v - v.mean()
+    rowmax = torch.where(counted, x.abs(), 0.0).amax(dim=-1)
+    entry = torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64), v.sum(), (d**2).sum(), (d**3).sum(),
+                         (d**4).sum(), rowmax.max().double()])
+    # as the kernel hands them: the rows' values and their `valid` mask (the top-k leaves non-finite values out)
+    rows_x, rows_ok = x.reshape(-1, x.shape[-1]), valid.expand_as(x).reshape(-1, x.shape[-1])
+    s.update_from_kernel(entry, rowmax, x.shape, lambda rows: (rows_x[rows], rows_ok[rows]), ids, row_offset)
+
+
+@pytest.mark.parametrize("k", [3, 8, 60])  # fewer rows than k (the k rows of largest maxima), as many, and more
+def test_updates_from_the_flash_kernel_equal_the_torch_path(k):
+    """`update_from_kernel` (the Triton flash path's entry) fed two causal calls, the second holding inf and NaN
+    where they are visible and its largest channel maximum below the first's: maxima, top-k with batch offsets and
+    token ids, and the moments equal the torch path fed the same calls; the path names both after a torch update."""
+    g = torch.Generator().manual_seed(36)
+    calls = [torch.randn(1, 2, 4, 6, generator=g) * 3, torch.randn(1, 2, 4, 6, generator=g)]
+    calls[0][0, 1, 3, 5] = -35.0  # head 1's maximum, in the first call
+    calls[0][0, 0, 0, 0] = 35.0  # a tie with it in another row, earlier in the tensor
+    calls[1][0, 0, 3, 1], calls[1][0, 1, 2, 0] = float("inf"), float("nan")
+    calls[1][0, 0, 2, 2] = 30.0  # head 0's maximum, in the second call (batch 1 once offset)
+    calls[1][0, 1, 0, 0] = 29.0  # below head 1's maximum of the first call
+    valid = (torch.arange(6)[None, :] <= torch.arange(2, 6)[:, None])[None, None]
+    ids = torch.tensor([[11, 0, 13, 14]])
+    flash, ref = SiteStats(LOGITS, k=k), SiteStats(LOGITS, k=k)
+    for i, x in enumerate(calls):
+        _kernel_update(flash, x, valid, ids, i)
+        ref.update(x, valid, input_ids=ids, row_offset=i)
+    a, b = flash.summary(), ref.summary()
+    assert a["kernels"] == "triton" and b["kernels"] == "torch"
+    for key in ("topk", "channel_absmax", "position_absmax", "count", "passes", "pass_infnorm_max", "absmax"):
+        assert a[key] == b[key], key
+    assert a["mean"] == pytest.approx(b["mean"], abs=1e-6 * b["std"])
+    assert a["kurtosis"] == pytest.approx(b["kurtosis"], rel=1e-6)
+    assert {e["batch"] for e in a["topk"]} == {0, 1} and all("token_id" in e for e in a["topk"])
+    assert k != 60 or any(e["token_id"] == 0 for e in a["topk"])
+    assert all(np.isfinite(e["value"]) for e in a["topk"])
+    _kernel_update(ref, calls[0], valid, ids, 2)
+    assert ref.summary()["kernels"] == "torch+triton"
