@@ -232,7 +232,7 @@ def _perturbed(value, scale):
     return value + 1 if isinstance(value, int) else value * (1 + scale)
 
 
-@pytest.mark.parametrize("key", ["count", "nonfinite", "absmax", "top", "topk", "channel_absmax",
+@pytest.mark.parametrize("key", ["count", "nonfinite", "absmax", "top", "topk", "quantiles", "channel_absmax",
                                  "channel_hit_fraction", "std", "kurtosis"])
 def test_the_contract_check_reports_each_statistic_it_compares(monkeypatch, key):
     """The check "auto" trusts before choosing Triton must see a Triton path that differs in any one statistic it

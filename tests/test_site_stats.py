@@ -88,20 +88,21 @@ def _logits(seed: int, queries: int = 8, keys: int = 10) -> torch.Tensor:
     return torch.randn(1, 2, queries, keys, generator=g) + 1.5  # a mean away from 0: a pooled sum scaled wrong shows
 
 
-def test_query_blocks_of_one_call_are_one_pass_at_their_own_positions():
+@pytest.mark.parametrize("keys", [10, 4])  # more keys than queries, and fewer (a block may end at the key count)
+def test_query_blocks_of_one_call_are_one_pass_at_their_own_positions(keys):
     """A blocked attention call (query blocks starting at 0, 1 and 5 of 8 queries over 10 keys) after 63 unblocked
     calls: the pending sums reach the fold threshold (64) inside the call, which must wait for its last block, so
     the three blocks make one pass; positions are offset by each block's start; token ids reach the top-k through
     the call's query count. All against numpy on the whole calls."""
-    calls = [_logits(100 + i) for i in range(64)]
+    calls = [_logits(100 + i, keys=keys) for i in range(64)]
     ids = torch.arange(8).reshape(1, 8) + 1000
     s = SiteStats(LOGITS, k=5)
     for i, x in enumerate(calls[:-1]):
         s.update(x, input_ids=ids, row_offset=i)
     x = calls[-1]
-    x[0, 1, 6, 9] = 40.0  # the largest value, in the last call's last block
-    for start, end in ((0, 1), (1, 5), (5, 8)):
-        s.update(x[:, :, start:end], input_ids=ids, row_offset=63, block=Block(start, end, 8, 10))
+    x[0, 1, 6, keys - 1] = 40.0  # the largest value, in the last call's last block
+    for start, end in ((0, 1), (1, 4), (4, 8)):
+        s.update(x[:, :, start:end], input_ids=ids, row_offset=63, block=Block(start, end, 8, keys))
     out = s.summary()
     every = np.stack([c.numpy() for c in calls]).reshape(64, -1).astype(np.float64)
     assert out["passes"] == 64 and out["count"] == every.size
@@ -115,7 +116,7 @@ def test_query_blocks_of_one_call_are_one_pass_at_their_own_positions():
     assert out["position_absmax"] == [round(float(v), 6) for v in np.abs(stacked).max(axis=(0, 1, 3))]
     assert out["channel_absmax"] == [round(float(v), 6) for v in np.abs(stacked).max(axis=(0, 2, 3))]
     top = out["topk"][0]
-    assert top["value"] == 40.0 and (top["batch"], top["head"], top["q_pos"], top["k_pos"]) == (63, 1, 6, 9)
+    assert top["value"] == 40.0 and (top["batch"], top["head"], top["q_pos"], top["k_pos"]) == (63, 1, 6, keys - 1)
     assert top["token_id"] == 1006  # ids[0, 6]: read at the call's query, not the block's
 
 
@@ -308,3 +309,44 @@ def test_updates_from_the_flash_kernel_equal_the_torch_path(k):
     assert all(np.isfinite(e["value"]) for e in a["topk"])
     _kernel_update(ref, calls[0], valid, ids, 2)
     assert ref.summary()["kernels"] == "torch+triton"
+
+
+def test_one_counted_value_has_no_spread():
+    """A mask that leaves one value: std 0, no kurtosis, a pass kurtosis of 0 (the mean is that value exactly; a
+    mean taken as half of it leaves float32 rounding in M₂ that shows as std 1e-5 and kurtosis 1e8)."""
+    s = SiteStats(TOKEN)
+    valid = torch.zeros(1, 3, 1, dtype=torch.bool)
+    valid[0, 1] = True
+    s.update(torch.tensor([[[5.0], [0.1], [-2.0]]]), valid)
+    out = s.summary()
+    assert out["count"] == 1 and out["mean"] == pytest.approx(0.1, rel=1e-7)
+    assert out["std"] == 0.0 and out["pass_kurtosis_mean"] == 0.0 and out["pass_kurtosis_max"] == 0.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_flash_updates_keep_the_same_tied_entries_when_the_rows_number_k(seed):
+    """Integer logits (many ties) in 9 rows with k = 9: the flash path's top-k keeps the same tied entries, with
+    their signs and coordinates, as the torch path (the branch that offers every row)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (1, 1, 9, 4), generator=g).float()
+    valid = torch.ones(1, 1, 9, 4, dtype=torch.bool)
+    flash, ref = SiteStats(LOGITS, k=9), SiteStats(LOGITS, k=9)
+    _kernel_update(flash, x, valid, None, 0)
+    ref.update(x, valid)
+    assert flash.summary()["topk"] == ref.summary()["topk"]
+
+
+def test_flash_entries_waiting_do_not_split_a_later_blocked_call():
+    """63 updates from the flash kernel wait to be folded; a blocked call of three query blocks then reaches 64
+    entries at its first block, and must still fold only after its last: 64 passes."""
+    x = _logits(5)
+    valid = torch.ones(1, 1, 8, 10, dtype=torch.bool)
+    s = SiteStats(LOGITS)
+    for i in range(63):
+        _kernel_update(s, _logits(200 + i), valid, None, i)
+    for start, end in ((0, 1), (1, 5), (5, 8)):
+        s.update(x[:, :, start:end], row_offset=63, block=Block(start, end, 8, 10))
+    every = np.stack([_logits(200 + i).numpy() for i in range(63)] + [x.numpy()]).reshape(64, -1).astype(np.float64)
+    out = s.summary()
+    assert out["passes"] == 64
+    assert out["pass_kurtosis_mean"] == pytest.approx(np.mean([_kurt(c) for c in every]), rel=1e-6)

@@ -394,7 +394,7 @@ def contract_check(device) -> str | None:
         stats.update(x.to(device), valid.to(device))
         got[path] = stats.summary()
     t, r = got["triton"], got["torch"]
-    for key in ("count", "nonfinite", "absmax", "top", "topk", "channel_absmax", "channel_hit_fraction"):
+    for key in ("count", "nonfinite", "absmax", "top", "topk", "quantiles", "channel_absmax", "channel_hit_fraction"):
         if t.get(key) != r.get(key):
             return f"{key} differs from torch's"
     for key in ("std", "kurtosis"):
