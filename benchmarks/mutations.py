@@ -18,7 +18,8 @@ Each module runs in its own folder under .mutations/ (a copy of the tree that te
 moves). The verdicts are also kept in the repository (benchmarks/mutation_verdicts/, written as mutmut records
 them), so a fresh checkout resumes where the last run stopped: a rerun keeps the verdicts of killed mutants whose
 function is unchanged (mutmut's hash of the function) and runs the rest again (survivors too, so new tests are
-tried on them); the report counts a verdict whose function has changed since as not run. Survivors that no test can kill, because they compute the same
+tried on them); the report counts a verdict whose function has changed since as not run. Survivors that no test
+can kill, because they compute the same
 numbers, are argued in benchmarks/mutations_equivalent.json (`--equivalent NAME REASON`), keyed by mutant name
 with the diff they were argued for (a changed diff marks the argument stale); they are not rerun. The report:
 killed, survived, equivalent and the score (killed / (mutants − equivalent − not run)) per module, each
@@ -82,7 +83,8 @@ SLOW = ("tests/test_hot_path.py::test_blocks_cut_at_their_last_key_equal_uncut_b
 # Error messages are not numbers: lines raising them are not mutated (their wording has tests of its own)
 NOT_MUTATED = (r"raise (DiffquantError|ValueError)\(",)
 # exit codes of mutmut's forked test runs; a signal (abort, segfault) means the mutant crashed the tests: caught
-STATUS = {1: "killed", 3: "killed", -6: "killed", -11: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
+STATUS = {1: "killed", 3: "killed", -6: "killed", -11: "killed",
+          36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
           0: "survived", 5: "no tests", 33: "no tests", None: "not run"}
 
 
@@ -223,9 +225,9 @@ print(json.dumps([list(m.mutant_names), dict(m.hash_by_function_name)]))
 def run_module(module: str, jobs: int) -> None:
     before = _kept(module)  # mutmut forgets every verdict when its test selection changes: see _carry_killed
     ws = workspace(module)
-    names, _ = _names(ws, module)
-    meta = _meta(ws, module)
-    done = meta.get("exit_code_by_key", {})
+    names, hashes = _names(ws, module)
+    meta = _meta(ws, module)  # mutmut drops a changed function's verdicts only once it runs: drop them here first
+    done = fresh(meta.get("exit_code_by_key", {}), meta.get("hash_by_function_name", {}), hashes)
     argued = _equivalents()
     pending = [n for n in names if STATUS.get(done.get(n), "other") not in ("killed", "timeout") and n not in argued]
     print(f"{module}: {len(names)} mutants, {len(pending)} to run", flush=True)
@@ -292,15 +294,16 @@ def report() -> dict:
                 modules[module] = {"run": False}
             continue
         ws = workspace(module)  # restores the kept verdicts in a fresh checkout
+        generated = (ws / "mutants" / module).exists()  # mutmut's mutated file: the diffs can be read from it
         names, hashes = _names(ws, module)
         meta = _meta(ws, module)
         done = fresh(meta.get("exit_code_by_key", {}), meta.get("hash_by_function_name", {}), hashes)
-        if (ws / "mutants" / module).exists():
+        if generated:
             _keep(ws, module)
         counts = {"mutants": len(names), "killed": 0, "timeout": 0, "survived": 0, "equivalent": 0, "no tests": 0,
                   "not run": 0, "other": 0}
         alive = _alive({n: done.get(n) for n in names}, equivalents)
-        diffs = _diffs(ws, module, alive) if (ws / "mutants" / module).exists() else _kept(module).get("diffs", {})
+        diffs = _diffs(ws, module, alive) if generated else _kept(module).get("diffs", {})
         for n in names:
             status = STATUS.get(done.get(n), "other")
             if n in alive:
