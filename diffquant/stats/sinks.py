@@ -54,8 +54,8 @@ def first_key_mass(probs: torch.Tensor, valid: torch.Tensor | None, block: tuple
     token) or that have no valid key are not counted."""
     b, h, q, k = probs.shape
     start, total, keys = (0, q, k) if block is None else (block[0], block[2], block[3])
-    if valid is None:
-        mass = probs[:, :, (1 if start == 0 else 0):, 0].float()
+    if valid is None:  # every key visible: only a query whose own key is key 0 (the call's first token) is left out
+        mass = probs[:, :, (1 if start + keys - total == 0 else 0):, 0].float()
         return mass.sum(dim=(0, 2)).double(), torch.tensor(b * mass.shape[2], dtype=torch.float64, device=probs.device)
     v = valid.expand(b, -1, q, k)[:, :1]  # the mask is the same for every head
     first = v.to(torch.int8).argmax(dim=-1)  # [b, 1, q] first valid key of each query row
