@@ -53,7 +53,7 @@ CORE = {
                                       "tests/test_profile.py::test_the_profiler_counts_llm_int8_outliers_at_six"),
     "diffquant/stats/sinks.py": ("tests/test_sinks.py", "tests/test_sink_bookkeeping.py", "tests/test_diff_sinks.py",
                                  "tests/test_hot_path.py"),
-    "diffquant/stats/distributed.py": ("tests/test_stats.py",),
+    "diffquant/stats/distributed.py": ("tests/test_stats.py", "tests/test_stats.py::test_merge_across_two_gloo_ranks"),
     "diffquant/stats/outlier_regime.py": ("tests/test_regime.py", "tests/test_fair_rivals.py"),
     "diffquant/stats/intervals.py": ("tests/test_stats.py", "tests/test_binomial_stats.py", "tests/test_reporting.py",
                                      "tests/test_fair_rivals.py", "tests/test_wa_table.py"),
@@ -72,7 +72,9 @@ FUNCTIONS = {"diffquant/taps/attention.py": ("xǁVisibleǁrows", "xǁVisibleǁde
                                              "xǁVisibleǁkeys", "x_first_key_only", "x_first_key_masses",
                                              "x_first_key_taps", "x__block_of", "x__widen", "x_masked_scores",
                                              "x__differential_map")}
-# Tests too slow to run once per mutant (seconds measured on two cores); the fast ones beside them cover the same code
+# Tests too slow to run once per mutant (seconds measured on two cores); the fast ones beside them cover the same code.
+# A module whose CORE names one of them explicitly runs it (the two-rank test is the only one to reach the process
+# group calls of stats/distributed.py).
 SLOW = ("tests/test_hot_path.py::test_blocks_cut_at_their_last_key_equal_uncut_blocks",  # 64 s
         "tests/test_quant.py::test_dynamic_scales_do_not_depend_on_batch_size",  # 57 s
         "tests/test_gptq.py::test_quantize_cli_with_gptq_round_trip",  # 25 s
@@ -129,7 +131,8 @@ def workspace(module: str) -> Path:
         f"pytest_add_cli_args_test_selection = {_toml_list(CORE[module])}\n"
         "pytest_add_cli_args = " + _toml_list(["-p", "no:cacheprovider", "-p", "no:xdist", "-m",
                                                "not slow and not cuda and not network", "-W", "ignore"]
-                                              + [a for t in SLOW for a in ("--deselect", t)]) + "\n"
+                                              + [a for t in SLOW if t not in CORE[module] for a in ("--deselect", t)]
+                                              ) + "\n"
         'process_isolation = "forkserver"\n'
         "use_git_change_detection = false\n"
         "\n[tool.pytest.ini_options]\n"

@@ -259,36 +259,104 @@ def test_shards_merge_equals_one_pass():
 
 
 def _rank_worker(rank, world, path, port):
+    """One torchrun-like rank: the environment torchrun sets, then diffquant's own process-group calls."""
+    import os
+
     import torch.distributed as dist
 
-    from diffquant.stats.distributed import merge_across_ranks
+    from diffquant.stats.distributed import barrier, finish_distributed, gather_merge, init_distributed, \
+        merge_across_ranks, rank_world
+    from diffquant.stats.sinks import LayerSinks
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    init_distributed()
+    seen = rank_world()
     x = _heavy((4, 6, 16), seed=9)
     s = SiteStats(("batch", "pos", "channel"), k=10)
     s.update(x[rank * 2:(rank + 1) * 2], row_offset=rank * 2)
     merged = merge_across_ranks({"site": s})
+    sinks = {}
+    if rank == 0:  # rank 1 ran no batch of this layer: it holds no key, and adds nothing
+        sinks[0] = LayerSinks()
+        sinks[0].add_hidden(x, None)
+    layer = gather_merge(sinks)
+    barrier()
+    finish_distributed()
     if rank == 0:
-        torch.save(merged["site"].summary(), path)
-    dist.destroy_process_group()
+        torch.save({"summary": merged["site"].summary(), "rank_world": seen, "sinks": layer[0].summary(diff=False),
+                    "initialized_after": dist.is_initialized()}, path)
 
 
 def test_merge_across_two_gloo_ranks(tmp_path):
+    """Two processes joined as torchrun joins them (init_distributed from its environment variables): the merged
+    statistics equal one process fed every batch; a layer only rank 0 saw is rank 0's alone; the group is gone
+    after finish_distributed."""
     import socket
 
     import torch.multiprocessing as mp
+
+    from diffquant.stats.sinks import LayerSinks
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     path = tmp_path / "merged.pt"
     mp.spawn(_rank_worker, args=(2, str(path), port), nprocs=2, join=True)
-    merged = torch.load(path)
+    got = torch.load(path)
+    merged = got["summary"]
     one = SiteStats(("batch", "pos", "channel"), k=10)
-    one.update(_heavy((4, 6, 16), seed=9))
+    x = _heavy((4, 6, 16), seed=9)
+    one.update(x)
     ref = one.summary()
     assert merged["count"] == ref["count"] and merged["topk"] == ref["topk"]
     assert merged["kurtosis"] == pytest.approx(ref["kurtosis"], rel=1e-6)
+    assert got["rank_world"] == (0, 2) and got["initialized_after"] is False
+    alone = LayerSinks()
+    alone.add_hidden(x, None)
+    assert got["sinks"] == alone.summary(diff=False)
+
+
+def test_outside_torchrun_the_process_group_calls_do_nothing(monkeypatch):
+    import torch.distributed as dist
+
+    from diffquant.stats.distributed import barrier, finish_distributed, gather_merge, init_distributed, \
+        merge_across_ranks, rank_world
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    init_distributed()
+    barrier()
+    assert not dist.is_initialized() and rank_world() == (0, 1)
+    stats = {"site": SiteStats(("batch", "pos", "channel"))}
+    assert merge_across_ranks(stats) is stats and gather_merge(stats) is stats
+    finish_distributed()
+    assert not dist.is_initialized()
+
+
+def test_ranks_merge_in_rank_order_over_every_key():
+    """Three ranks' dicts as all_gather_object returns them: rank 1 ran no batch, sites `a` and `c` were seen by
+    one rank each; `b` by ranks 0 and 2 merges as one process fed rank 0's batches then rank 2's (the top-k's tie
+    at the largest value keeps rank 0's row, which comes first)."""
+    from diffquant.stats.distributed import merge_in_rank_order
+
+    x = _heavy((6, 5, 16), seed=13)
+    x[4, 2, 3] = x[0, 1, 3] = 500.0  # a tie at the top, in rank 0's rows and in rank 2's
+
+    def fed(rows):
+        s = SiteStats(("batch", "pos", "channel"), k=4)
+        for r in rows:
+            s.update(x[r:r + 1], row_offset=r)
+        return s
+
+    parts = [{"a": fed([0]), "b": fed([0, 1])}, {}, {"b": fed([4, 5]), "c": fed([3])}]
+    merged = merge_in_rank_order(parts)
+    assert sorted(merged) == ["a", "b", "c"]
+    assert merged["a"].summary() == fed([0]).summary() and merged["c"].summary() == fed([3]).summary()
+    got, ref = merged["b"].summary(), fed([0, 1, 4, 5]).summary()
+    assert got["topk"] == ref["topk"] and got["count"] == ref["count"] and got["quantiles"] == ref["quantiles"]
+    assert got["topk"][:2] == [{"value": 500.0, "batch": 0, "pos": 1, "channel": 3},
+                               {"value": 500.0, "batch": 4, "pos": 2, "channel": 3}]
+    assert got["kurtosis"] == pytest.approx(ref["kurtosis"], rel=1e-9)
 
 
 @pytest.mark.slow

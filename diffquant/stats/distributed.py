@@ -26,8 +26,14 @@ def gather_merge(objects: dict) -> dict:
         return objects
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, objects)
+    return merge_in_rank_order(gathered)
+
+
+def merge_in_rank_order(parts: list[dict]) -> dict:
+    """One dict from every rank's: each key's values merged left to right in rank order (`a.merge(b)`, so ties
+    keep the lower rank's, as one process fed the ranks' batches in turn would), over every key some rank has."""
     merged: dict = {}
-    for part in gathered:
+    for part in parts:
         for key, value in part.items():
             merged[key] = value if key not in merged else merged[key].merge(value)
     return merged
