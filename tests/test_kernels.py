@@ -257,6 +257,49 @@ def test_the_contract_check_reports_each_statistic_it_compares(monkeypatch, key)
         assert site_stats.contract_check("cpu") is None
 
 
+def test_the_contract_check_passes_a_difference_at_its_tolerance_exactly(monkeypatch):
+    """1e-6 relative is allowed, equality included: kurtosis 1e6 against 1e6 + 1 (a difference of exactly
+    1e-6 · 1e6 in floats) passes, 1e6 + 2 does not."""
+    from diffquant.stats import site_stats
+
+    real = site_stats.SiteStats.summary
+    triton = {"kurtosis": 1e6 + 1}
+
+    def summary(self, full=True):
+        s = real(self, full)
+        s["kurtosis"] = triton["kurtosis"] if self.path == "triton" else 1e6
+        return s
+
+    monkeypatch.setattr(site_stats.SiteStats, "summary", summary)
+    assert abs(1e6 + 1 - 1e6) == 1e-6 * 1e6
+    assert site_stats.contract_check("cpu") is None
+    triton["kurtosis"] = 1e6 + 2
+    assert site_stats.contract_check("cpu") == "kurtosis 1000002.0 against torch's 1000000.0"
+
+
+def test_the_contract_sample_holds_what_the_check_relies_on():
+    """The same sample on every call; a tie of more than 16 values at the top of the finite |x| (inside the check's
+    top-24); exactly one inf, one NaN and one subnormal, the inf where the mask leaves it out and the NaN where the
+    mask keeps it (the masked update meets both); a mask that keeps most
+    positions and leaves some out in every sequence; blocks that cut x into two unequal parts."""
+    from diffquant.stats.site_stats import contract_sample
+
+    x, valid, blocks = contract_sample()
+    again = contract_sample()
+    assert torch.equal(x.nan_to_num(), again[0].nan_to_num()) and torch.equal(valid, again[1])
+    finite = x[x.isfinite()].abs()
+    top = finite.topk(24).values
+    assert int((top == top[0]).sum()) > 16 and float(top[0]) > float(finite.topk(21).values[-1])
+    assert int(x.isposinf().sum()) == 1 and int(x.isnan().sum()) == 1
+    tiny = x[(x != 0) & (x.abs() < torch.finfo(torch.float32).tiny)]
+    assert tiny.numel() == 1
+    inf, nan = x.isposinf().nonzero()[0], x.isnan().nonzero()[0]
+    assert not bool(valid[inf[0], inf[1], 0]) and bool(valid[nan[0], nan[1], 0])
+    kept = valid[..., 0].sum(dim=1)
+    assert bool((kept < x.shape[1]).all()) and int(kept.sum()) > x.shape[0] * x.shape[1] // 2
+    assert [b.shape[1] for b in blocks] == [20, 17] and torch.equal(torch.cat(blocks, 1).nan_to_num(), x.nan_to_num())
+
+
 def test_a_merge_or_copy_of_unused_statistics_keeps_the_kernels_asked_for():
     """A rank that saw nothing yet, merged or copied (gathering), then fed: it still takes the path it was asked
     for, not the process's default choice."""

@@ -378,18 +378,29 @@ def _elementwise_max(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Te
     return torch.maximum(a, b)
 
 
-def contract_check(device) -> str | None:
-    """The Triton path against the torch path on `device`, on a small tensor with a mask, inf, NaN, a subnormal and ties
-    (diffquant.kernels.verify runs it once per device before "auto" chooses Triton): None, or what differs."""
+def contract_sample() -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The contract check's input, the same on every call: x [3, 37, 48] with 20 equal values larger than every
+    other finite |x| (a tie inside the top-24 past 16 elements, where an unstable sort shows), one inf (at a
+    position the mask leaves out), one NaN (at one it keeps) and one subnormal, a mask that leaves out some
+    positions of each sequence, and x cut along positions into two
+    blocks of unequal length (20 and 17)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 37, 48, generator=g) * 3
-    x[0, 0, :20] = 2.5  # ties past 16 elements
-    x[1, 2, 3], x[2, 5, 7], x[0, 9, 1] = float("inf"), float("nan"), 1e-40  # non-finite and a subnormal
+    x[0, 0, :20] = 40.0  # ties past 16 elements, at the top of |x|
+    x[1, 2, 3], x[2, 6, 7], x[0, 9, 1] = float("inf"), float("nan"), 1e-40  # non-finite and a subnormal
     valid = torch.rand(3, 37, 1, generator=g) > 0.2
+    return x, valid, (x[:, :20], x[:, 20:])
+
+
+def contract_check(device) -> str | None:
+    """The Triton path against the torch path on `device`, on `contract_sample` fed as two blocks and then whole
+    under its mask (diffquant.kernels.verify runs it once per device before "auto" chooses Triton): None, or what
+    differs."""
+    x, valid, blocks = contract_sample()
     got = {}
     for path in ("triton", "torch"):
         stats = SiteStats(("batch", "pos", "channel"), k=24, device=device, kernels=path)
-        for block in (x[:, :20], x[:, 20:]):
+        for block in blocks:
             stats.update(block.to(device), None)
         stats.update(x.to(device), valid.to(device))
         got[path] = stats.summary()
