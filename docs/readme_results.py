@@ -1063,6 +1063,7 @@ def findings_part() -> str:
     if regime is not None and "aggregate" in regime:
         out.append(emergence_finding(regime))
     out += _headnorm_finding()
+    out += _decomposition_finding()
     fair = _load("docs/rivals/fair-guo/results.json")
     if fair is not None:
         primary = [r for r in fair["tests"] if r["family"] == "planned" and r["metric"] in
@@ -1181,6 +1182,68 @@ def _headnorm_finding() -> list[str]:
              f"{base['hidden_ratio']['mean']:.0f} (a ratio a large median pulls down) "
              "([head norm](docs/RESULTS.md#is-it-the-differential-map-or-the-head-norm)).")
     return [text]
+
+
+def _decomposition_finding(doc: dict | None = None) -> list[str]:
+    """The README's sentence from the second decomposition (experiments/decomposition.py), read off its results only:
+    for each primary metric, DIFF against the Transformer (a Holm difference with its factor, an equivalence by TOST
+    within the plan's margin, or no difference detected with what could have been), the plan's verdict on which part
+    carries a difference, each other contrast the same way, the learned λ of every arm that learns it, the eps swap's
+    largest effect, and the scale. Nothing until every cell is in (results.json is written only then)."""
+    doc = _load("docs/decomposition/results.json") if doc is None else doc
+    if doc is None:
+        return []
+    from experiments.decomposition import load_plan, metric_label
+    from experiments.planned import units
+
+    plan = load_plan(ROOT / "docs/decomposition/plan.yaml")
+    if doc.get("plan_sha256") != plan["sha256"]:
+        return []
+    by = {(r["contrast"], r["metric"]): r for r in doc["tests"]}
+    keys = [m["key"] for m in plan["metrics"]]
+    label = {k: metric_label(k).split(":")[0] + " ∞-norm" if k.endswith("_inf_norm") else
+             "static " + metric_label(k).split(":")[0].replace(" static", " cost", 1) for k in keys}
+    alpha, display = plan["alpha"], plan["labels"]
+
+    def said(contrast: str, key: str) -> str:
+        r = by[(contrast, key)]
+        if r.get("constant"):
+            return f"{label[key]} constant"
+        factor = units(r["diff"], r["transform"])
+        if r["p_holm"] < alpha:
+            return f"{label[key]} {factor}, Holm p {r['p_holm']:.2g}"
+        if r["p_tost_holm"] < alpha:
+            return (f"{label[key]} {factor}, equivalent within ×{math.exp(r['margin']):.3g} (TOST, Holm p "
+                    f"{r['p_tost_holm']:.2g})")
+        return f"{label[key]} {factor}, no difference detected (minimum detectable ×{math.exp(r['mde_sd'] * r['sd']):.3g})"
+
+    contrasts = [c["name"] for c in plan["contrasts"]]
+    first, *rest = contrasts
+    sc, n = doc["scale"], len(plan["seeds"])
+    eps = ", ".join(sorted({f"{v['rms_norm_eps']:g}" for v in sc.values()}))
+    text = (f"- **Outliers as magnitudes, DIFF kept differential (the second decomposition)** "
+            f"({plan['setting']['scale'].split(' (')[0]}: {sc['baseline']['parameters']:,} parameters in the "
+            f"Transformer, {sc['diff-gain']['parameters']:,} in DIFF, {sc['baseline']['train_tokens']:,} Bigram-Backcopy "
+            f"tokens each, {n} seeds per arm, rms_norm_eps {eps} in every arm, checkpoints kept; Welch over seeds, Holm "
+            f"over {doc['family_size']} tests; the paper's models: 3B parameters, 350B tokens): {first}: "
+            + "; ".join(said(first, k) for k in keys) + ". ")
+    carried = [f"{label[k]}: {doc['decomposition'][k]}" for k in keys
+               if not doc["decomposition"][k].startswith("no DIFF")]
+    if carried:
+        text += "Which part carries it, by the plan's rule: " + "; ".join(carried) + ". "
+    for c in rest:
+        text += f"{c}: " + "; ".join(said(c, k) for k in keys) + ". "
+    lam = doc.get("lambda", {})
+    if lam:
+        text += "Learned λ (every layer and seed): " + ", ".join(
+            f"{display[a]} {lo:.2f}…{hi:.2f}" for a, (lo, hi) in lam.items()) + ". "
+    swap = doc.get("eps_swap", {})
+    norms = [abs(v - 1) for row in swap.values() for k, v in row.items() if k.endswith("_inf_norm")]
+    costs = [abs(v) for row in swap.values() for k, v in row.items() if k.endswith("_cost")]
+    if norms and costs:
+        text += (f"Every RMSNorm's eps set to {plan['eps_swap']:g} at inference moves an arm's mean ∞-norm by at most "
+                 f"{100 * max(norms):.2g}% and its mean cost by at most {max(costs):.2g} percentage points. ")
+    return [text + "([second decomposition](docs/RESULTS.md#outliers-as-magnitudes-diff-kept-differential))."]
 
 
 def export_part() -> str:

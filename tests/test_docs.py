@@ -297,3 +297,49 @@ def test_the_demo_finding_reads_each_designs_top1_from_table5(load_script):
               ["Transformer", "hidden states", 114.5, 1], ["DIFF", "hidden states", 139.14, 1]]
     assert rr.top1_pair(table5) == ("hidden states DIFF 139.1 vs Transformer 114.5, "
                                     "attention logits DIFF 50.3 vs Transformer 46.5")
+
+
+def test_decomposition_finding_says_what_the_results_say(monkeypatch):
+    """The README sentence of the second decomposition from a hand-made results file of the committed plan: a Holm
+    difference with its factor, an equivalence only by TOST with its margin, a non-detection with what could have been
+    detected (exp of MDE × pooled SD), a constant said to be one, the plan's verdict where DIFF differs, λ per arm,
+    the eps swap's largest effect, and the scale; a results file of another plan says nothing."""
+    import math
+
+    rr = _module("docs/readme_results.py", "readme_results_under_test_dec")
+    from experiments.decomposition import load_plan
+
+    plan = load_plan(rr.ROOT / "docs/decomposition/plan.yaml")
+    contrasts = [c["name"] for c in plan["contrasts"]]
+    keys = [m["key"] for m in plan["metrics"]]
+    special = {(contrasts[0], "down_in_inf_norm"): {"diff": math.log(0.5), "p_holm": 0.004},
+               (contrasts[0], "attn_out_inf_norm"): {"diff": math.log(1.1), "p_tost_holm": 0.02},
+               (contrasts[1], "down_in_inf_norm"): {"diff": math.log(0.6), "p_holm": 0.03},
+               (contrasts[2], "w8a8_static_cost"): {"constant": True}}
+    rows = []
+    for c in contrasts:
+        for m in plan["metrics"]:
+            row = {"contrast": c, "metric": m["key"], "transform": m["transform"], "margin": m["margin"], "n": 5,
+                   "mde_sd": 3.5, "sd": 0.2, "diff": math.log(0.9), "p_holm": 0.5, "p_tost_holm": 0.4}
+            rows.append({**row, **special.get((c, m["key"]), {})})
+    dec = {k: "no DIFF − Transformer difference detected" for k in keys}
+    dec["down_in_inf_norm"] = "the differential map"
+    scale = {a: {"parameters": 1000 + i, "train_tokens": 4000, "rms_norm_eps": 1e-5} for i, a in enumerate(plan["arms"])}
+    doc = {"plan_sha256": plan["sha256"], "tests": rows, "decomposition": dec, "family_size": 23, "scale": scale,
+           "lambda": {"diff-gain": [-0.25, 0.5], "diff-nonorm": [0.7, 0.9], "diff-frozen": [0.2, 0.47]},
+           "eps_swap": {"baseline": {"down_in_inf_norm": 1.02, "w8a8_static_cost": 0.01},
+                        "diff-gain": {"attn_out_inf_norm": 0.95, "w8a8_static_cost": -0.3}}}
+    text = rr._decomposition_finding(doc)[0]
+    assert ("(mini preset: 1,000 parameters in the Transformer, 1,001 in DIFF, 4,000 Bigram-Backcopy tokens each, "
+            "5 seeds per arm, rms_norm_eps 1e-05 in every arm, checkpoints kept; Welch over seeds, Holm over 23 tests; "
+            "the paper's models: 3B parameters, 350B tokens)") in text
+    assert "DIFF − Transformer: o_proj input ∞-norm ×1.1, equivalent within ×1.25 (TOST, Holm p 0.02); " \
+           "down_proj input ∞-norm ×0.5, Holm p 0.004; static A8 cost at the down_proj input alone ×0.9, " \
+           f"no difference detected (minimum detectable ×{math.exp(0.7):.3g}); static W8A8 cost ×0.9" in text
+    assert "Which part carries it, by the plan's rule: down_proj input ∞-norm: the differential map. " in text
+    assert "DIFF without norm − Transformer: o_proj input ∞-norm ×0.9, no difference" in text
+    assert "down_proj input ∞-norm ×0.6, Holm p 0.03" in text
+    assert "Transformer + DIFF's norm − Transformer: " in text and "static W8A8 cost constant" in text
+    assert "Learned λ (every layer and seed): DIFF -0.25…0.50, DIFF without norm 0.70…0.90, DIFF, λ frozen 0.20…0.47" in text
+    assert "moves an arm's mean ∞-norm by at most 5% and its mean cost by at most 0.3 percentage points" in text
+    assert rr._decomposition_finding({**doc, "plan_sha256": "0" * 64}) == []
