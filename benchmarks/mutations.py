@@ -18,7 +18,7 @@ Each module runs in its own folder under .mutations/ (a copy of the tree that te
 moves). The verdicts are also kept in the repository (benchmarks/mutation_verdicts/, written as mutmut records
 them), so a fresh checkout resumes where the last run stopped: a rerun keeps the verdicts of killed mutants whose
 function is unchanged (mutmut's hash of the function) and runs the rest again (survivors too, so new tests are
-tried on them); the report counts a verdict whose function has changed since as not run. Survivors that no test
+tried on them, and timeouts, which a loaded machine can give a survivor); the report counts a verdict whose function has changed since as not run. Survivors that no test
 can kill, because they compute the same
 numbers, are argued in benchmarks/mutations_equivalent.json (`--equivalent NAME REASON`), keyed by mutant name
 with the diff they were argued for (a changed diff marks the argument stale); they are not rerun. The report:
@@ -172,7 +172,7 @@ def _carry_killed(ws: Path, module: str, before: dict) -> None:
     meta = json.loads(path.read_text())
     codes, hashes = meta["exit_code_by_key"], meta.get("hash_by_function_name", {})
     kept = fresh(before["exit_code_by_key"], before.get("hash_by_function_name", {}), hashes)
-    carried = {n: c for n, c in kept.items() if codes.get(n) is None and STATUS.get(c) in ("killed", "timeout")}
+    carried = {n: c for n, c in kept.items() if codes.get(n) is None and STATUS.get(c) == "killed"}
     if carried:
         codes.update(carried)
         path.write_text(json.dumps(meta))
@@ -227,6 +227,13 @@ print(json.dumps([list(m.mutant_names), dict(m.hash_by_function_name)]))
     return [prefix + n for n in names if keep is None or n.rsplit("__mutmut_", 1)[0] in keep], hashes
 
 
+def to_run(names: list[str], done: dict[str, int | None], argued: dict) -> list[str]:
+    """The mutants a run tries: all but the killed and the argued equivalents. Survivors run again (new tests may
+    kill them), and timeouts too: on a loaded machine a survivor's tests can outlast mutmut's limit, and a mutant
+    that really hangs times out again."""
+    return [n for n in names if STATUS.get(done.get(n), "other") != "killed" and n not in argued]
+
+
 def run_module(module: str, jobs: int) -> None:
     before = _kept(module)  # mutmut forgets every verdict when its test selection changes: see _carry_killed
     ws = workspace(module)
@@ -234,7 +241,7 @@ def run_module(module: str, jobs: int) -> None:
     meta = _meta(ws, module)  # mutmut drops a changed function's verdicts only once it runs: drop them here first
     done = fresh(meta.get("exit_code_by_key", {}), meta.get("hash_by_function_name", {}), hashes)
     argued = _equivalents()
-    pending = [n for n in names if STATUS.get(done.get(n), "other") not in ("killed", "timeout") and n not in argued]
+    pending = to_run(names, done, argued)
     print(f"{module}: {len(names)} mutants, {len(pending)} to run", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": "", "PYTHONDONTWRITEBYTECODE": "1"}
     for i in range(0, len(pending), 400):  # explicitly named mutants always run: the pending ones, in chunks

@@ -66,3 +66,9 @@ def test_kills_forgotten_by_mutmut_come_back_only_for_a_wider_selection_and_an_u
         assert {n: c for n, c in codes.items() if c is not None} == carried, tests
     mutations._carry_killed(tmp_path, module, {k: v for k, v in before.items() if k != "tests"})  # unknown selection
     assert all(c is None for c in json.loads(meta.read_text())["exit_code_by_key"].values())
+
+
+def test_a_run_tries_survivors_timeouts_and_new_mutants_but_not_kills_or_argued_equivalents():
+    names = [f"diffquant.m.x_f__mutmut_{i}" for i in range(1, 8)]
+    done = {names[0]: 1, names[1]: 0, names[2]: 36, names[3]: -11, names[4]: None, names[6]: 0}
+    assert mutations.to_run(names, done, {names[6]: {}}) == [names[1], names[2], names[4], names[5]]
