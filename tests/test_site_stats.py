@@ -354,3 +354,52 @@ def test_flash_entries_waiting_do_not_split_a_later_blocked_call():
     out = s.summary()
     assert out["passes"] == 64
     assert out["pass_kurtosis_mean"] == pytest.approx(np.mean([_kurt(c) for c in every]), rel=1e-6)
+
+
+def _tensors(obj, path="stats", seen=None):
+    """Every tensor an object of diffquant's holds, with where it sits (attributes, dicts, lists), walked here
+    rather than through the code under test."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{path}[{k!r}]", seen)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{path}[{i}]", seen)
+    elif type(obj).__module__.startswith("diffquant") and hasattr(obj, "__dict__"):
+        for k, v in vars(obj).items():
+            yield from _tensors(v, f"{path}.{k}", seen)
+
+
+def _off(obj, device: str) -> list[str]:
+    return [p for p, t in _tensors(obj) if t.device.type != device]
+
+
+def test_to_and_merge_leave_every_sum_on_the_target_device():
+    """`to` (the profiler's way back to the activations' device after gathering on CPU) and `merge` onto statistics
+    that live elsewhere put every tensor, the per-channel and per-position maxima and hit counts included, where the
+    result lives. The meta device stands in for a GPU: it holds shapes only, so a tensor left on the CPU shows."""
+    from diffquant.stats.sinks import LayerSinks
+
+    ids = torch.randint(0, 50, (2, 6))
+    cpu = SiteStats(("batch", "pos", "channel"), k=4)
+    cpu.update(torch.randn(2, 6, 8) * 4, input_ids=ids)
+    assert cpu.channel_hits is not None and cpu.position_absmax is not None
+    assert _off(cpu.to("meta"), "meta") == []
+    empty = SiteStats(("batch", "pos", "channel"), k=4, device="meta")
+    assert _off(empty.merge(cpu), "meta") == []
+    fed = SiteStats(("batch", "pos", "channel"), k=4, device="meta")
+    fed.update(torch.randn(2, 6, 8, device="meta"), input_ids=ids.to("meta"))
+    assert _off(fed, "meta") == [] and _off(fed.merge(cpu), "meta") == []
+    sinks = LayerSinks()
+    sinks.add_hidden(torch.randn(2, 5, 4), None)
+    sinks.add_values(torch.randn(2, 5, 4), None)
+    sinks.add_lambda(torch.tensor(0.3))
+    sinks.add_mass("probs", torch.softmax(torch.randn(2, 3, 5, 5), -1), None)
+    moved = sinks.to("meta")
+    assert _off(moved, "meta") == [] and len(list(_tensors(moved))) == len(list(_tensors(sinks)))

@@ -291,16 +291,16 @@ class SiteStats:
         out.moments = self.moments.merge(other.moments)
         out.topk = self.topk.merge(other.topk)
         out.hist = self.hist.merge(other.hist)
-        out.channel_absmax = _elementwise_max(self.channel_absmax, other.channel_absmax)
-        out.position_absmax = _elementwise_max(self.position_absmax, other.position_absmax)
-        out.nonfinite = self.nonfinite + other.nonfinite.to(out.nonfinite.device)
-        out.positions = self.positions + other.positions.to(out.positions.device)
+        dev = out.nonfinite.device  # self's: where a merge (or `to`) leaves every sum
+        out.channel_absmax = _moved(_elementwise_max(self.channel_absmax, other.channel_absmax), dev)
+        out.position_absmax = _moved(_elementwise_max(self.position_absmax, other.position_absmax), dev)
+        out.nonfinite = self.nonfinite + other.nonfinite.to(dev)
+        out.positions = self.positions + other.positions.to(dev)
         if self.channel_hits is None or other.channel_hits is None:
-            out.channel_hits = self.channel_hits if other.channel_hits is None else other.channel_hits
+            out.channel_hits = _moved(self.channel_hits if other.channel_hits is None else other.channel_hits, dev)
         else:
-            out.channel_hits = self.channel_hits + other.channel_hits.to(self.channel_hits.device)
+            out.channel_hits = self.channel_hits.to(dev) + other.channel_hits.to(dev)
         out.passes = self.passes + other.passes
-        dev = out.nonfinite.device
         out.pass_kurt = torch.stack([self.pass_kurt[0] + other.pass_kurt[0].to(dev),
                                      torch.maximum(self.pass_kurt[1], other.pass_kurt[1].to(dev))])
         out.pass_inf = torch.stack([self.pass_inf[0] + other.pass_inf[0].to(dev),
@@ -364,6 +364,10 @@ def _max_along(rowmax: torch.Tensor, dim: int) -> torch.Tensor:
     """Max over every dim of the row maxima but `dim` (x's dims less its last)."""
     other = tuple(i for i in range(rowmax.dim()) if i != dim)
     return (rowmax.amax(dim=other) if other else rowmax).clamp_min(0)
+
+
+def _moved(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
 
 
 def _elementwise_max(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
