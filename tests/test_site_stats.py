@@ -403,3 +403,14 @@ def test_to_and_merge_leave_every_sum_on_the_target_device():
     sinks.add_mass("probs", torch.softmax(torch.randn(2, 3, 5, 5), -1), None)
     moved = sinks.to("meta")
     assert _off(moved, "meta") == [] and len(list(_tensors(moved))) == len(list(_tensors(sinks)))
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_updates_passes_make_nothing_off_the_activations_device(check, masked):
+    """Every tensor of one update's passes (counts, sums, maxima, bins, hit counts) is made where the activations
+    are: on a GPU a tensor made on the CPU would be a host allocation and a copy per update. Meta stands in."""
+    x = torch.randn(2, 6, 8, device="meta")
+    valid = torch.ones(2, 6, 1, dtype=torch.bool, device="meta") if masked else None
+    out = site_stats._passes(x, valid, check, 2, 1, 6.0)
+    assert _off(out, "meta") == [] and len(list(_tensors(out))) >= 10
