@@ -52,7 +52,7 @@ CORE = {
                                       "tests/test_kernels.py",
                                       "tests/test_profile.py::test_the_profiler_counts_llm_int8_outliers_at_six"),
     "diffquant/stats/sinks.py": ("tests/test_sinks.py", "tests/test_sink_bookkeeping.py", "tests/test_diff_sinks.py",
-                                 "tests/test_hot_path.py"),
+                                 "tests/test_hot_path.py", "tests/test_site_stats.py"),
     "diffquant/stats/distributed.py": ("tests/test_stats.py", "tests/test_stats.py::test_merge_across_two_gloo_ranks"),
     "diffquant/stats/outlier_regime.py": ("tests/test_regime.py", "tests/test_fair_rivals.py"),
     "diffquant/stats/intervals.py": ("tests/test_interval_edges.py", "tests/test_stats.py", "tests/test_binomial_stats.py",

@@ -403,6 +403,19 @@ def test_to_and_merge_leave_every_sum_on_the_target_device():
     sinks.add_mass("probs", torch.softmax(torch.randn(2, 3, 5, 5), -1), None)
     moved = sinks.to("meta")
     assert _off(moved, "meta") == [] and len(list(_tensors(moved))) == len(list(_tensors(sinks)))
+    other = LayerSinks()  # no massive maximum: comparing two would read their values, which meta does not hold
+    other.add_values(torch.randn(2, 5, 4), None)
+    other.add_mass("probs", torch.softmax(torch.randn(2, 3, 5, 5), -1), None)
+    assert _off(moved.merge(other), "meta") == []
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_first_key_masses_are_summed_on_the_device_of_the_probabilities(masked):
+    from diffquant.stats.sinks import first_key_mass
+
+    probs = torch.rand(2, 3, 5, 5, device="meta")
+    valid = torch.ones(2, 1, 5, 5, dtype=torch.bool, device="meta").tril() if masked else None
+    assert _off(first_key_mass(probs, valid), "meta") == []
 
 
 @pytest.mark.parametrize("check", [False, True])
