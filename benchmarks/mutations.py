@@ -61,7 +61,7 @@ CORE = {
     "diffquant/stats/metric_sets.py": ("tests/test_metric_sets.py",),
     "diffquant/quant/numerics/math.py": ("tests/test_quant.py", "tests/test_kv_cache.py"),
     "diffquant/quant/numerics/fake.py": ("tests/test_quant.py", "tests/test_kv_cache.py"),
-    "diffquant/quant/numerics/formats.py": ("tests/test_quant.py",),
+    "diffquant/quant/numerics/formats.py": ("tests/test_formats.py", "tests/test_quant.py", "tests/test_full_grid.py"),
     "diffquant/quant/numerics/granularity.py": ("tests/test_quant.py", "tests/test_kv_cache.py"),
     "diffquant/quant/algorithms/gptq.py": ("tests/test_gptq.py",),
     "diffquant/quant/algorithms/awq.py": ("tests/test_awq.py",),
