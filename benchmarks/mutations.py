@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -337,6 +338,18 @@ def report() -> dict:
     return doc
 
 
+_PLACEMENT = re.compile(r"device=[^,)]*,?\s*|\.to\([^()]*(\([^()]*\))?[^()]*\)")
+
+
+def placement_only(diff: str) -> bool:
+    """Whether a mutant changes only where a tensor is made or moved (a `device=` argument or a `.to(...)`): on a
+    machine with one device it computes the same numbers, and only a second device (a GPU) can tell it apart."""
+    old = [line[1:] for line in diff.splitlines() if line.startswith("-")]
+    new = [line[1:] for line in diff.splitlines() if line.startswith("+")]
+    strip = lambda lines: [re.sub(r"\s+", "", _PLACEMENT.sub("", line)) for line in lines]  # noqa: E731
+    return bool(old) and len(old) == len(new) and strip(old) == strip(new)
+
+
 def _markdown(doc: dict) -> str:
     lines = ["# Mutation testing of the numeric core", "",
              "Written by `python -m benchmarks.mutations` (see its docstring): each mutant is one small change of a "
@@ -361,8 +374,10 @@ def _markdown(doc: dict) -> str:
         lines.append("None.")
     for name, s in doc["survivors"].items():
         stale = " (its equivalence argument no longer matches the diff)" if s["stale argument"] else ""
-        lines += [f"- `{name}`: {s['status']}{stale}", "", "  ```diff", *("  " + d for d in s["diff"].splitlines()),
-                  "  ```"]
+        where = (" — changes only where a tensor is placed: the same numbers on one device, told apart only on a "
+                 "machine with a second (a GPU)") if placement_only(s["diff"]) else ""
+        lines += [f"- `{name}`: {s['status']}{stale}{where}", "", "  ```diff",
+                  *("  " + d for d in s["diff"].splitlines()), "  ```"]
     lines += ["", "## Equivalent mutants", "", "Argued in benchmarks/mutations_equivalent.json: they compute the "
               "same numbers as the code, so no test can tell them apart.", ""]
     for name, e in doc["equivalents"].items():

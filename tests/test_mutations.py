@@ -72,3 +72,17 @@ def test_a_run_tries_survivors_timeouts_and_new_mutants_but_not_kills_or_argued_
     names = [f"diffquant.m.x_f__mutmut_{i}" for i in range(1, 8)]
     done = {names[0]: 1, names[1]: 0, names[2]: 36, names[3]: -11, names[4]: None, names[6]: 0}
     assert mutations.to_run(names, done, {names[6]: {}}) == [names[1], names[2], names[4], names[5]]
+
+
+def test_a_survivor_that_only_moves_a_tensor_is_told_from_one_that_changes_a_number():
+    moved = ["-    b = b.to(a.device)\n+    b = b.to(None)",
+             "-        nonfinite = torch.zeros((), dtype=torch.int64, device=x.device)\n"
+             "+        nonfinite = torch.zeros((), dtype=torch.int64, )",
+             "-        best[1].to(best[0].device) if float(best[1][0]) > float(best[0][0]) else best[0])\n"
+             "+        best[1].to(best[1].device) if float(best[1][0]) > float(best[0][0]) else best[0])"]
+    changed = ["-    x = torch.zeros(3, device=d)\n+    x = torch.zeros(4, device=d)",
+               "-        best[1].to(best[0].device) if float(best[1][0]) > float(best[0][0]) else best[0])\n"
+               "+        best[1].to(best[0].device) if float(best[1][0]) >= float(best[0][0]) else best[0])",
+               "-    return a + b\n+    return a - b", ""]
+    assert all(mutations.placement_only(d) for d in moved)
+    assert not any(mutations.placement_only(d) for d in changed)
