@@ -98,9 +98,10 @@ def _toml_list(items) -> str:
     return "[" + ", ".join(json.dumps(str(i)) for i in items) + "]"
 
 
-def workspace(module: str) -> Path:
+def workspace(module: str, refresh: bool = True) -> Path:
     """The module's folder: the files tests need, copied when changed (mtimes kept, which mutmut reads), and a
-    pyproject.toml that tells mutmut what to mutate and which tests to choose from."""
+    pyproject.toml that tells mutmut what to mutate and which tests to choose from. `refresh=False` (the report)
+    leaves mutmut's own copies under mutants/ alone: a run may be using them."""
     ws = WORK / module.replace("/", "_").removesuffix(".py")
     ws.mkdir(parents=True, exist_ok=True)
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", "--", *COPIED],
@@ -113,7 +114,7 @@ def workspace(module: str) -> Path:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(f, dest)
     stale = ws / "mutants" / "diffquant"  # mutmut copies the unmutated sources once: refresh them every run
-    if stale.exists():
+    if refresh and stale.exists():
         for f in stale.rglob("*.py"):
             if f.relative_to(ws / "mutants").as_posix() != module:
                 f.unlink()
@@ -307,7 +308,7 @@ def report() -> dict:
             else:
                 modules[module] = {"run": False}
             continue
-        ws = workspace(module)  # restores the kept verdicts in a fresh checkout
+        ws = workspace(module, refresh=False)  # restores the kept verdicts in a fresh checkout
         generated = (ws / "mutants" / module).exists()  # mutmut's mutated file: the diffs can be read from it
         names, hashes = _names(ws, module)
         meta = _meta(ws, module)
