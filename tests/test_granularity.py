@@ -68,7 +68,7 @@ def test_sites_a_granularity_cannot_apply_to():
 @pytest.mark.parametrize("text, g, label", [
     ("tensor", G.PerTensor(), "tensor"), ("per-tensor", G.PerTensor(), "tensor"), ("channel", G.PerChannel(), "channel"),
     (" Channel:0 ", G.PerChannel(0), "channel:0"), ("token", G.PerToken(), "token"), ("row", G.PerToken(), "token"),
-    ("head", G.PerHead(), "head"), ("group:64", G.PerGroup(64), "group:64"), ("kv-channel", G.KVChannel(), "kv-channel"),
+    ("head", G.PerHead(), "head"), ("group:64", G.PerGroup(64), "group:64"), ("group:1", G.PerGroup(1), "group:1"), ("kv-channel", G.KVChannel(), "kv-channel"),
     ("kv-channel:32", G.KVChannel(32), "kv-channel:32"),
 ])
 def test_names_both_ways(text, g, label):
