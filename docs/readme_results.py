@@ -1193,7 +1193,7 @@ def _decomposition_finding(doc: dict | None = None) -> list[str]:
     doc = _load("docs/decomposition/results.json") if doc is None else doc
     if doc is None:
         return []
-    from experiments.decomposition import load_plan, metric_label
+    from experiments.decomposition import FROZEN, load_plan, metric_label
     from experiments.planned import units
 
     plan = load_plan(ROOT / "docs/decomposition/plan.yaml")
@@ -1211,11 +1211,15 @@ def _decomposition_finding(doc: dict | None = None) -> list[str]:
             return f"{label[key]} constant"
         factor = units(r["diff"], r["transform"])
         if r["p_holm"] < alpha:
-            return f"{label[key]} {factor}, Holm p {r['p_holm']:.2g}"
+            return f"{label[key]} {factor}, Holm p {r['p_holm']:.3g}"
         if r["p_tost_holm"] < alpha:
             return (f"{label[key]} {factor}, equivalent within ×{math.exp(r['margin']):.3g} (TOST, Holm p "
-                    f"{r['p_tost_holm']:.2g})")
+                    f"{r['p_tost_holm']:.3g})")
         return f"{label[key]} {factor}, no difference detected (minimum detectable ×{math.exp(r['mde_sd'] * r['sd']):.3g})"
+
+    def settled(contrast: str, key: str) -> bool:  # a Holm difference or a TOST equivalence
+        r = by[(contrast, key)]
+        return not r.get("constant") and (r["p_holm"] < alpha or r["p_tost_holm"] < alpha)
 
     contrasts = [c["name"] for c in plan["contrasts"]]
     first, *rest = contrasts
@@ -1227,16 +1231,28 @@ def _decomposition_finding(doc: dict | None = None) -> list[str]:
             f"tokens each, {n} seeds per arm, rms_norm_eps {eps} in every arm, checkpoints kept; Welch over seeds, Holm "
             f"over {doc['family_size']} tests; the paper's models: 3B parameters, 350B tokens): {first}: "
             + "; ".join(said(first, k) for k in keys) + ". ")
-    carried = [f"{label[k]}: {doc['decomposition'][k]}" for k in keys
+    carried = [f"{label[k]} to {doc['decomposition'][k]}" for k in keys
                if not doc["decomposition"][k].startswith("no DIFF")]
     if carried:
-        text += "Which part carries it, by the plan's rule: " + "; ".join(carried) + ". "
+        text += "The plan's decision rule attributes the " + "; the ".join(carried) + ". "
+    unsettled = {"∞-norms": [], "costs": []}
     for c in rest:
-        text += f"{c}: " + "; ".join(said(c, k) for k in keys) + ". "
+        found = [said(c, k) for k in keys if settled(c, k)]
+        for k in keys:
+            r = by[(c, k)]
+            if not settled(c, k) and not r.get("constant"):
+                unsettled["∞-norms" if k.endswith("_inf_norm") else "costs"].append(math.exp(r["mde_sd"] * r["sd"]))
+        if found:
+            text += f"{c}: " + "; ".join(found) + ". "
+    if any(unsettled.values()):
+        text += (f"The other {sum(map(len, unsettled.values()))} tests of those contrasts detected no difference "
+                 "(minimum detectable " + ", ".join(f"×{min(v):.3g}–×{max(v):.3g} for the {what}"
+                                                    for what, v in unsettled.items() if v) + "). ")
     lam = doc.get("lambda", {})
     if lam:
-        text += "Learned λ (every layer and seed): " + ", ".join(
-            f"{display[a]} {lo:.2f}…{hi:.2f}" for a, (lo, hi) in lam.items()) + ". "
+        text += "λ at the end of training (every layer and seed): " + ", ".join(
+            f"{display[a]} {lo:.2f}…{hi:.2f}{' (λ_init, frozen by design)' if a in FROZEN else ''}"
+            for a, (lo, hi) in lam.items()) + ". "
     swap = doc.get("eps_swap", {})
     norms = [abs(v - 1) for row in swap.values() for k, v in row.items() if k.endswith("_inf_norm")]
     costs = [abs(v) for row in swap.values() for k, v in row.items() if k.endswith("_cost")]

@@ -346,6 +346,9 @@ def metric_label(key: str) -> str:
             "loss": "held-out loss (nats)", "copy_loss": "loss at copy positions (nats)"}.get(key, key)
 
 
+FROZEN = ("diff-frozen",)  # arms whose λ stays at λ_init (not learned)
+
+
 def summary(plan: dict, doc: dict) -> str:
     """One sentence per finding, read off the Holm-adjusted tests only, with the scale."""
     display = plan["labels"].get
@@ -358,10 +361,11 @@ def summary(plan: dict, doc: dict) -> str:
         if hits:
             found.append(f"{c['name']}: {'; '.join(hits)}")
     n = len(plan["seeds"])
-    lam = "; ".join(f"{display(a)} λ {lo:.2f}…{hi:.2f}" for a, (lo, hi) in doc["lambda"].items())
+    lam = "; ".join(f"{display(a)} {lo:.2f}…{hi:.2f}{' (λ_init, frozen by design)' if a in FROZEN else ''}"
+                    for a, (lo, hi) in doc["lambda"].items())
     return (f"{plan['setting']['scale']}; {n} seeds per arm; Welch over seeds, Holm over the planned family of "
             f"{doc['family_size']} tests. Differences detected: " + ("; ".join(found) if found else "none")
-            + f". Learned λ (every layer and seed): {lam}.")
+            + f". λ at the end of training (every layer and seed): {lam}.")
 
 
 def render(plan: dict, doc: dict) -> str:
