@@ -86,6 +86,10 @@ SLOW = ("tests/test_hot_path.py::test_blocks_cut_at_their_last_key_equal_uncut_b
         "tests/test_awq.py::test_awq_scales_fold_exactly",  # 12 s
         "tests/test_quant.py::test_quantization_aware_training_lowers_loss",  # 11 s
         "tests/test_mitigate.py::test_smoothquant_search_applies_the_alpha_of_least_calibration_loss")  # 11 s
+# Tests that reach a module's code only in processes they start (mutmut learns which tests reach a function from the
+# calls it sees in its own process, so it never picks these): run for every survivor of the module, after mutmut, with
+# the mutant switched on in every process (mutmut's MUTANT_UNDER_TEST, which started processes inherit)
+IN_CHILD_PROCESSES = {"diffquant/stats/distributed.py": ("tests/test_stats.py::test_merge_across_two_gloo_ranks",)}
 # Error messages are not numbers: lines raising them are not mutated (their wording has tests of its own)
 NOT_MUTATED = (r"raise (DiffquantError|ValueError)\(",)
 # exit codes of mutmut's forked test runs; a signal (abort, segfault) means the mutant crashed the tests: caught
@@ -253,6 +257,9 @@ def run_module(module: str, jobs: int) -> None:
         _keep(ws, module)
     if not (ws / "mutants" / module).exists():
         return
+    if module in IN_CHILD_PROCESSES:
+        run_in_child_processes(ws, module, env)
+        _keep(ws, module)
     done = _meta(ws, module).get("exit_code_by_key", {})
     unrun = [n for n in names if n in argued and done.get(n) is None]
     diffs = _diffs(ws, module, unrun)
@@ -261,6 +268,34 @@ def run_module(module: str, jobs: int) -> None:
         subprocess.run(["mutmut", "run", "--max-children", str(jobs), *stale], cwd=ws, env=env)
         _carry_killed(ws, module, before)
         _keep(ws, module)
+
+
+def run_in_child_processes(ws: Path, module: str, env: dict, timeout: float = 600) -> None:
+    """The module's `IN_CHILD_PROCESSES` tests on each of its survivors, the mutant on in every process; a failing
+    test kills it (exit code 1, as mutmut records a kill), a test past `timeout` seconds times it out (36)."""
+    path = ws / "mutants" / (module + ".meta")
+    meta = json.loads(path.read_text())
+    codes = meta["exit_code_by_key"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", "-W", "ignore",
+           *IN_CHILD_PROCESSES[module]]
+
+    def run(mutant: str) -> int:
+        try:
+            return subprocess.run(cmd, cwd=ws / "mutants", env={**env, "MUTANT_UNDER_TEST": mutant},
+                                  capture_output=True, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return 36
+
+    if (rc := run("none")) != 0:  # no mutant on: the tests must pass, or their failures say nothing
+        print(f"{module}: its child-process tests fail without a mutant (exit {rc}): not run", flush=True)
+        return
+    for name in [n for n, c in codes.items() if STATUS.get(c) in ("survived", "no tests")]:
+        rc = run(name)
+        if rc in (1, 36):  # a failed test, or one past the limit; any other exit (a usage error) decides nothing
+            codes[name] = rc
+        print(f"{name}: {'killed' if rc == 1 else 'timeout' if rc == 36 else 'survived' if rc == 0 else f'exit {rc}'}"
+              " by the tests in child processes", flush=True)
+        path.write_text(json.dumps(meta))
 
 
 def _diffs(ws: Path, module: str, names: list[str]) -> dict[str, str]:
