@@ -68,3 +68,33 @@ def test_wilson_bounds_stay_in_the_unit_interval_where_rounding_would_leave_it()
     for k, n in ((0, 0), (4, 3), (-1, 3)):
         with pytest.raises(ValueError, match="0 <= k <= n and n > 0"):
             wilson(k, n)
+
+
+def test_tost_against_two_one_sided_welch_tests_from_scipy():
+    """Schuirmann's TOST from scipy's one-sided Welch tests of a against b shifted by ∓margin; the 90% interval from
+    scipy's Welch interval; unequal sizes and spreads, a difference off zero, values left out (None, NaN)."""
+    from diffquant.stats.intervals import tost
+
+    a, b, margin = [1.0, 1.4, 0.7, 1.2], [0.5, 0.9, 0.2, 1.1, 0.8, 0.3], 0.9
+    got = tost(a + [None, float("nan")], b, margin)
+    lower = sps.ttest_ind(a, [x - margin for x in b], equal_var=False, alternative="greater").pvalue
+    upper = sps.ttest_ind(a, [x + margin for x in b], equal_var=False, alternative="less").pvalue
+    assert lower != pytest.approx(upper, rel=0.1)  # the two sides differ: a swap would show
+    assert got["p"] == pytest.approx(max(lower, upper), rel=1e-9)
+    ci = sps.ttest_ind(a, b, equal_var=False).confidence_interval(0.90)
+    assert got["ci90"] == pytest.approx([ci.low, ci.high], rel=1e-9)
+    assert got["diff"] == pytest.approx(sum(a) / 4 - sum(b) / 6) and got["margin"] == margin
+    far = tost(a, [x - 2.0 for x in b], margin)  # 2 apart: not equivalent within 0.9
+    assert far["p"] == pytest.approx(sps.ttest_ind(a, [x - 2.0 + margin for x in b], equal_var=False,
+                                                   alternative="less").pvalue, rel=1e-9) and far["p"] > 0.5
+
+
+def test_tost_edges():
+    from diffquant.stats.intervals import tost
+
+    assert tost([1.0], [1.0, 2.0], 0.5) is None and tost([1.0, 2.0], [None, 3.0], 0.5) is None
+    assert tost([2.0, 2.0], [1.75, 1.75], 0.5) == {"diff": 0.25, "p": 0.0, "ci90": [0.25, 0.25], "margin": 0.5}
+    assert tost([2.0, 2.0], [1.5, 1.5], 0.5)["p"] == 1.0  # no spread, a difference at the margin: not inside it
+    for margin in (0.0, -1.0):
+        with pytest.raises(ValueError, match="an equivalence margin must be positive"):
+            tost([1.0, 2.0], [1.0, 2.0], margin)
