@@ -257,6 +257,20 @@ def test_the_contract_check_reports_each_statistic_it_compares(monkeypatch, key)
         assert site_stats.contract_check("cpu") is None
 
 
+def test_the_contract_check_sees_a_triton_path_that_ignores_the_mask(monkeypatch):
+    """A fault only in the masked update (the Triton side counting every value whatever the mask says) is caught:
+    the check must feed its sample under its mask, not only whole."""
+    from diffquant.stats import site_stats
+
+    real = site_stats.SiteStats.update
+
+    def update(self, x, valid=None, *args, **kwargs):
+        return real(self, x, None if self.kernels == "triton" else valid, *args, **kwargs)
+
+    monkeypatch.setattr(site_stats.SiteStats, "update", update)
+    assert site_stats.contract_check("cpu") == "count differs from torch's"
+
+
 def test_the_contract_check_passes_a_difference_at_its_tolerance_exactly(monkeypatch):
     """1e-6 relative is allowed, equality included: kurtosis 1e6 against 1e6 + 1 (a difference of exactly
     1e-6 · 1e6 in floats) passes, 1e6 + 2 does not."""

@@ -390,7 +390,13 @@ def test_to_and_merge_leave_every_sum_on_the_target_device():
     cpu = SiteStats(("batch", "pos", "channel"), k=4)
     cpu.update(torch.randn(2, 6, 8) * 4, input_ids=ids)
     assert cpu.channel_hits is not None and cpu.position_absmax is not None
-    assert _off(cpu.to("meta"), "meta") == []
+    moved = cpu.to("meta")
+    assert _off(moved, "meta") == [] and len(list(_tensors(moved))) == len(list(_tensors(cpu)))
+    logits = [SiteStats(("batch", "head", "q_pos", "k_pos"), k=4) for _ in range(2)]  # no channel hits at all
+    for s in logits:
+        s.update(torch.randn(1, 2, 4, 4))
+    both = logits[0].merge(logits[1])
+    assert both.channel_hits is None and len(list(_tensors(both))) == len(list(_tensors(logits[0])))
     empty = SiteStats(("batch", "pos", "channel"), k=4, device="meta")
     assert _off(empty.merge(cpu), "meta") == []
     fed = SiteStats(("batch", "pos", "channel"), k=4, device="meta")
