@@ -817,7 +817,8 @@ EPS_NOTE = ("RMSNorm eps: until issue 49 (December 2026) every matched pair took
             "and regime, the rival comparisons, the mitigations' pairs, the head-norm decomposition and every "
             "figure-8 run on trained pairs below were trained so. Pairs trained since set 1e-5 on both sides "
             "(diffquant.models.presets), as do the quick demo and the second decomposition; the second "
-            "decomposition's eps swap measures what the difference moves.")
+            "decomposition's eps swap bounds what the difference moves at inference in models trained with 1e-5 "
+            "(swapping eps after training, not training with the other eps).")
 
 
 def results_page() -> str:
@@ -1186,14 +1187,16 @@ def _headnorm_finding() -> list[str]:
 
 def _decomposition_finding(doc: dict | None = None) -> list[str]:
     """The README's sentence from the second decomposition (experiments/decomposition.py), read off its results only:
-    for each primary metric, DIFF against the Transformer (a Holm difference with its factor, an equivalence by TOST
-    within the plan's margin, or no difference detected with what could have been), the plan's verdict on which part
-    carries a difference, each other contrast the same way, the learned λ of every arm that learns it, the eps swap's
-    largest effect, and the scale. Nothing until every cell is in (results.json is written only then)."""
+    DIFF against the Transformer on each primary metric (a Holm difference with its factor, a TOST equivalence within
+    the plan's margin, or no difference detected with the effect that could have been, both ways), the costs as
+    geometric means with the seeds' range; the plan's attribution beside both single-part contrasts it rests on; the
+    λ question's contrasts in full; the other contrasts' differences and how many tests found none; what the W8A8 cost
+    is here; λ per arm; the eps swap's largest effect in any cell; the scale. Nothing until every cell is in
+    (results.json is written only then)."""
     doc = _load("docs/decomposition/results.json") if doc is None else doc
     if doc is None:
         return []
-    from experiments.decomposition import FROZEN, load_plan, metric_label
+    from experiments.decomposition import FROZEN, detectable, geometric_mean, load_plan, short_label
     from experiments.planned import units
 
     plan = load_plan(ROOT / "docs/decomposition/plan.yaml")
@@ -1201,64 +1204,100 @@ def _decomposition_finding(doc: dict | None = None) -> list[str]:
         return []
     by = {(r["contrast"], r["metric"]): r for r in doc["tests"]}
     keys = [m["key"] for m in plan["metrics"]]
-    label = {k: metric_label(k).split(":")[0] + " ∞-norm" if k.endswith("_inf_norm") else
-             "static " + metric_label(k).split(":")[0].replace(" static", " cost", 1) for k in keys}
+    floors = {m["key"]: m.get("floor") for m in plan["metrics"]}
     alpha, display = plan["alpha"], plan["labels"]
+    role = {c["role"]: c["name"] for c in plan["contrasts"]}
+    agg = doc["aggregate"]
 
     def said(contrast: str, key: str) -> str:
         r = by[(contrast, key)]
         if r.get("constant"):
-            return f"{label[key]} constant"
+            return f"{short_label(key)} constant"
         factor = units(r["diff"], r["transform"])
         if r["p_holm"] < alpha:
-            return f"{label[key]} {factor}, Holm p {r['p_holm']:.3g}"
+            return f"{short_label(key)} {factor}, Holm p {r['p_holm']:.3g}"
         if r["p_tost_holm"] < alpha:
-            return (f"{label[key]} {factor}, equivalent within ×{math.exp(r['margin']):.3g} (TOST, Holm p "
+            return (f"{short_label(key)} {factor}, equivalent within ×{math.exp(r['margin']):.3g} (TOST, Holm p "
                     f"{r['p_tost_holm']:.3g})")
-        return f"{label[key]} {factor}, no difference detected (minimum detectable ×{math.exp(r['mde_sd'] * r['sd']):.3g})"
+        return f"{short_label(key)} {factor}, no difference detected ({detectable(r)})"
 
     def settled(contrast: str, key: str) -> bool:  # a Holm difference or a TOST equivalence
         r = by[(contrast, key)]
         return not r.get("constant") and (r["p_holm"] < alpha or r["p_tost_holm"] < alpha)
 
-    contrasts = [c["name"] for c in plan["contrasts"]]
-    first, *rest = contrasts
+    def centre(arm: str, key: str) -> str:  # a cost's geometric mean over seeds and their range
+        values = [v for v in agg[arm][key]["values"] if v is not None]
+        return f"{geometric_mean(values, floors[key]):.3g}% ({min(values):.3g}–{max(values):.3g})"
+
+    total, a, b = role["total"], plan["contrasts"][0]["a"], plan["contrasts"][0]["b"]
     sc, n = doc["scale"], len(plan["seeds"])
     eps = ", ".join(sorted({f"{v['rms_norm_eps']:g}" for v in sc.values()}))
+    parts = []
+    for k in keys:
+        text = said(total, k)
+        if k.endswith("_cost"):
+            text += f" (geometric means over seeds: {display[b]} {centre(b, k)}, {display[a]} {centre(a, k)})"
+        parts.append(text)
     text = (f"- **Outliers as magnitudes, DIFF kept differential (the second decomposition)** "
             f"({plan['setting']['scale'].split(' (')[0]}: {sc['baseline']['parameters']:,} parameters in the "
             f"Transformer, {sc['diff-gain']['parameters']:,} in DIFF, {sc['baseline']['train_tokens']:,} Bigram-Backcopy "
             f"tokens each, {n} seeds per arm, rms_norm_eps {eps} in every arm, checkpoints kept; Welch over seeds, Holm "
-            f"over {doc['family_size']} tests; the paper's models: 3B parameters, 350B tokens): {first}: "
-            + "; ".join(said(first, k) for k in keys) + ". ")
-    carried = [f"{label[k]} to {doc['decomposition'][k]}" for k in keys
-               if not doc["decomposition"][k].startswith("no DIFF")]
-    if carried:
-        text += "The plan's decision rule attributes the " + "; the ".join(carried) + ". "
+            f"over {doc['family_size']} tests; the paper's models: 3B parameters, 350B tokens): {total}: "
+            + "; ".join(parts) + ". ")
+    attributed = [k for k in keys if not doc["decomposition"][k].startswith("no DIFF")]
+    if attributed:
+        text += ("The plan's verdict (one single-part arm differs as DIFF does, the other is not detected): "
+                 + "; ".join(f"the {short_label(k)} to {doc['decomposition'][k]} ({role['map']}: {said(role['map'], k)};"
+                             f" {role['norm']}: {said(role['norm'], k)})" for k in attributed)
+                 + ". The non-detections do not exclude the other part. ")
+    lam_contrasts = [role[x] for x in ("frozen", "unfreeze") if x in role]
+    for c in lam_contrasts:
+        text += f"{c}: " + "; ".join(said(c, k) for k in keys) + ". "
     unsettled = {"∞-norms": [], "costs": []}
-    for c in rest:
+    for c in [c["name"] for c in plan["contrasts"][1:] if c["name"] not in lam_contrasts]:
         found = [said(c, k) for k in keys if settled(c, k)]
         for k in keys:
             r = by[(c, k)]
             if not settled(c, k) and not r.get("constant"):
                 unsettled["∞-norms" if k.endswith("_inf_norm") else "costs"].append(math.exp(r["mde_sd"] * r["sd"]))
-        if found:
+        if found and c not in (role["map"], role["norm"]) or found and not attributed:
             text += f"{c}: " + "; ".join(found) + ". "
+        elif found:
+            rest = [f for k, f in zip([k for k in keys if settled(c, k)], found) if k not in attributed]
+            if rest:
+                text += f"{c} also: " + "; ".join(rest) + ". "
     if any(unsettled.values()):
         text += (f"The other {sum(map(len, unsettled.values()))} tests of those contrasts detected no difference "
-                 "(minimum detectable " + ", ".join(f"×{min(v):.3g}–×{max(v):.3g} for the {what}"
-                                                    for what, v in unsettled.items() if v) + "). ")
+                 "(minimum detectable " + ", ".join(f"×{1 / max(v):.3g}…×{1 / min(v):.3g} or ×{min(v):.3g}…×{max(v):.3g} "
+                                                    f"for the {what}" for what, v in unsettled.items() if v)
+                 + "; the plan's equal-spread approximation, larger where the arms' spreads differ). ")
+    w8, a8, down = "w8a8_static_cost", "a8_static_down_in_cost", "down_in_inf_norm"
+    if {w8, a8} <= set(keys) and all(agg[x].get(w8) and agg[x].get(a8) for x in agg):
+        gap = max(abs(p - q) for x in agg for p, q in zip(agg[x][w8]["values"], agg[x][a8]["values"])
+                  if p is not None and q is not None)
+        zero = [agg[x]["a8_down_in_zero_share"]["mean"] for x in agg if agg[x].get("a8_down_in_zero_share")]
+        text += (f"The static W8A8 cost here is the down_proj input's (the two costs differ by at most {gap:.2g} "
+                 "percentage points in any cell" + (f"; the static int8 grid rounds {100 * min(zero):.1f}–"
+                                                    f"{100 * max(zero):.1f}% of that input's values to zero in every arm"
+                                                    if zero else "") + ")")
+        r_cost, r_norm = by[(total, w8)], by[(total, down)]
+        if r_cost["p_holm"] < alpha and r_cost["diff"] < 0 and not (r_norm["p_holm"] < alpha and r_norm["diff"] < 0):
+            text += f", and DIFF's fell while that input's ∞-norm did not ({units(r_norm['diff'], r_norm['transform'])})"
+        text += ". "
+    snr = "a8_attn_out_snr_db"
+    if all(agg[x].get(snr) for x in agg):
+        text += ("Exploratory, beside the o_proj verdict: the static int8 grid's SNR at the o_proj input is "
+                 + ", ".join(f"{agg[x][snr]['mean']:.1f} dB in {display[x]}" for x in plan["arms"]) + ". ")
     lam = doc.get("lambda", {})
     if lam:
         text += "λ at the end of training (every layer and seed): " + ", ".join(
             f"{display[a]} {lo:.2f}…{hi:.2f}{' (λ_init, frozen by design)' if a in FROZEN else ''}"
             for a, (lo, hi) in lam.items()) + ". "
-    swap = doc.get("eps_swap", {})
-    norms = [abs(v - 1) for row in swap.values() for k, v in row.items() if k.endswith("_inf_norm")]
-    costs = [abs(v) for row in swap.values() for k, v in row.items() if k.endswith("_cost")]
-    if norms and costs:
-        text += (f"Every RMSNorm's eps set to {plan['eps_swap']:g} at inference moves an arm's mean ∞-norm by at most "
-                 f"{100 * max(norms):.2g}% and its mean cost by at most {max(costs):.2g} percentage points. ")
+    largest = doc.get("eps_swap_largest")
+    if largest:
+        text += (f"Every RMSNorm's eps set to {plan['eps_swap']:g} at inference moves an ∞-norm by at most "
+                 f"{100 * largest['inf_norm']:.2g}% and a cost by at most {largest['cost']:.2g} percentage points in "
+                 "any cell. ")
     return [text + "([second decomposition](docs/RESULTS.md#outliers-as-magnitudes-diff-kept-differential))."]
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -306,7 +307,7 @@ def analyse(plan: dict, out: Path) -> dict:
            "floored": {m["key"]: sum(1 for cs in per_arm.values() for c in cs
                                      if c.get(m["key"]) is not None and c[m["key"]] <= m["floor"])
                        for m in plan["metrics"] if m["transform"] == "logcost"},
-           "eps_swap": eps_summary(plan, per_arm)}
+           "eps_swap": eps_summary(plan, per_arm), "eps_swap_largest": eps_largest(per_arm)}
     doc["summary"] = summary(plan, doc)
     atomic_write_json(out / "results.json", doc)
     atomic_write_text(out / "results.md", render(plan, doc))
@@ -331,6 +332,23 @@ def eps_summary(plan: dict, per_arm: dict) -> dict:
     return out
 
 
+def eps_largest(per_arm: dict) -> dict:
+    """The largest change the eps swap makes in any one cell: |swapped / trained − 1| of the ∞-norms, |swapped −
+    trained| of the costs (percentage points)."""
+    norms, costs = [0.0], [0.0]
+    for cs in per_arm.values():
+        for c in cs:
+            for key, swapped in (c.get("eps_swap") or {}).items():
+                trained = c.get(key)
+                if swapped is None or trained is None:
+                    continue
+                if key.endswith("_inf_norm"):
+                    norms.append(abs(swapped / trained - 1))
+                elif key.endswith("_cost"):
+                    costs.append(abs(swapped - trained))
+    return {"inf_norm": max(norms), "cost": max(costs)}
+
+
 LABELS = {"attn_in": "q/k/v input", "attn_out": "o_proj input", "mlp_in": "gate/up input", "down_in": "down_proj input"}
 
 
@@ -349,22 +367,52 @@ def metric_label(key: str) -> str:
 FROZEN = ("diff-frozen",)  # arms whose λ stays at λ_init (not learned)
 
 
+def geometric_mean(values: list[float], floor: float) -> float:
+    """exp of the mean log, each value floored as the tests floor it: the centre the cost tests compare."""
+    return math.exp(sum(math.log(max(v, floor)) for v in values) / len(values))
+
+
+def short_label(key: str) -> str:
+    """"o_proj input ∞-norm", "static W8A8 cost", "static A8 cost at the down_proj input alone"."""
+    where = metric_label(key).split(":")[0]
+    return f"{where} ∞-norm" if key.endswith("_inf_norm") else "static " + where.replace(" static", " cost", 1)
+
+
+def detectable(r: dict) -> str:
+    """A non-detection's minimum detectable effect, both ways for a factor (the plan's equal-spread approximation:
+    larger where the arms' spreads differ)."""
+    size = r["mde_sd"] * r["sd"]
+    if r["transform"] in ("log", "logcost"):
+        return f"minimum detectable ×{math.exp(-size):.3g} or ×{math.exp(size):.3g}"
+    return f"minimum detectable ±{size:.3g}"
+
+
 def summary(plan: dict, doc: dict) -> str:
     """One sentence per finding, read off the Holm-adjusted tests only, with the scale."""
     display = plan["labels"].get
     by = {(r["contrast"], r["metric"]): r for r in doc["tests"]}
-    found = []
+    found, equivalent = [], []
     for c in plan["contrasts"]:
-        hits = [f"{metric_label(m['key']).split(':')[0]} {units(by[(c['name'], m['key'])]['diff'], m['transform'])}"
+        hits = [f"{short_label(m['key'])} {units(by[(c['name'], m['key'])]['diff'], m['transform'])} (Holm p "
+                f"{by[(c['name'], m['key'])]['p_holm']:.3g})"
                 for m in plan["metrics"] if not by[(c["name"], m["key"])].get("constant")
                 and by[(c["name"], m["key"])]["p_holm"] < plan["alpha"]]
+        same = [f"{short_label(m['key'])} {units(by[(c['name'], m['key'])]['diff'], m['transform'])} (TOST Holm p "
+                f"{by[(c['name'], m['key'])]['p_tost_holm']:.3g})"
+                for m in plan["metrics"] if not by[(c["name"], m["key"])].get("constant")
+                and by[(c["name"], m["key"])]["p_holm"] >= plan["alpha"]
+                and by[(c["name"], m["key"])]["p_tost_holm"] < plan["alpha"]]
         if hits:
             found.append(f"{c['name']}: {'; '.join(hits)}")
+        if same:
+            equivalent.append(f"{c['name']}: {'; '.join(same)}")
     n = len(plan["seeds"])
     lam = "; ".join(f"{display(a)} {lo:.2f}…{hi:.2f}{' (λ_init, frozen by design)' if a in FROZEN else ''}"
                     for a, (lo, hi) in doc["lambda"].items())
-    return (f"{plan['setting']['scale']}; {n} seeds per arm; Welch over seeds, Holm over the planned family of "
+    return (f"{n} seeds per arm; Welch over seeds, Holm over the planned family of "
             f"{doc['family_size']} tests. Differences detected: " + ("; ".join(found) if found else "none")
+            + (". Equivalent within the plan's margin: " + "; ".join(equivalent) if equivalent else "")
+            + ". Every other test: no difference detected"
             + f". λ at the end of training (every layer and seed): {lam}.")
 
 
@@ -383,10 +431,26 @@ def render(plan: dict, doc: dict) -> str:
              + ", ".join(sorted({f"{v['rms_norm_eps']:g}" for v in doc["scale"].values()})) + "; parameters: "
              + ", ".join(f"{display(a)} {doc['scale'][a]['parameters']:,}" for a in arms) + ".\n",
              doc["summary"] + "\n",
-             f"## Primary metrics, mean ± 95% t over {len(plan['seeds'])} seeds\n"]
+             f"## Primary metrics over {len(plan['seeds'])} seeds: ∞-norms mean ± 95% t; costs (skewed, tested as "
+             "logs) geometric mean and the seeds' range\n"]
     keys = [m["key"] for m in plan["metrics"]]
-    lines.append(markdown(["metric", *[display(a) for a in arms], "which part carries DIFF − Transformer"],
-                          [[metric_label(k), *[cell(a, k) for a in arms], doc["decomposition"][k]] for k in keys]))
+    total = {r["metric"]: r for r in doc["tests"] if r["contrast"] == plan["contrasts"][0]["name"]}
+    floors = {m["key"]: m.get("floor") for m in plan["metrics"] if m["transform"] == "logcost"}
+
+    def primary(a: str, k: str) -> str:
+        if k not in floors:
+            return cell(a, k)
+        values = [v for v in agg[a][k]["values"] if v is not None]
+        return f"{geometric_mean(values, floors[k]):.3g} ({min(values):.3g}–{max(values):.3g})" if values else "-"
+
+    def which(k: str) -> str:
+        verdict, r = doc["decomposition"][k], total[k]
+        if verdict.startswith("no DIFF") and not r.get("constant"):
+            verdict += f" ({units(r['diff'], r['transform'])}, {detectable(r)})"
+        return verdict
+
+    lines.append(markdown(["metric", *[display(a) for a in arms], "the plan's verdict on DIFF − Transformer"],
+                          [[metric_label(k), *[primary(a, k) for a in arms], which(k)] for k in keys]))
     if any(doc["floored"].values()):
         lines.append("\nCosts at or below the plan's floor (counted as the floor): "
                      + ", ".join(f"{metric_label(k)} {v}" for k, v in doc["floored"].items() if v) + ".\n")
@@ -396,6 +460,9 @@ def render(plan: dict, doc: dict) -> str:
                           [[r["contrast"], metric_label(r["metric"]),
                             "-" if r.get("constant") else units(r["diff"], r["transform"]), fmt_p(r.get("p")),
                             fmt_p(r.get("p_holm")), fmt_p(r.get("p_tost_holm")), r["verdict"]] for r in doc["tests"]]))
+    lines.append("\nMinimum detectable effects: 80% power at Holm's first step with the plan's equal-spread "
+                 "approximation (df = 2n − 2); where two arms' spreads differ, Welch's df is lower and the detectable "
+                 "effect larger.\n")
     lines.append("\n## Exploratory (measured, not in the family): magnitudes, the static grid, other costs\n")
     lines.append(markdown(["metric", *[display(a) for a in arms]],
                           [[metric_label(k), *[cell(a, k) for a in arms]] for k in EXPLORATORY]))

@@ -105,7 +105,8 @@ def render(summary: dict) -> str:
              "AdamW without weight decay, cosine schedule), one cause varied at a time, written by "
              "`python -m experiments.lambda_drift`; no test (exploratory). λ per layer after the last step, each seed; "
              f"\"below λ_init\": the first logged step where any layer's λ was more than {BELOW} under its λ_init "
-             "(λ starts within about ±0.1 of it: the λ vectors are drawn from N(0, 0.1)).", "",
+             "(λ starts near it: the λ vectors are drawn from N(0, 0.1), which moved λ at step 0 by up to 0.16 in "
+             "the second decomposition's cells).", "",
              "| condition | tokens | λ_init (layers) | λ after step 0, seed by seed | final λ, seed by seed "
              "| first step below λ_init | first step λ < 0 | held-out loss |", "|---|---|---|---|---|---|---|---|"]
     fmt = lambda xs: "[" + ", ".join(f"{x:.2f}" for x in xs) + "]"  # noqa: E731

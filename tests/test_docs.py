@@ -302,8 +302,9 @@ def test_the_demo_finding_reads_each_designs_top1_from_table5(load_script):
 def test_decomposition_finding_says_what_the_results_say(monkeypatch):
     """The README sentence of the second decomposition from a hand-made results file of the committed plan: a Holm
     difference with its factor, an equivalence only by TOST with its margin, a non-detection with what could have been
-    detected (exp of MDE × pooled SD), a constant said to be one, the plan's verdict where DIFF differs, λ per arm,
-    the eps swap's largest effect, and the scale; a results file of another plan says nothing."""
+    detected both ways, the costs as geometric means with the seeds' range, the plan's attribution beside both
+    single-part contrasts with its caveat, the λ contrasts in full, λ per arm (the frozen arm said to be λ_init), the
+    eps swap's largest effect in any cell, and the scale; a results file of another plan says nothing."""
     import math
 
     rr = _module("docs/readme_results.py", "readme_results_under_test_dec")
@@ -325,23 +326,32 @@ def test_decomposition_finding_says_what_the_results_say(monkeypatch):
     dec = {k: "no DIFF − Transformer difference detected" for k in keys}
     dec["down_in_inf_norm"] = "the differential map"
     scale = {a: {"parameters": 1000 + i, "train_tokens": 4000, "rms_norm_eps": 1e-5} for i, a in enumerate(plan["arms"])}
+    costs = {"w8a8_static_cost": {"values": [1.0, 4.0, 0.01]}, "a8_static_down_in_cost": {"values": [1.25, 4.0, 0.01]},
+             "a8_down_in_zero_share": {"mean": 0.99}}
     doc = {"plan_sha256": plan["sha256"], "tests": rows, "decomposition": dec, "family_size": 23, "scale": scale,
+           "aggregate": {a: costs for a in plan["arms"]},
            "lambda": {"diff-gain": [-0.25, 0.5], "diff-nonorm": [0.7, 0.9], "diff-frozen": [0.2, 0.47]},
-           "eps_swap": {"baseline": {"down_in_inf_norm": 1.02, "w8a8_static_cost": 0.01},
-                        "diff-gain": {"attn_out_inf_norm": 0.95, "w8a8_static_cost": -0.3}}}
+           "eps_swap_largest": {"inf_norm": 0.0002, "cost": 0.05}}
     text = rr._decomposition_finding(doc)[0]
     assert ("(mini preset: 1,000 parameters in the Transformer, 1,001 in DIFF, 4,000 Bigram-Backcopy tokens each, "
             "5 seeds per arm, rms_norm_eps 1e-05 in every arm, checkpoints kept; Welch over seeds, Holm over 23 tests; "
             "the paper's models: 3B parameters, 350B tokens)") in text
-    assert "DIFF − Transformer: o_proj input ∞-norm ×1.1, equivalent within ×1.25 (TOST, Holm p 0.02); " \
-           "down_proj input ∞-norm ×0.5, Holm p 0.004; static A8 cost at the down_proj input alone ×0.9, " \
-           f"no difference detected (minimum detectable ×{math.exp(0.7):.3g}); static W8A8 cost ×0.9" in text
-    assert "The plan's decision rule attributes the down_proj input ∞-norm to the differential map. " in text
-    assert "DIFF without norm − Transformer: down_proj input ∞-norm ×0.6, Holm p 0.03. " in text
-    assert "Transformer + DIFF's norm − Transformer" not in text  # nothing settled there: counted below
-    assert (f"The other 18 tests of those contrasts detected no difference (minimum detectable ×{math.exp(0.7):.3g}–"
-            f"×{math.exp(0.7):.3g} for the ∞-norms, ×{math.exp(0.7):.3g}–×{math.exp(0.7):.3g} for the costs)") in text
+    gm = f"{math.exp((math.log(1.0) + math.log(4.0) + math.log(0.02)) / 3):.3g}"  # the 0.01 floored at 0.02
+    assert ("DIFF − Transformer: o_proj input ∞-norm ×1.1, equivalent within ×1.25 (TOST, Holm p 0.02); "
+            "down_proj input ∞-norm ×0.5, Holm p 0.004; static A8 cost at the down_proj input alone ×0.9, "
+            f"no difference detected (minimum detectable ×{math.exp(-0.7):.3g} or ×{math.exp(0.7):.3g})") in text
+    assert f"static W8A8 cost ×0.9, no difference detected" in text
+    assert f"(geometric means over seeds: Transformer {gm}% (0.01–4), DIFF {gm}% (0.01–4))" in text
+    assert ("The plan's verdict (one single-part arm differs as DIFF does, the other is not detected): the down_proj "
+            "input ∞-norm to the differential map (DIFF without norm − Transformer: down_proj input ∞-norm ×0.6, Holm p "
+            "0.03; Transformer + DIFF's norm − Transformer: down_proj input ∞-norm ×0.9, no difference detected") in text
+    assert "The non-detections do not exclude the other part." in text
+    assert "DIFF, λ frozen − Transformer: o_proj input ∞-norm ×0.9, no difference" in text
+    assert "DIFF, λ frozen − DIFF: o_proj input ∞-norm ×0.9" in text
+    assert "The other 10 tests of those contrasts detected no difference" in text
+    assert "the two costs differ by at most 0.25 percentage points in any cell; the static int8 grid rounds 99.0–99.0%" \
+        in text
     assert ("λ at the end of training (every layer and seed): DIFF -0.25…0.50, DIFF without norm 0.70…0.90, DIFF, λ "
             "frozen 0.20…0.47 (λ_init, frozen by design)") in text
-    assert "moves an arm's mean ∞-norm by at most 5% and its mean cost by at most 0.3 percentage points" in text
+    assert "moves an ∞-norm by at most 0.02% and a cost by at most 0.05 percentage points in any cell" in text
     assert rr._decomposition_finding({**doc, "plan_sha256": "0" * 64}) == []
