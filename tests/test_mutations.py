@@ -86,3 +86,26 @@ def test_a_survivor_that_only_moves_a_tensor_is_told_from_one_that_changes_a_num
                "-    return a + b\n+    return a - b", ""]
     assert all(mutations.placement_only(d) for d in moved)
     assert not any(mutations.placement_only(d) for d in changed)
+
+
+def test_child_process_tests_kill_the_survivors_whose_mutant_fails_them_in_a_started_process(tmp_path, monkeypatch):
+    """A test that starts a process which fails when mutant _1 is on: _1 (a survivor) is killed, _2 survives, a kill
+    stays a kill; with a test that fails without any mutant, nothing is decided."""
+    import os
+
+    module = "diffquant/m.py"
+    meta = tmp_path / "mutants" / (module + ".meta")
+    meta.parent.mkdir(parents=True)
+    (tmp_path / "mutants" / "tests").mkdir()
+    child = ("import os, subprocess, sys\n\n\ndef test_child():\n"
+             "    code = \"import os, sys; sys.exit(1 if os.environ['MUTANT_UNDER_TEST'].endswith('_1') else 0)\"\n"
+             "    assert subprocess.run([sys.executable, '-c', code]).returncode == 0\n")
+    (tmp_path / "mutants" / "tests" / "test_child.py").write_text(child)
+    (tmp_path / "mutants" / "tests" / "test_broken.py").write_text("def test_broken():\n    assert False\n")
+    codes = {"diffquant.m.x_f__mutmut_1": 0, "diffquant.m.x_f__mutmut_2": 0, "diffquant.m.x_f__mutmut_3": 1}
+    env = {**os.environ, "PYTHONPATH": ""}
+    for test, want in (("tests/test_broken.py", codes), ("tests/test_child.py", {**codes, "diffquant.m.x_f__mutmut_1": 1})):
+        meta.write_text(json.dumps({"exit_code_by_key": codes}))
+        monkeypatch.setitem(mutations.IN_CHILD_PROCESSES, module, (test,))
+        mutations.run_in_child_processes(tmp_path, module, env, timeout=120)
+        assert json.loads(meta.read_text())["exit_code_by_key"] == want, test
