@@ -1196,7 +1196,8 @@ def _decomposition_finding(doc: dict | None = None) -> list[str]:
     doc = _load("docs/decomposition/results.json") if doc is None else doc
     if doc is None:
         return []
-    from experiments.decomposition import FROZEN, detectable, geometric_mean, load_plan, short_label
+    from experiments.decomposition import (FROZEN, detectable, geometric_mean, load_plan, short_label,
+                                           w8a8_is_down_proj)
     from experiments.planned import units
 
     plan = load_plan(ROOT / "docs/decomposition/plan.yaml")
@@ -1253,37 +1254,19 @@ def _decomposition_finding(doc: dict | None = None) -> list[str]:
     lam_contrasts = [role[x] for x in ("frozen", "unfreeze") if x in role]
     for c in lam_contrasts:
         text += f"{c}: " + "; ".join(said(c, k) for k in keys) + ". "
-    unsettled = {"∞-norms": [], "costs": []}
+    quoted = {(role[x], k) for k in attributed for x in ("map", "norm")}
+    remaining = []
     for c in [c["name"] for c in plan["contrasts"][1:] if c["name"] not in lam_contrasts]:
-        found = [said(c, k) for k in keys if settled(c, k)]
-        for k in keys:
-            r = by[(c, k)]
-            if not settled(c, k) and not r.get("constant"):
-                unsettled["∞-norms" if k.endswith("_inf_norm") else "costs"].append(math.exp(r["mde_sd"] * r["sd"]))
-        if found and c not in (role["map"], role["norm"]) or found and not attributed:
-            text += f"{c}: " + "; ".join(found) + ". "
-        elif found:
-            rest = [f for k, f in zip([k for k in keys if settled(c, k)], found) if k not in attributed]
-            if rest:
-                text += f"{c} also: " + "; ".join(rest) + ". "
-    if any(unsettled.values()):
-        text += (f"The other {sum(map(len, unsettled.values()))} tests of those contrasts detected no difference "
-                 "(minimum detectable " + ", ".join(f"×{1 / max(v):.3g}…×{1 / min(v):.3g} or ×{min(v):.3g}…×{max(v):.3g} "
-                                                    f"for the {what}" for what, v in unsettled.items() if v)
-                 + "; the plan's equal-spread approximation, larger where the arms' spreads differ). ")
-    w8, a8, down = "w8a8_static_cost", "a8_static_down_in_cost", "down_in_inf_norm"
-    if {w8, a8} <= set(keys) and all(agg[x].get(w8) and agg[x].get(a8) for x in agg):
-        gap = max(abs(p - q) for x in agg for p, q in zip(agg[x][w8]["values"], agg[x][a8]["values"])
-                  if p is not None and q is not None)
-        zero = [agg[x]["a8_down_in_zero_share"]["mean"] for x in agg if agg[x].get("a8_down_in_zero_share")]
-        text += (f"The static W8A8 cost here is the down_proj input's (the two costs differ by at most {gap:.2g} "
-                 "percentage points in any cell" + (f"; the static int8 grid rounds {100 * min(zero):.1f}–"
-                                                    f"{100 * max(zero):.1f}% of that input's values to zero in every arm"
-                                                    if zero else "") + ")")
-        r_cost, r_norm = by[(total, w8)], by[(total, down)]
-        if r_cost["p_holm"] < alpha and r_cost["diff"] < 0 and not (r_norm["p_holm"] < alpha and r_norm["diff"] < 0):
-            text += f", and DIFF's fell while that input's ∞-norm did not ({units(r_norm['diff'], r_norm['transform'])})"
-        text += ". "
+        found = [said(c, k) for k in keys if settled(c, k) and (c, k) not in quoted]
+        if found:
+            text += f"{c}{' also' if any((c, k) in quoted for k in keys) else ''}: " + "; ".join(found) + ". "
+        remaining += [f"{c}, {said(c, k)}" for k in keys if not settled(c, k) and (c, k) not in quoted]
+    if remaining:
+        text += (f"The remaining {len(remaining)} tests: " + "; ".join(remaining)
+                 + " (minimum detectable effects: the plan's equal-spread approximation, larger where the arms' "
+                   "spreads differ). ")
+    if {"w8a8_static_cost", "a8_static_down_in_cost"} <= set(keys):
+        text += w8a8_is_down_proj(plan, doc) + " "
     snr = "a8_attn_out_snr_db"
     if all(agg[x].get(snr) for x in agg):
         text += ("Exploratory, beside the o_proj verdict: the static int8 grid's SNR at the o_proj input is "

@@ -367,6 +367,52 @@ def metric_label(key: str) -> str:
 FROZEN = ("diff-frozen",)  # arms whose λ stays at λ_init (not learned)
 
 
+def stated(r: dict, alpha: float) -> str:
+    """A test in words: its factor and Holm p, its TOST equivalence, or no difference detected and what could have
+    been."""
+    if r.get("constant"):
+        return "constant"
+    factor = units(r["diff"], r["transform"])
+    if r["p_holm"] < alpha:
+        return f"{factor} (Holm p {r['p_holm']:.3g})"
+    if r["p_tost_holm"] < alpha:
+        return f"{factor} (equivalent within ×{math.exp(r['margin']):.3g}, TOST Holm p {r['p_tost_holm']:.3g})"
+    return f"{factor} (no difference detected, {detectable(r)})"
+
+
+def verdict_both_ways(r: dict) -> str:
+    """The stored verdict, a non-detection's minimum detectable effect given both ways."""
+    if r["verdict"].startswith("no difference detected"):
+        return f"no difference detected (n = {r['n']}, {detectable(r)})"
+    return r["verdict"]
+
+
+def w8a8_is_down_proj(plan: dict, doc: dict) -> str:
+    """What the static W8A8 cost is here: the two costs' largest gap in any cell (absolute and relative), and
+    whether DIFF's fell while the down_proj input's ∞-norm did not."""
+    agg, w8, a8 = doc["aggregate"], "w8a8_static_cost", "a8_static_down_in_cost"
+    pairs = [(p, q) for x in agg for p, q in zip(agg[x][w8]["values"], agg[x][a8]["values"])
+             if p is not None and q is not None]
+    if not pairs:
+        return ""
+    gap = max(abs(p - q) for p, q in pairs)
+    rel = max(abs(p - q) / min(abs(p), abs(q)) for p, q in pairs if min(abs(p), abs(q)) > 0)
+    by = {(r["contrast"], r["metric"]): r for r in doc["tests"]}
+    total = plan["contrasts"][0]["name"]
+    cost, norm = by[(total, w8)], by[(total, "down_in_inf_norm")]
+    text = (f"The static W8A8 cost here is the down_proj input's: it and the static A8 cost at that input alone differ "
+            f"by at most {gap:.3g} percentage points ({100 * rel:.2g}% of the smaller) in any cell")
+    alpha = plan["alpha"]
+    found = lambda r: not r.get("constant") and r["p_holm"] < alpha  # noqa: E731
+    if found(cost) and cost["diff"] < 0 and not (found(norm) and norm["diff"] < 0):
+        text += f"; DIFF's fell while that input's ∞-norm did not ({units(norm['diff'], norm['transform'])})"
+    zero = [v for x in agg for v in (agg[x].get("a8_down_in_zero_share") or {}).get("values", []) if v is not None]
+    if zero:
+        text += (f". At that input the static int8 grid rounds {100 * min(zero):.1f}–{100 * max(zero):.1f}% of the "
+                 "values to zero in every cell")
+    return text + "."
+
+
 def geometric_mean(values: list[float], floor: float) -> float:
     """exp of the mean log, each value floored as the tests floor it: the centre the cost tests compare."""
     return math.exp(sum(math.log(max(v, floor)) for v in values) / len(values))
@@ -437,6 +483,14 @@ def render(plan: dict, doc: dict) -> str:
     total = {r["metric"]: r for r in doc["tests"] if r["contrast"] == plan["contrasts"][0]["name"]}
     floors = {m["key"]: m.get("floor") for m in plan["metrics"] if m["transform"] == "logcost"}
 
+    def spread(a: str, k: str) -> str:
+        values = sorted(v for v in (agg[a].get(k) or {}).get("values", []) if v is not None)
+        if not values:
+            return "-"
+        mid = len(values) // 2
+        median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+        return f"{median:.3g} ({values[0]:.3g}–{values[-1]:.3g})"
+
     def primary(a: str, k: str) -> str:
         if k not in floors:
             return cell(a, k)
@@ -451,6 +505,15 @@ def render(plan: dict, doc: dict) -> str:
 
     lines.append(markdown(["metric", *[display(a) for a in arms], "the plan's verdict on DIFF − Transformer"],
                           [[metric_label(k), *[primary(a, k) for a in arms], which(k)] for k in keys]))
+    by = {(r["contrast"], r["metric"]): r for r in doc["tests"]}
+    role = {c["role"]: c["name"] for c in plan["contrasts"]}
+    for k in keys:
+        if not doc["decomposition"][k].startswith("no DIFF"):
+            lines.append(f"\n{short_label(k)}: the plan's verdict \"{doc['decomposition'][k]}\" rests on "
+                         f"{role['map']} {stated(by[(role['map'], k)], plan['alpha'])} and {role['norm']} "
+                         f"{stated(by[(role['norm'], k)], plan['alpha'])}"
+                         "; the non-detection does not exclude the other part.")
+    lines.append("\n" + w8a8_is_down_proj(plan, doc))
     if any(doc["floored"].values()):
         lines.append("\nCosts at or below the plan's floor (counted as the floor): "
                      + ", ".join(f"{metric_label(k)} {v}" for k, v in doc["floored"].items() if v) + ".\n")
@@ -459,18 +522,25 @@ def render(plan: dict, doc: dict) -> str:
     lines.append(markdown(["contrast", "metric", "difference", "p", "p (Holm)", "TOST p (Holm)", "verdict"],
                           [[r["contrast"], metric_label(r["metric"]),
                             "-" if r.get("constant") else units(r["diff"], r["transform"]), fmt_p(r.get("p")),
-                            fmt_p(r.get("p_holm")), fmt_p(r.get("p_tost_holm")), r["verdict"]] for r in doc["tests"]]))
+                            fmt_p(r.get("p_holm")), fmt_p(r.get("p_tost_holm")), verdict_both_ways(r)]
+                           for r in doc["tests"]]))
     lines.append("\nMinimum detectable effects: 80% power at Holm's first step with the plan's equal-spread "
                  "approximation (df = 2n − 2); where two arms' spreads differ, Welch's df is lower and the detectable "
                  "effect larger.\n")
     lines.append("\n## Exploratory (measured, not in the family): magnitudes, the static grid, other costs\n")
     lines.append(markdown(["metric", *[display(a) for a in arms]],
-                          [[metric_label(k), *[cell(a, k) for a in arms]] for k in EXPLORATORY]))
+                          [[metric_label(k) + (" (median, range)" if k.endswith("_cost") else ""),
+                            *[spread(a, k) if k.endswith("_cost") else cell(a, k) for a in arms]]
+                           for k in EXPLORATORY if k not in keys]))
     lines.append(f"\n## The eps swap (exploratory): each checkpoint with every RMSNorm's eps set to {plan['eps_swap']:g} "
                  "at inference; loss and cost: swapped − trained; ∞-norms: swapped / trained (mean over seeds)\n")
     swap_keys = sorted({k for v in doc["eps_swap"].values() for k in v})
     lines.append(markdown(["arm", *swap_keys], [[display(a), *[fmt_g(doc["eps_swap"][a].get(k)) for k in swap_keys]]
                                                 for a in arms]))
+    if doc.get("eps_swap_largest"):
+        big = doc["eps_swap_largest"]
+        lines.append(f"\nThe largest change in any one cell: {100 * big['inf_norm']:.2g}% of an ∞-norm, "
+                     f"{big['cost']:.2g} percentage points of a cost.")
     return "\n".join(lines) + "\n"
 
 

@@ -348,9 +348,10 @@ def test_decomposition_finding_says_what_the_results_say(monkeypatch):
     assert "The non-detections do not exclude the other part." in text
     assert "DIFF, λ frozen − Transformer: o_proj input ∞-norm ×0.9, no difference" in text
     assert "DIFF, λ frozen − DIFF: o_proj input ∞-norm ×0.9" in text
-    assert "The other 10 tests of those contrasts detected no difference" in text
-    assert "the two costs differ by at most 0.25 percentage points in any cell; the static int8 grid rounds 99.0–99.0%" \
-        in text
+    assert "The remaining 10 tests: DIFF without norm − Transformer, o_proj input ∞-norm ×0.9, no difference" in text
+    assert "Transformer + DIFF's norm − Transformer, static W8A8 cost constant" in text
+    assert ("The static W8A8 cost here is the down_proj input's: it and the static A8 cost at that input alone differ "
+            "by at most 0.25 percentage points (25% of the smaller) in any cell.") in text
     assert ("λ at the end of training (every layer and seed): DIFF -0.25…0.50, DIFF without norm 0.70…0.90, DIFF, λ "
             "frozen 0.20…0.47 (λ_init, frozen by design)") in text
     assert "moves an ∞-norm by at most 0.02% and a cost by at most 0.05 percentage points in any cell" in text
