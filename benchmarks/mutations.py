@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".mutations"
 EQUIVALENTS = ROOT / "benchmarks" / "mutations_equivalent.json"
+NOTES = ROOT / "benchmarks" / "mutation_survivor_notes.json"  # why a survivor cannot be killed here (still a survivor)
 REPORT = ROOT / "docs" / "mutations"  # .md and .json
 VERDICTS = ROOT / "benchmarks" / "mutation_verdicts"  # per module: exit codes, function hashes, survivors' diffs
 COPIED = ("diffquant", "tests", "experiments", "benchmarks", "docs", "diffquant_cli.py", "README.md")
@@ -313,9 +314,9 @@ print(json.dumps({{n: get_diff_for_mutant(n, path={module!r}) for n in json.load
                          and not line.startswith(("+++", "---"))) for n, d in json.loads(out).items()}
 
 
-def argue(pairs: list[list[str]]) -> None:
-    """Add (mutant name, reason) pairs to EQUIVALENTS, each with the diff it is argued for."""
-    equivalents = _equivalents()
+def argue(pairs: list[list[str]], path: Path = EQUIVALENTS) -> None:
+    """Add (mutant name, reason) pairs to EQUIVALENTS (or NOTES), each with the diff it is argued for."""
+    equivalents = json.loads(path.read_text()) if path.exists() else {}
     for name, reason in pairs:
         module = next((m for m in CORE if name.startswith(m.removesuffix(".py").replace("/", ".") + ".")), None)
         if module is None:
@@ -324,12 +325,13 @@ def argue(pairs: list[list[str]]) -> None:
         if not diff:
             raise SystemExit(f"{name}: mutmut shows no diff (run the module first)")
         equivalents[name] = {"diff": diff, "reason": reason}
-    _write(EQUIVALENTS, json.dumps(dict(sorted(equivalents.items())), indent=1, ensure_ascii=False) + "\n")
+    _write(path, json.dumps(dict(sorted(equivalents.items())), indent=1, ensure_ascii=False) + "\n")
 
 
 def report() -> dict:
     """docs/mutations.md and .json from every module's verdicts and the argued equivalents."""
     equivalents = _equivalents()
+    notes = json.loads(NOTES.read_text()) if NOTES.exists() else {}
     modules, survivors = {}, {}
     path = REPORT.with_suffix(".json")
     earlier = json.loads(path.read_text()) if path.exists() else {"modules": {}, "survivors": {}}
@@ -361,8 +363,10 @@ def report() -> dict:
                 if argued and argued["diff"] == diffs.get(n):
                     status = "equivalent"
                 elif status in ("survived", "no tests"):
+                    note = notes.get(n, {})
                     survivors[n] = {"module": module, "status": status, "diff": diffs[n],
-                                    "stale argument": bool(argued)}
+                                    "stale argument": bool(argued),
+                                    "why": note.get("reason") if note.get("diff") == diffs[n] else None}
             counts[status] += 1
         tried = counts["mutants"] - counts["equivalent"] - counts["not run"]
         counts["score"] = round((counts["killed"] + counts["timeout"]) / tried, 4) if tried else None
@@ -410,8 +414,9 @@ def _markdown(doc: dict) -> str:
         lines.append("None.")
     for name, s in doc["survivors"].items():
         stale = " (its equivalence argument no longer matches the diff)" if s["stale argument"] else ""
-        where = (" — changes only where a tensor is placed: the same numbers on one device, told apart only on a "
-                 "machine with a second (a GPU)") if placement_only(s["diff"]) else ""
+        where = (f" — {s['why']}" if s.get("why") else
+                 " — changes only where a tensor is placed: the same numbers on one device, told apart only on a "
+                 "machine with a second (a GPU)" if placement_only(s["diff"]) else "")
         lines += [f"- `{name}`: {s['status']}{stale}{where}", "", "  ```diff",
                   *("  " + d for d in s["diff"].splitlines()), "  ```"]
     lines += ["", "## Equivalent mutants", "", "Argued in benchmarks/mutations_equivalent.json: they compute the "
@@ -434,9 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", action="store_true", help="only rewrite the report from the verdicts so far")
     p.add_argument("--equivalent", nargs=2, metavar=("MUTANT", "REASON"), action="append",
                    help="record a surviving mutant as equivalent, with its current diff and why (repeatable)")
+    p.add_argument("--note", nargs=2, metavar=("MUTANT", "REASON"), action="append",
+                   help="say why a survivor cannot be killed on this machine (it stays a survivor; repeatable)")
     args = p.parse_args(argv)
-    if args.equivalent:
-        argue(args.equivalent)
+    if args.equivalent or args.note:
+        argue(args.equivalent or [])
+        argue(args.note or [], NOTES)
         return 0
     chosen = [m for m in CORE if not args.module or any(part in m for part in args.module)]
     if not chosen:

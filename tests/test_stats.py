@@ -323,10 +323,14 @@ def test_outside_torchrun_the_process_group_calls_do_nothing(monkeypatch):
     from diffquant.stats.distributed import barrier, finish_distributed, gather_merge, init_distributed, \
         merge_across_ranks, rank_world
 
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    init_distributed()
-    barrier()
-    assert not dist.is_initialized() and rank_world() == (0, 1)
+    for world in (None, "1"):  # torchrun's variable unset (a plain `python`), or a world of one
+        if world is None:
+            monkeypatch.delenv("WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("WORLD_SIZE", world)
+        init_distributed()
+        barrier()
+        assert not dist.is_initialized() and rank_world() == (0, 1)
     stats = {"site": SiteStats(("batch", "pos", "channel"))}
     assert merge_across_ranks(stats) is stats and gather_merge(stats) is stats
     finish_distributed()
