@@ -98,3 +98,40 @@ def test_tost_edges():
     for margin in (0.0, -1.0):
         with pytest.raises(ValueError, match="an equivalence margin must be positive"):
             tost([1.0, 2.0], [1.0, 2.0], margin)
+
+
+@pytest.mark.filterwarnings("ignore:Precision loss occurred")  # scipy's, on the reference's constant arms
+def test_welch_against_scipy_with_values_left_out_and_constant_arms():
+    """None and NaN are left out before the test; an arm that is constant (spread 0, or exactly 1 on the other side)
+    is still a Welch test unless both are; two constants give the exact difference with p 0 (or 1 when equal)."""
+    from diffquant.stats.intervals import welch
+
+    a, b = [1.0, 2.0, None, float("nan"), 3.5], [0.5, None, 1.5, 0.2]
+    got = welch(a, b)
+    ref = sps.ttest_ind([1.0, 2.0, 3.5], [0.5, 1.5, 0.2], equal_var=False)
+    assert got["p"] == pytest.approx(ref.pvalue, rel=1e-12) and got["diff"] == pytest.approx(2.1667 - 0.7333, abs=1e-3)
+    assert got["n"] == 3
+    for x, y in (([2.0, 2.0, 2.0], [1.0, 1.5, 2.0]), ([1.0, 1.5, 2.0], [2.0, 2.0, 2.0]),
+                 ([0.0, 1.0, 2.0], [5.0, 5.0, 5.0]), ([5.0, 5.0, 5.0], [0.0, 1.0, 2.0])):
+        assert welch(x, y)["p"] == pytest.approx(sps.ttest_ind(x, y, equal_var=False).pvalue, rel=1e-12), (x, y)
+    assert welch([2.0, 2.0], [1.25, 1.25]) == {"diff": 0.75, "p": 0.0, "sign": 1, "n": 2}
+    assert welch([2.0, 2.0, 2.0], [2.0, 2.0]) == {"diff": 0.0, "p": 1.0, "sign": 0, "n": 2}
+
+
+def test_pooled_sd_leaves_out_missing_values():
+    import numpy as np
+
+    from diffquant.stats.intervals import pooled_sd
+
+    a, b = [1.0, 2.0, 4.0], [3.0, 5.0]
+    ref = math.sqrt((2 * np.var(a, ddof=1) + 1 * np.var(b, ddof=1)) / 3)
+    assert pooled_sd([1.0, None, 2.0, float("nan"), 4.0], [3.0, float("nan"), 5.0, None]) == pytest.approx(ref)
+
+
+def test_a_t_interval_of_two_values_and_pm_formatting():
+    from diffquant.stats.intervals import fmt_pm
+
+    got = t_interval([1.0, 3.0])
+    assert got["half"] == pytest.approx(sps.t.ppf(0.975, 1) * stdev([1.0, 3.0]) / math.sqrt(2)) and got["mean"] == 2.0
+    assert fmt_pm(None, 1.0) == "-" and fmt_pm(2.5, None) == "2.5"
+    assert fmt_pm(12345.6, 10.0) == "12346 ± 10" and fmt_pm(-0.0003, 0.0165) == "-0.0003 ± 0.0165"
