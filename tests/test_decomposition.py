@@ -113,3 +113,18 @@ def test_gpu_mode_on_cpu_trains_what_fits_and_keeps_every_checkpoint(tmp_path):
     for d in doc["done"]:
         model, _ = load_model(d["checkpoint"])
         assert type(model).__name__.lower().startswith(("llama", "diff", "headnorm"))
+
+
+def test_eps_swap_largest_change_and_the_costs_geometric_mean_by_hand():
+    """The eps swap's largest change in any one cell (an ∞-norm's |swapped/trained − 1|, a cost's |swapped −
+    trained|), whatever arm holds it; the geometric mean floors each cost as the tests do."""
+    from experiments.decomposition import eps_largest, geometric_mean
+
+    per_arm = {"a": [{"down_in_inf_norm": 100.0, "w8a8_static_cost": 2.0,
+                      "eps_swap": {"down_in_inf_norm": 100.5, "w8a8_static_cost": 1.75, "loss": 9.0}}],
+               "b": [{"attn_out_inf_norm": 4.0, "w8a8_static_cost": 0.5,
+                      "eps_swap": {"attn_out_inf_norm": 3.9, "w8a8_static_cost": 0.5, "missing_cost": 1.0}},
+                     {"w8a8_static_cost": 1.0}]}
+    got = eps_largest(per_arm)
+    assert got["inf_norm"] == pytest.approx(0.025) and got["cost"] == pytest.approx(0.25)
+    assert geometric_mean([1.0, 4.0, 0.001], 0.02) == pytest.approx((1.0 * 4.0 * 0.02) ** (1 / 3))
