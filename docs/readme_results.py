@@ -1196,9 +1196,7 @@ def _decomposition_finding(doc: dict | None = None) -> list[str]:
     doc = _load("docs/decomposition/results.json") if doc is None else doc
     if doc is None:
         return []
-    from experiments.decomposition import (FROZEN, detectable, geometric_mean, load_plan, short_label,
-                                           w8a8_is_down_proj)
-    from experiments.planned import units
+    from experiments.decomposition import FROZEN, cost_centre, load_plan, short_label, stated, w8a8_is_down_proj
 
     plan = load_plan(ROOT / "docs/decomposition/plan.yaml")
     if doc.get("plan_sha256") != plan["sha256"]:
@@ -1211,24 +1209,14 @@ def _decomposition_finding(doc: dict | None = None) -> list[str]:
     agg = doc["aggregate"]
 
     def said(contrast: str, key: str) -> str:
-        r = by[(contrast, key)]
-        if r.get("constant"):
-            return f"{short_label(key)} constant"
-        factor = units(r["diff"], r["transform"])
-        if r["p_holm"] < alpha:
-            return f"{short_label(key)} {factor}, Holm p {r['p_holm']:.3g}"
-        if r["p_tost_holm"] < alpha:
-            return (f"{short_label(key)} {factor}, equivalent within ×{math.exp(r['margin']):.3g} (TOST, Holm p "
-                    f"{r['p_tost_holm']:.3g})")
-        return f"{short_label(key)} {factor}, no difference detected ({detectable(r)})"
+        return f"{short_label(key)} {stated(by[(contrast, key)], alpha)}"
 
     def settled(contrast: str, key: str) -> bool:  # a Holm difference or a TOST equivalence
         r = by[(contrast, key)]
         return not r.get("constant") and (r["p_holm"] < alpha or r["p_tost_holm"] < alpha)
 
-    def centre(arm: str, key: str) -> str:  # a cost's geometric mean over seeds and their range
-        values = [v for v in agg[arm][key]["values"] if v is not None]
-        return f"{geometric_mean(values, floors[key]):.3g}% ({min(values):.3g}–{max(values):.3g})"
+    def centre(arm: str, key: str) -> str:
+        return cost_centre(agg[arm][key]["values"], floors[key], "%")
 
     total, a, b = role["total"], plan["contrasts"][0]["a"], plan["contrasts"][0]["b"]
     sc, n = doc["scale"], len(plan["seeds"])

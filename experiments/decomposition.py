@@ -418,6 +418,14 @@ def geometric_mean(values: list[float], floor: float) -> float:
     return math.exp(sum(math.log(max(v, floor)) for v in values) / len(values))
 
 
+def cost_centre(values: list, floor: float, unit: str = "") -> str:
+    """A cost over seeds: its floored geometric mean (what the tests compare) and the seeds' range."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{geometric_mean(values, floor):.3g}{unit} ({min(values):.3g}–{max(values):.3g})"
+
+
 def short_label(key: str) -> str:
     """"o_proj input ∞-norm", "static W8A8 cost", "static A8 cost at the down_proj input alone"."""
     where = metric_label(key).split(":")[0]
@@ -494,8 +502,7 @@ def render(plan: dict, doc: dict) -> str:
     def primary(a: str, k: str) -> str:
         if k not in floors:
             return cell(a, k)
-        values = [v for v in agg[a][k]["values"] if v is not None]
-        return f"{geometric_mean(values, floors[k]):.3g} ({min(values):.3g}–{max(values):.3g})" if values else "-"
+        return cost_centre(agg[a][k]["values"], floors[k])
 
     def which(k: str) -> str:
         verdict, r = doc["decomposition"][k], total[k]

@@ -337,18 +337,18 @@ def test_decomposition_finding_says_what_the_results_say(monkeypatch):
             "5 seeds per arm, rms_norm_eps 1e-05 in every arm, checkpoints kept; Welch over seeds, Holm over 23 tests; "
             "the paper's models: 3B parameters, 350B tokens)") in text
     gm = f"{math.exp((math.log(1.0) + math.log(4.0) + math.log(0.02)) / 3):.3g}"  # the 0.01 floored at 0.02
-    assert ("DIFF − Transformer: o_proj input ∞-norm ×1.1, equivalent within ×1.25 (TOST, Holm p 0.02); "
-            "down_proj input ∞-norm ×0.5, Holm p 0.004; static A8 cost at the down_proj input alone ×0.9, "
-            f"no difference detected (minimum detectable ×{math.exp(-0.7):.3g} or ×{math.exp(0.7):.3g})") in text
-    assert f"static W8A8 cost ×0.9, no difference detected" in text
+    assert ("DIFF − Transformer: o_proj input ∞-norm ×1.1 (equivalent within ×1.25, TOST Holm p 0.02); "
+            "down_proj input ∞-norm ×0.5 (Holm p 0.004); static A8 cost at the down_proj input alone ×0.9 "
+            f"(no difference detected, minimum detectable ×{math.exp(-0.7):.3g} or ×{math.exp(0.7):.3g})") in text
+    assert "static W8A8 cost ×0.9 (no difference detected" in text
     assert f"(geometric means over seeds: Transformer {gm}% (0.01–4), DIFF {gm}% (0.01–4))" in text
     assert ("The plan's verdict (one single-part arm differs as DIFF does, the other is not detected): the down_proj "
-            "input ∞-norm to the differential map (DIFF without norm − Transformer: down_proj input ∞-norm ×0.6, Holm p "
-            "0.03; Transformer + DIFF's norm − Transformer: down_proj input ∞-norm ×0.9, no difference detected") in text
+            "input ∞-norm to the differential map (DIFF without norm − Transformer: down_proj input ∞-norm ×0.6 (Holm p "
+            "0.03); Transformer + DIFF's norm − Transformer: down_proj input ∞-norm ×0.9 (no difference detected") in text
     assert "The non-detections do not exclude the other part." in text
-    assert "DIFF, λ frozen − Transformer: o_proj input ∞-norm ×0.9, no difference" in text
+    assert "DIFF, λ frozen − Transformer: o_proj input ∞-norm ×0.9 (no difference" in text
     assert "DIFF, λ frozen − DIFF: o_proj input ∞-norm ×0.9" in text
-    assert "The remaining 10 tests: DIFF without norm − Transformer, o_proj input ∞-norm ×0.9, no difference" in text
+    assert "The remaining 10 tests: DIFF without norm − Transformer, o_proj input ∞-norm ×0.9 (no difference" in text
     assert "Transformer + DIFF's norm − Transformer, static W8A8 cost constant" in text
     assert ("The static W8A8 cost here is the down_proj input's: it and the static A8 cost at that input alone differ "
             "by at most 0.25 percentage points (25% of the smaller) in any cell.") in text
