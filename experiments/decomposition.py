@@ -466,7 +466,8 @@ def summary(plan: dict, doc: dict) -> str:
     return (f"{n} seeds per arm; Welch over seeds, Holm over the planned family of "
             f"{doc['family_size']} tests. Differences detected: " + ("; ".join(found) if found else "none")
             + (". Equivalent within the plan's margin: " + "; ".join(equivalent) if equivalent else "")
-            + ". Every other test: no difference detected"
+            + ". Every other test: " + ("no difference detected" if not any(r.get("constant") for r in doc["tests"])
+                                        else "no difference detected, or constant (no test)")
             + f". λ at the end of training (every layer and seed): {lam}.")
 
 
