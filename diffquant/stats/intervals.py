@@ -235,9 +235,18 @@ def minimum_detectable_effect(n: int, tests: int, alpha: float = ALPHA, power: f
 
     if n < 2 or tests < 1:
         raise ValueError(f"needs n >= 2 runs per group and at least one test, got n={n}, tests={tests}")
+    if not (0 < power < 1 and 0 < alpha < 1):
+        raise ValueError(f"power and alpha are probabilities strictly between 0 and 1, got {power} and {alpha}")
     df = 2 * n - 2
     crit = float(student.ppf(1 - alpha / tests / 2, df))
-    return float(brentq(lambda d: nct.sf(crit, df, d * math.sqrt(n / 2)) - power, 1e-3, 100.0))
+
+    def shortfall(d: float) -> float:
+        return nct.sf(crit, df, d * math.sqrt(n / 2)) - power
+
+    high = 100.0  # two runs and hundreds of tests need more than 100 SD: widen until the power is reached
+    while shortfall(high) < 0:
+        high *= 2
+    return float(brentq(shortfall, 1e-3, high))
 
 
 def pooled_sd(a: list[float], b: list[float]) -> float:
