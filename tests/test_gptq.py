@@ -18,6 +18,9 @@ def reference_gptq(W, H, bits, group=None, act_order=False, damp=0.01):
     W, H = W.double().clone(), H.double().clone()
     rows, cols = W.shape
     qmax = 2 ** (bits - 1) - 1
+    dead = torch.diagonal(H) == 0  # inputs that are always zero, as the reference code: H 1 there, weights 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
 
     def absmax_scale(block):
         s = block.abs().amax(dim=1) / qmax
@@ -129,8 +132,10 @@ def _data(rows=24, cols=44, tokens=400, outliers=(3, 17), seed=0):
 
 
 @pytest.mark.parametrize("gran,act_order", [(PerChannel(0), False), (PerGroup(16), False), (PerChannel(0), True),
-                                            (PerGroup(16), True), (PerGroup(8), False)])
+                                            (PerGroup(16), True), (PerGroup(8), False), (PerGroup(12), False)])
 def test_gptq_equals_the_papers_algorithm(gran, act_order):
+    """Blocks of 16 columns: groups of 12 do not divide them, so the blocks are aligned to the groups (a group's
+    scale is taken from its columns after every earlier column's update, as column by column)."""
     W, _, H = _data()  # 44 inputs: groups of 16 end with a ragged group of 12
     got, _, _ = solve(W, H, int_config(4, gran), GPTQ(block=16, act_order=act_order))  # several lazy blocks
     want = reference_gptq(W, H, 4, gran.size if isinstance(gran, PerGroup) else None, act_order)
@@ -145,13 +150,21 @@ def test_gptq_equals_the_papers_algorithm(gran, act_order):
                                     QuantConfig(Format("fp8_e4m3"), PerChannel(0))])
 def test_gptq_result_lies_on_the_grid(config):
     W, _, H = _data()
-    wq, scale, zero = solve(W, H, config, GPTQ(act_order=True))
-    again = Q.fake_quantize(wq, scale, zero, config.format, config.granularity)
-    assert torch.equal(again, wq)  # a static fake quantizer with these scales keeps it bit-exactly
+    for act_order in (True, False):  # static scales, and (groups) scales found as the columns are reached
+        wq, scale, zero = solve(W, H, config, GPTQ(act_order=act_order))
+        assert scale.shape == zero.shape and scale.dtype == zero.dtype == W.dtype
+        again = Q.fake_quantize(wq, scale, zero, config.format, config.granularity)
+        assert torch.equal(again, wq)  # a static fake quantizer with these scales keeps it bit-exactly
+    if not config.format.symmetric:  # the codes q = w/s + z written out: integers on [0, 15], one (s, z) a group
+        s = scale.squeeze(-1).repeat_interleave(16, dim=1)[:, :W.shape[1]]
+        z = zero.squeeze(-1).repeat_interleave(16, dim=1)[:, :W.shape[1]]
+        c = wq / s + z
+        assert torch.allclose(c, c.round(), atol=1e-4) and c.min() >= -1e-4 and c.max() <= 15 + 1e-4
+        assert (zero != 0).any() and (zero != zero.flatten()[0]).any()  # zeros that a swap of groups would move
     if config.format.name == "int" and config.format.symmetric and isinstance(config.granularity, PerGroup):
         s = scale.squeeze(-1).repeat_interleave(16, dim=1)[:, :W.shape[1]]
         c = wq / s
-        assert torch.allclose(c, c.round(), atol=1e-4) and c.abs().max() <= config.format.qmax
+        assert torch.allclose(c, c.round(), atol=1e-4) and c.abs().max() <= config.format.qmax + 1e-4
 
 
 def test_gptq_beats_rtn_on_outlier_columns():
@@ -343,3 +356,94 @@ def test_gptq_breakdown_runs(capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["layer"] for r in rows] == [0, 1]
     assert all(r[k] >= 0 for r in rows for k in ("statistics", "XᵀX alone", "solve", "Cholesky alone", "propagate"))
+
+
+@pytest.mark.parametrize("gran,act_order", [(PerChannel(0), False), (PerChannel(0), True), (PerGroup(16), False),
+                                            (PerGroup(16), True)])
+def test_inputs_that_are_always_zero(gran, act_order):
+    """Two inputs that are zero on every calibration token (diag H = 0): as the reference code, H is 1 there (which
+    enters the damping's mean: the Hessian is small here, so it moves every column) and their weights are 0. Unlike
+    the reference code, whose per-channel scales still see those weights, the scales here leave them out: weights
+    below 1 and a row whose largest is on a dead input show it."""
+    W, X, _ = _data()
+    X = X * 0.01
+    X[:, [5, 30]] = 0
+    W[2, 30] = 0.9  # row 2's largest weight, on a dead input
+    H = 2 * X.double().T @ X.double() / X.shape[0]
+    assert (torch.diagonal(H) == 0).sum() == 2 and torch.diagonal(H).mean() < 0.5
+    group = gran.size if isinstance(gran, PerGroup) else None
+    got, scale, _ = solve(W, H, int_config(4, gran), GPTQ(block=16, act_order=act_order))
+    want = reference_gptq(W, H, 4, group, act_order)
+    assert torch.equal(got[:, [5, 30]], torch.zeros(W.shape[0], 2))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    if group is None:
+        live = W.clone()
+        live[:, [5, 30]] = 0
+        torch.testing.assert_close(scale.flatten(), live.abs().amax(dim=1) / 7, atol=1e-7, rtol=0)
+
+
+def test_act_order_keeps_tied_inputs_in_their_order():
+    """72 inputs of ±1 on every token: every diag H is exactly 2, so act-order's order is the ties' (a sort that is
+    not stable scrambles them past 16 elements, and the order moves every error's path)."""
+    g = torch.Generator().manual_seed(5)
+    X = torch.randint(0, 2, (200, 72), generator=g).double() * 2 - 1
+    H = 2 * X.T @ X / X.shape[0]
+    assert bool((torch.diagonal(H) == 2).all())
+    W = torch.randn(16, 72, generator=g) * 0.1
+    got, scale, _ = solve(W, H, int_config(4, PerChannel(0)), GPTQ(block=32, act_order=True))
+    want, want_scale = lazy_reference(W, H, 4, None, True, block=32)
+    assert torch.equal(got, want) and torch.equal(scale.reshape(16, -1), want_scale)
+
+
+def test_gptq_scales_refuse_a_granularity_weights_do_not_have():
+    from diffquant.errors import DiffquantError
+    from diffquant.quant.algorithms.gptq import scales
+    from diffquant.quant.numerics.granularity import PerHead
+
+    with pytest.raises(DiffquantError, match=r"per-head granularity needs a site with a head dimension, not "
+                                             r"\[out_channel, in_channel\]"):
+        scales(torch.ones(4, 8), int_config(4, PerHead()))
+
+
+def test_gptq_on_conv1d_weights_solves_them_as_out_by_in():
+    """GPT-2 stores its projections transposed ([in, out], Conv1D): layer 0's c_attn is solved as the paper's
+    [out, in] weight on the Hessian of its real input (ln_1's output), and stored back transposed."""
+    from diffquant.models.matrix import FAMILIES
+    from diffquant.quant.algorithms.solvers import parse, solve_weights_
+    from diffquant.quant.numerics.scheme import get_scheme
+
+    model = FAMILIES["gpt2"].build()
+    calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(2))
+    block = model.transformer.h[0]
+    seen = []
+    h = block.ln_1.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    with torch.no_grad():
+        model(calib, use_cache=False)
+    h.remove()
+    x = torch.cat(seen).reshape(-1, model.config.n_embd).double()
+    stored = block.attn.c_attn.weight.detach().clone()  # [in, out]
+    assert stored.shape[0] != stored.shape[1]
+    want = reference_gptq(stored.t(), 2 * x.T @ x / x.shape[0], 4, 32)
+    solved = solve_weights_(model, parse("gptq"), get_scheme("w4a16-g32"), calib, progress=False)
+    try:
+        got = block.attn.c_attn.weight.detach()
+        assert got.shape == stored.shape
+        torch.testing.assert_close(got.t().double(), want, atol=1e-5, rtol=0)
+    finally:
+        solved.remove()
+    assert torch.equal(block.attn.c_attn.weight, stored)
+
+
+def test_gptq_refuses_fused_expert_weights_in_one_line():
+    """A fused MoE weight holds every expert's matrix; each expert sees only its routed tokens, which one
+    Hessian of the module's input does not describe."""
+    from diffquant.errors import DiffquantError
+    from diffquant.models.matrix import FAMILIES
+    from diffquant.quant.algorithms.solvers import parse, solve_weights_
+    from diffquant.quant.numerics.scheme import get_scheme
+
+    model = FAMILIES["mixtral"].build()
+    calib = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(DiffquantError, match=r"^gptq does not support fused MoE expert weights \(layers\.0\.mlp\."
+                                             r"experts\.gate_up_proj\.weight\).*use --solver rtn$"):
+        solve_weights_(model, parse("gptq"), get_scheme("w4a16-g32"), calib, progress=False)

@@ -50,7 +50,6 @@ def solve(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, gptq) -> tuple[
     W[:, dead] = 0
     group = gran.group_size
     lazy_groups = group is not None and not (gptq.act_order or gptq.static_groups)
-    col_scale = col_zero = None
     if group is None:
         s, z = scales(W, config)
         col_scale, col_zero = s.expand(rows, cols), z.expand(rows, cols)
@@ -61,8 +60,7 @@ def solve(w: torch.Tensor, h: torch.Tensor, config: QuantConfig, gptq) -> tuple[
     if gptq.act_order:  # without it the columns keep their order: no copies of W and H permuted by arange
         perm = torch.argsort(H.diagonal(), descending=True, stable=True)
         W, H = W[:, perm], H[perm][:, perm]
-        if col_scale is not None:
-            col_scale, col_zero = col_scale[:, perm], col_zero[:, perm]
+        col_scale, col_zero = col_scale[:, perm], col_zero[:, perm]  # act-order always has static scales
     H.diagonal().add_(gptq.damp * H.diagonal().mean())
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     out = torch.empty_like(W)
