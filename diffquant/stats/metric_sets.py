@@ -74,11 +74,11 @@ class SequenceSinks:
             x = x.float() / (1.0 - self.lam)
         s, n = sequence_first_key(x.detach(), ctx.valid)
         block = ctx.block
-        if block is None or block[0] == 0:
+        if block is None or block.start == 0:
             self._part = (s, n)
         else:
             self._part = (self._part[0] + s, self._part[1] + n)
-        if block is not None and block[1] != block[2]:
+        if block is not None and block.end != block.queries:
             return  # more query blocks of this call follow
         s, n = self._part
         self._part = None
