@@ -24,6 +24,10 @@ numbers, are argued in benchmarks/mutations_equivalent.json (`--equivalent NAME 
 with the diff they were argued for (a changed diff marks the argument stale); they are not rerun. The report:
 killed, survived, equivalent and the score (killed / (mutants − equivalent − not run)) per module, each
 survivor's diff, each equivalent's reason. Not run in CI: it takes hours.
+
+The Triton kernels (diffquant/kernels/site.py, flash.py) are in the same command and report, by
+benchmarks/kernel_mutations.py: mutmut leaves `@triton.jit` functions alone, so their bodies get a small mutator of
+their own, run against the kernel tests in Triton's interpreter (`--module kernels` for both).
 """
 
 from __future__ import annotations
@@ -317,8 +321,13 @@ print(json.dumps({{n: get_diff_for_mutant(n, path={module!r}) for n in json.load
 def argue(pairs: list[list[str]], path: Path = EQUIVALENTS) -> None:
     """Add (mutant name, reason) pairs to EQUIVALENTS (or NOTES), each with the diff it is argued for."""
     equivalents = json.loads(path.read_text()) if path.exists() else {}
+    from benchmarks import kernel_mutations
+
     for name, reason in pairs:
         module = next((m for m in CORE if name.startswith(m.removesuffix(".py").replace("/", ".") + ".")), None)
+        if module is None and (diff := kernel_mutations.diff_of(name)) is not None:
+            equivalents[name] = {"diff": diff, "reason": reason}
+            continue
         if module is None:
             raise SystemExit(f"{name} is not a mutant of a core module")
         diff = _diffs(WORK / module.replace("/", "_").removesuffix(".py"), module, [name])[name]
@@ -371,7 +380,15 @@ def report() -> dict:
         tried = counts["mutants"] - counts["equivalent"] - counts["not run"]
         counts["score"] = round((counts["killed"] + counts["timeout"]) / tried, 4) if tried else None
         modules[module] = {"run": True, **counts}
-    doc = {"tool": "mutmut 3.8", "modules": modules, "survivors": survivors,
+    from benchmarks import kernel_mutations
+
+    for module in kernel_mutations.KERNELS:
+        modules[module], found = kernel_mutations.counts(module, equivalents, notes)
+        if not modules[module]["run"]:
+            modules[module] = {"run": False}
+        survivors.update(found)
+    doc = {"tool": "mutmut 3.8; the Triton kernels' jit functions: benchmarks/kernel_mutations.py",
+           "modules": modules, "survivors": survivors,
            "equivalents": {k: v for k, v in equivalents.items()}}
     _write(REPORT.with_suffix(".json"), json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     _write(REPORT.with_suffix(".md"), _markdown(doc))
@@ -446,13 +463,19 @@ def main(argv: list[str] | None = None) -> int:
         argue(args.equivalent or [])
         argue(args.note or [], NOTES)
         return 0
-    chosen = [m for m in CORE if not args.module or any(part in m for part in args.module)]
+    from benchmarks import kernel_mutations
+
+    every = [*CORE, *kernel_mutations.KERNELS]
+    chosen = [m for m in every if not args.module or any(part in m for part in args.module)]
     if not chosen:
-        print(f"no module matches {args.module}; the core: {', '.join(CORE)}", file=sys.stderr)
+        print(f"no module matches {args.module}; the core: {', '.join(every)}", file=sys.stderr)
         return 2
     if not args.report:
         for module in chosen:
-            run_module(module, args.jobs)
+            if module in kernel_mutations.KERNELS:
+                kernel_mutations.run(module, args.jobs)
+            else:
+                run_module(module, args.jobs)
     doc = report()
     for module in chosen:
         m = doc["modules"][module]

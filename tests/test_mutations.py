@@ -4,7 +4,7 @@ mutant names a core module, the diff it was argued for and a reason (the run its
 import json
 from pathlib import Path
 
-from benchmarks import mutations
+from benchmarks import kernel_mutations, mutations
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,7 +23,7 @@ def test_the_module_table_names_files_that_exist():
 
 
 def test_every_argued_equivalent_names_its_module_diff_and_reason():
-    modules = {m.removesuffix(".py").replace("/", ".") for m in mutations.CORE}
+    modules = {m.removesuffix(".py").replace("/", ".") for m in [*mutations.CORE, *kernel_mutations.KERNELS]}
     notes = json.loads(mutations.NOTES.read_text()) if mutations.NOTES.exists() else {}
     for name, argued in [*json.loads(mutations.EQUIVALENTS.read_text()).items(), *notes.items()]:
         assert name.rsplit(".", 1)[0] in modules, name
@@ -40,7 +40,7 @@ def test_a_kept_verdict_counts_only_while_its_function_is_unchanged():
 
 
 def test_kept_verdicts_name_core_mutants_and_carry_each_survivors_diff():
-    for path in sorted(mutations.VERDICTS.glob("*.json")):
+    for path in sorted(p for p in mutations.VERDICTS.glob("*.json") if not p.name.startswith("kernels_")):
         module = next(m for m in mutations.CORE if mutations._kept_path(m) == path)
         kept = json.loads(path.read_text())
         prefix = module.removesuffix(".py").replace("/", ".") + "."
@@ -110,3 +110,55 @@ def test_child_process_tests_kill_the_survivors_whose_mutant_fails_them_in_a_sta
         monkeypatch.setitem(mutations.IN_CHILD_PROCESSES, module, (test,))
         mutations.run_in_child_processes(tmp_path, module, env, timeout=120)
         assert json.loads(meta.read_text())["exit_code_by_key"] == want, test
+
+
+KERNEL = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def k(a, b):
+    """A docstring is not mutated."""
+    c = tl.maximum(a + b, 1.0)
+    return tl.where(c > 0, c, -c)
+
+
+def plain(a):
+    return a + 1
+'''
+
+
+def test_kernel_mutants_change_one_thing_in_a_jit_function_only():
+    got = kernel_mutations.mutants("diffquant/kernels/x.py", KERNEL)
+    assert all(m["function"] == "k" and m["name"].startswith("diffquant.kernels.x.k__kmut_") for m in got)
+    assert {(m["line"], m["new"].strip()) for m in got} == {
+        (8, "c = tl.minimum(a + b, 1.0)"), (8, "c = tl.maximum((a - b), 1.0)"), (8, "c = tl.maximum(a + b, 2.0)"),
+        (9, "return tl.where(c > 0, -c, c)"), (9, "return tl.where((c >= 0), c, -c)"),
+        (9, "return tl.where(c > 1, c, -c)"), (9, "return tl.where(c > 0, c, c)")}
+    assert len({m["name"] for m in got}) == len(got) == 7
+    for m in got:  # each is the source with one line changed, and still parses
+        lines = KERNEL.splitlines(keepends=True)
+        assert lines[m["line"] - 1] == m["old"]
+        lines[m["line"] - 1] = m["new"]
+        compile("".join(lines), "x.py", "exec")
+
+
+def test_kernel_verdicts_count_while_their_function_and_diff_are_unchanged(tmp_path, monkeypatch):
+    module = "diffquant/kernels/x.py"
+    (tmp_path / "diffquant" / "kernels").mkdir(parents=True)
+    (tmp_path / module).write_text(KERNEL)
+    monkeypatch.setattr(kernel_mutations, "ROOT", tmp_path)
+    monkeypatch.setattr(kernel_mutations, "VERDICTS", tmp_path / "verdicts")
+    monkeypatch.setattr(kernel_mutations, "KERNELS", {module: ("tests/test_x.py",)})
+    ms = kernel_mutations.mutants(module)
+    statuses = ["killed", "survived", "timeout", "killed", "killed", "survived", "killed"]
+    verdicts = {m["name"]: {"status": st, "diff": kernel_mutations.diff(m)} for m, st in zip(ms, statuses)}
+    kernel_mutations._save(module, verdicts, kernel_mutations.function_hashes(module))
+    equivalent = ms[5]["name"]
+    row, survivors = kernel_mutations.counts(module, {equivalent: {"diff": kernel_mutations.diff(ms[5]),
+                                                                   "reason": "r"}}, {})
+    assert (row["killed"], row["timeout"], row["survived"], row["equivalent"], row["score"]) == (4, 1, 1, 1, round(5 / 6, 4))
+    assert list(survivors) == [ms[1]["name"]] and survivors[ms[1]["name"]]["diff"].startswith("-")
+    (tmp_path / module).write_text(KERNEL.replace("1.0)", "1.5)"))  # k changed: its verdicts say nothing now
+    row, _ = kernel_mutations.counts(module, {}, {})
+    assert row["run"] is False and row["not run"] == row["mutants"]
