@@ -395,6 +395,26 @@ def test_site_kernel_merges_chunks_and_programs_in_the_contract():
     assert_contract_moments(b.moments, x.flatten())
 
 
+def test_site_kernel_merges_a_side_of_a_single_value():
+    """One row one column wider than a chunk (its second chunk holds one value), and one whose mask leaves a single
+    value in its first chunk: Pébay's merge with a count of 1 on either side, the means far apart (a merge that
+    divided that side's sum by 2, or dropped the mean's difference for it, fails here)."""
+    g = torch.Generator().manual_seed(12)
+    wide = torch.randn(1, 4097, generator=g) + 5.0
+    wide[0, 4096] = 900.0
+    a, b = _both([(wide, None, None)], WEIGHT_DIMS)
+    assert_exact_but_moments(a, b)
+    assert_contract_moments(b.moments, wide.flatten())
+    x = torch.randn(1, 6000, generator=g) - 40.0
+    x[0, 7] = 700.0
+    valid = torch.ones(1, 6000, dtype=torch.bool)
+    valid[0, :4096] = False
+    valid[0, 7] = True  # the first chunk counts this value alone
+    a, b = _both([(x, valid, None)], WEIGHT_DIMS)
+    assert_exact_but_moments(a, b)
+    assert_contract_moments(b.moments, x[valid])
+
+
 def test_site_kernel_moments_of_a_large_mean():
     """Values whose mean is 1,000 standard deviations from 0: the float32 mean each path centres on is off by up to
     half its last bit, so both move their sums to the exact mean (without that, M₃ is off by ~6e-5 of Σ|x − μ|³)."""
