@@ -66,7 +66,7 @@ CORE = {
                                      "tests/test_fair_rivals.py", "tests/test_wa_table.py"),
     "diffquant/stats/metric_sets.py": ("tests/test_metric_sets.py", "tests/test_metric_set_parts.py"),
     "diffquant/quant/numerics/math.py": ("tests/test_quant.py", "tests/test_kv_cache.py"),
-    "diffquant/quant/numerics/fake.py": ("tests/test_quant.py", "tests/test_kv_cache.py"),
+    "diffquant/quant/numerics/fake.py": ("tests/test_fake_quant.py", "tests/test_quant.py", "tests/test_kv_cache.py"),
     "diffquant/quant/numerics/formats.py": ("tests/test_formats.py", "tests/test_quant.py", "tests/test_full_grid.py"),
     "diffquant/quant/numerics/granularity.py": ("tests/test_granularity.py", "tests/test_quant.py",
                                                 "tests/test_kv_cache.py"),
