@@ -72,7 +72,9 @@ CORE = {
                                                 "tests/test_kv_cache.py"),
     "diffquant/quant/algorithms/gptq.py": ("tests/test_gptq.py",),
     "diffquant/quant/algorithms/awq.py": ("tests/test_awq.py",),
-    "diffquant/quant/algorithms/mitigate.py": ("tests/test_mitigate.py",),
+    "diffquant/quant/algorithms/mitigate.py": ("tests/test_mitigate.py", "tests/test_mitigate_parts.py",
+                                               "tests/test_mitigate.py::test_smoothquant_search_applies_the_alpha_of_"
+                                               "least_calibration_loss"),
     "diffquant/taps/attention.py": ("tests/test_hot_path.py", "tests/test_taps.py", "tests/test_sinks.py"),
 }
 # taps/attention.py: only the functions that shape what the statistics see (masks, blocks, first-key masses)
