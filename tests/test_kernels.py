@@ -415,10 +415,27 @@ def test_site_kernel_merges_a_side_of_a_single_value():
     assert_contract_moments(b.moments, x[valid])
 
 
-def test_site_kernel_moments_of_a_large_mean():
-    """Values whose mean is 1,000 standard deviations from 0: the float32 mean each path centres on is off by up to
-    half its last bit, so both move their sums to the exact mean (without that, M₃ is off by ~6e-5 of Σ|x − μ|³)."""
-    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(9)) + 1000.0
+@pytest.mark.parametrize("mean", [1000.0, 1e6])
+def test_site_kernel_moments_of_a_large_mean(mean):
+    """Values whose mean is 1,000 (or 10⁶) standard deviations from 0: the float32 mean each path centres on is off by
+    up to half its last bit, so both move their sums to the exact mean (without that, M₃ is off by ~6e-5 of Σ|x − μ|³
+    at 1,000). At 10⁶ that half bit is 0.03 standard deviations: each term of the move (δ·e₁, δ²·e₁, δ³·e₁, n·δ⁴ …)
+    is then above the contract's tolerance, so a wrong coefficient in any of them fails."""
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(9)) + mean
+    a, b = _both([(x, None, None)], WEIGHT_DIMS)
+    assert_exact_but_moments(a, b)
+    assert_contract_moments(a.moments, x.flatten())
+    assert_contract_moments(b.moments, x.flatten())
+
+
+def test_site_kernel_moments_of_a_mean_halfway_between_two_float32_values():
+    """10⁶ + 0, 1/16 or 2/16 (float32's step at 10⁶ is 1/16) in counts that put the exact mean at 10⁶ + 1/32, halfway
+    between two float32 values: the centre each path takes is off by a whole standard deviation's order (δ = 1/32
+    against a spread of 0.04), and every term of the move to the exact mean, M₂ to M₄, is far above the contract's
+    tolerance. Every sum here is exact in float64."""
+    x = torch.cat([torch.zeros(20480), torch.full((8192,), 1 / 16), torch.full((4096,), 2 / 16)]) + 1e6
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(13))].reshape(64, 512)
+    assert x.double().mean().item() == 1e6 + 1 / 32
     a, b = _both([(x, None, None)], WEIGHT_DIMS)
     assert_exact_but_moments(a, b)
     assert_contract_moments(a.moments, x.flatten())
