@@ -209,6 +209,22 @@ def test_site_kernel_logits_weights_and_bf16():
     assert_contract_moments(b.moments, h.float().flatten())
 
 
+def test_site_kernel_logits_of_a_padded_batch():
+    """Logits [batch, head, q, k] with a causal and padding mask that differs between sequences ([batch, 1, q, k]:
+    the mask's batch stride is not 0): each row reads its own sequence's mask."""
+    x = _heavy((3, 2, 12, 12), 5)
+    causal = torch.arange(12)[None, :] <= torch.arange(12)[:, None]
+    valid = causal.expand(3, 1, 12, 12).clone()
+    valid[1, :, :, :4] = False  # left padding of 4 in sequence 1, of 7 in sequence 2
+    valid[2, :, :, :7] = False
+    x[1, :, :, :4] = 500.0  # padded logits far out: read with another sequence's mask they would count
+    x[2, :, :, :7] = -400.0
+    a, b = _both([(x, valid, None)], LOGIT_DIMS)
+    assert_exact_but_moments(a, b)
+    assert_contract_moments(b.moments, x[valid.expand_as(x)])
+    assert float(b.topk.abs[0]) < 400.0
+
+
 def test_site_kernel_scalar_site_and_a_pickle_without_its_kernel():
     """A zero-dim site (a scalar such as a loss) on both paths; a pickled site (a saved profile) leaves the
     kernel and its device buffers behind and counts on as the original."""
