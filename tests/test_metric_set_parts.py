@@ -220,19 +220,22 @@ def test_diff_table5_reports_each_kind_pooled_and_a_ratio_only_where_the_median_
 
 
 def test_sun2024_per_layer_ratio_totals_and_a_layer_with_median_zero():
-    prof = _profile({"layers.0.hidden": [1.0, -2.0, 0.5, 3.0, 0.25], "layers.1.hidden": [0.0, 0.0, 0.0, 150.0, 0.0],
+    prof = _profile({"layers.0.hidden": [1.5, -2.0, 0.5, 3.0, 0.25], "layers.1.hidden": [0.0, 0.0, 0.0, 150.0, 0.0],
                      "final_norm": [9.0, 1.0]},
                     {"layers.0.hidden": "hidden", "layers.1.hidden": "hidden", "final_norm": "hidden"})
     got = M.REGISTRY["sun2024"].compute(prof)
     assert set(got["layers"]) == {"0", "1"}  # the final norm has no layer
     first = got["layers"]["0"]
-    assert (first["top1"], first["top2"], first["top3"]) == (3.0, 2.0, 1.0)
+    assert (first["top1"], first["top2"], first["top3"]) == (3.0, 2.0, 1.5)
     assert first["top1_over_median"] == pytest.approx(3.0 / first["median"], rel=1e-12)
-    assert first["median"] == pytest.approx(1.0, rel=1e-2)
+    assert first["median"] == pytest.approx(1.5, rel=1e-2)
     assert got["layers"]["1"]["median"] == 0.0 and got["layers"]["1"]["top1_over_median"] is None
     assert got["layers"]["1"]["massive"] == 1  # 150 > max(100, 1000 × 0)
     assert got["massive_total"] == 1 and got["layers_with_massive"] == [1]
     assert got["top1_over_median_max"] == first["top1_over_median"]
+    flat = M.REGISTRY["sun2024"].compute(_profile({"layers.0.hidden": [0.0, 0.0, 0.0, 4.0, 0.0]},
+                                                  {"layers.0.hidden": "hidden"}))
+    assert flat["top1_over_median_max"] is None and flat["massive_total"] == 0 and flat["layers_with_massive"] == []
 
 
 def _sinks(lam, alphas):
