@@ -180,7 +180,8 @@ def test_needs_no_range_while_calibrating():
 
 def _calibrated(config, batches, valid=None, gram=None):
     q = FakeQuant(config)
-    q.gram = gram
+    if gram is not None:
+        q.gram = gram
     q.start_calibration()
     assert q.calibrating
     for b in batches:
@@ -284,3 +285,77 @@ def test_kept_windows_pass_through_bit_exact():
     y = tensor(x, _ctx())
     torch.testing.assert_close(y[:, 1:], _round_sym(x[:, 1:], x[:, 1:].abs().amax(dim=(1, 2), keepdim=True), 127),
                                rtol=0, atol=0)
+
+
+def _round_asym(x, lo, hi, qmax):
+    """Asymmetric round trip written out: the range widened to hold 0, zero point round(−lo / scale)."""
+    lo, hi = torch.clamp(lo, max=0.0), torch.clamp(hi, min=0.0)
+    scale = torch.where(hi > lo, (hi - lo) / qmax, torch.ones_like(hi))
+    zero = torch.clamp(torch.round(-lo / scale), 0, qmax)
+    return (torch.clamp(torch.round(x / scale) + zero, 0, qmax) - zero) * scale
+
+
+def test_static_asymmetric_and_grouped_quantizers_apply_their_own_grid():
+    """Calibrated on positive values only (the range still holds 0, the zero point is not 0), per group of 4 channels:
+    the forward is the grid written out here, each group with its own scale and zero point."""
+    g = torch.Generator().manual_seed(8)
+    batch = torch.rand(2, 5, 8, generator=g) * torch.tensor([1.0, 2, 3, 4, 5, 6, 7, 8]) + 0.5
+    asym = _calibrated(QuantConfig(Format("int", 8, False), G.PerTensor(), dynamic=False), [batch])
+    assert float(asym.zero) == 0.0  # lo clamped to 0: all values positive
+    x = batch - 1.0
+    torch.testing.assert_close(asym(x, _ctx()), _round_asym(x, torch.tensor(0.0), batch.max(), 255), rtol=0, atol=0)
+    shifted = _calibrated(QuantConfig(Format("int", 8, False), G.PerGroup(4), dynamic=False), [batch - 3.0])
+    y = shifted(batch - 3.0, _ctx())
+    groups = (batch - 3.0).reshape(2, 5, 2, 4)
+    lo = groups.amin(dim=3, keepdim=True)  # a static group scale covers one run of 4 values (of this batch shape)
+    hi = groups.amax(dim=3, keepdim=True)
+    assert (shifted.zero != 0).any()
+    torch.testing.assert_close(y, _round_asym(groups, lo, hi, 255).reshape(2, 5, 8), rtol=0, atol=0)
+
+
+def test_an_asymmetric_range_over_query_blocks_keeps_its_zero_point():
+    logits = torch.rand(1, 2, 4, 4, generator=torch.Generator().manual_seed(9)) * 6 - 1  # mostly positive
+    q = FakeQuant(QuantConfig(Format("int", 8, False), G.PerTensor()))
+    ctx = _ctx("attn_logits")
+    q.start_range()
+    q.observe_range(logits[:, :, :2], ctx)
+    q.observe_range(logits[:, :, 2:], ctx)
+    got = torch.cat([q(logits[:, :, :2], ctx), q(logits[:, :, 2:], ctx)], dim=2)
+    q.end_range()
+    torch.testing.assert_close(got, _round_asym(logits, logits.min(), logits.max(), 255), rtol=0, atol=0)
+
+
+def test_mse_calibration_per_channel_picks_a_ratio_for_each_channel():
+    """Per-channel static scales: each channel's clipping ratio from its own error (a heavy-tailed channel is clipped,
+    a uniform one is not)."""
+    g = torch.Generator().manual_seed(10)
+    heavy = torch.distributions.StudentT(1.5).sample((4, 64, 1))
+    flat = torch.rand(4, 64, 1, generator=g) * 2 - 1
+    flat[0, 0, 0] = 1.0
+    x = torch.cat([heavy, flat], dim=-1)
+    q = _calibrated(QuantConfig(INT4, G.PerChannel(), dynamic=False, calibration="mse"), [x])
+    for c in range(2):
+        col = x[..., c:c + 1]
+        amax = float(col.abs().max())
+        alpha = _clip_search([col], -amax, amax, INT4)
+        assert float(q.scale.flatten()[c]) == pytest.approx(amax * alpha / 7, rel=1e-6), c
+    assert float(q.scale.flatten()[0]) < float(x[..., 0].abs().max()) / 7 * 0.9  # the heavy channel is clipped
+
+
+def test_percentile_calibration_leaves_masked_values_out_and_an_all_masked_site_keeps_scale_one():
+    x = torch.arange(1, 101, dtype=torch.float32).reshape(1, 100, 1)
+    valid = torch.ones(1, 100, 1, dtype=torch.bool)
+    valid[0, 90:] = False  # 91..100 never seen
+    q = _calibrated(QuantConfig(INT8, G.PerTensor(), dynamic=False, calibration="percentile", percentile=100.0),
+                    [x], valid)
+    assert float(q.scale) * 127 == pytest.approx(90.0, rel=0.01)
+    none = _calibrated(QuantConfig(INT8, G.PerTensor(), dynamic=False, calibration="percentile"), [x],
+                       torch.zeros(1, 100, 1, dtype=torch.bool))
+    assert float(none.scale) == 1.0 and float(none.zero) == 0.0
+
+
+def test_output_calibration_without_the_readers_weights_is_one_clear_error():
+    q = FakeQuant(QuantConfig(INT4, G.PerTensor(), dynamic=False, calibration="output"))
+    q.start_calibration()
+    with pytest.raises(DiffquantError, match="output-error calibration needs the readers' weights"):
+        q(torch.randn(1, 4, 8), _ctx())
