@@ -75,7 +75,8 @@ CORE = {
     "diffquant/quant/algorithms/mitigate.py": ("tests/test_mitigate.py", "tests/test_mitigate_parts.py",
                                                "tests/test_mitigate.py::test_smoothquant_search_applies_the_alpha_of_"
                                                "least_calibration_loss"),
-    "diffquant/taps/attention.py": ("tests/test_hot_path.py", "tests/test_taps.py", "tests/test_sinks.py"),
+    "diffquant/taps/attention.py": ("tests/test_visible.py", "tests/test_hot_path.py", "tests/test_taps.py",
+                                    "tests/test_sinks.py"),
 }
 # taps/attention.py: only the functions that shape what the statistics see (masks, blocks, first-key masses)
 FUNCTIONS = {"diffquant/taps/attention.py": ("xǁVisibleǁrows", "xǁVisibleǁdense", "xǁVisibleǁkey_end",
