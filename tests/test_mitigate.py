@@ -390,6 +390,8 @@ def test_smoothquant_search_applies_the_alpha_of_least_calibration_loss():
     best = min(by_hand, key=by_hand.get)
     assert applied.record["alpha"] == best and applied.record["mitigation"] == "smoothquant:search"
     assert applied.record["search"]["loss"] == pytest.approx([by_hand[a] for a in ALPHAS], rel=1e-6)
+    assert {k: v for k, v in applied.record["search"].items() if k != "loss"} == {
+        "alphas": list(ALPHAS), "scored_tokens": int(calib[:16].numel()), "scheme": scheme.name}
     assert len(set(by_hand.values())) == len(ALPHAS)  # the grid's losses differ: the argmin means something
     with torch.no_grad():
         out = model(ids).logits

@@ -203,3 +203,29 @@ def test_records_replay_and_handles_remove_twice():
     applied.remove()
     applied.remove()
     assert model.lm_head.weight is head  # a second remove() does not tie what was never tied
+
+
+def test_why_o_projs_input_is_not_smoothed_word_for_word():
+    from diffquant.quant.algorithms.mitigate import _value_blocked
+
+    assert _value_blocked(FAMILIES["llama"].build().model.layers[0]) is None
+    assert _value_blocked(FAMILIES["diffllama"].build().model.layers[0]) == (
+        "a norm over each head's output (DIFF, head-norm) does not commute with per-channel scales")
+    assert _value_blocked(FAMILIES["diff-nonorm"].build().model.layers[0]) == (
+        "DIFF's o_proj input concatenates two value halves per differential head, not v_proj's head blocks")
+
+
+def test_a_dead_value_channel_keeps_scale_one():
+    """A value channel that is 0 for every token (its v_proj row is 0): o_proj's input is 0 there in every query head
+    that reads that KV head, and its scale is 1."""
+    model = FAMILIES["llama"].build()
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.v_proj.weight[3] = 0.0  # KV head 0, channel 3
+    applied = mitigate_(model, SmoothQuant(0.5), _ids(seed=3))
+    scales = applied.record["scales"]["0"]["attn_out"]
+    d = attn.head_dim
+    readers = attn.o_proj.in_features // (attn.v_proj.out_features // d) // d  # query heads per KV head
+    dead = [h * d + 3 for h in range(readers)]
+    assert all(scales[i] == 1.0 for i in dead) and all(s != 1.0 for i, s in enumerate(scales) if i not in dead)
+    applied.remove()
