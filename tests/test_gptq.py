@@ -212,6 +212,17 @@ def module_key(model, module) -> str:
     return next(f"{n}.weight" for n, m in model.named_modules() if m is module)
 
 
+def input_hessian(model, producer, calib) -> torch.Tensor:
+    """H = 2·XᵀX / tokens of what `producer` outputs on the calibration ids, read by a plain forward hook."""
+    seen = []
+    h = producer.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    with torch.no_grad():
+        model(calib, use_cache=False)
+    h.remove()
+    x = torch.cat(seen).double().flatten(0, -2)
+    return 2 * x.T @ x / x.shape[0]
+
+
 def test_gptq_layer_zero_solves_its_own_inputs(micro_pair):
     """Layer 0's q_proj is solved on the Hessian of its real input (the first norm's output)."""
     from diffquant.quant.numerics.scheme import get_scheme
@@ -220,13 +231,7 @@ def test_gptq_layer_zero_solves_its_own_inputs(micro_pair):
     model = micro_pair[0]
     calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
     layer = model.model.layers[0]
-    seen = []
-    h = layer.input_layernorm.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
-    with torch.no_grad():
-        model(calib, use_cache=False)
-    h.remove()
-    x = torch.cat(seen).reshape(-1, model.config.hidden_size).double()
-    H = 2 * x.T @ x / x.shape[0]
+    H = input_hessian(model, layer.input_layernorm, calib)
     w = layer.self_attn.q_proj.weight.detach().clone()
     want = reference_gptq(w, H, 4, 32)
     solved = solve_weights_(model, parse("gptq"), get_scheme("w4a16-g32"), calib, progress=False)
@@ -415,15 +420,10 @@ def test_gptq_on_conv1d_weights_solves_them_as_out_by_in():
     model = FAMILIES["gpt2"].build()
     calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(2))
     block = model.transformer.h[0]
-    seen = []
-    h = block.ln_1.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
-    with torch.no_grad():
-        model(calib, use_cache=False)
-    h.remove()
-    x = torch.cat(seen).reshape(-1, model.config.n_embd).double()
+    H = input_hessian(model, block.ln_1, calib)
     stored = block.attn.c_attn.weight.detach().clone()  # [in, out]
     assert stored.shape[0] != stored.shape[1]
-    want = reference_gptq(stored.t(), 2 * x.T @ x / x.shape[0], 4, 32)
+    want = reference_gptq(stored.t(), H, 4, 32)
     solved = solve_weights_(model, parse("gptq"), get_scheme("w4a16-g32"), calib, progress=False)
     try:
         got = block.attn.c_attn.weight.detach()
