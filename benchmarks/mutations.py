@@ -52,10 +52,10 @@ COPIED = ("diffquant", "tests", "experiments", "benchmarks", "docs", "diffquant_
 # module -> its fast test files (or single tests). Of these, the tests that reach the mutated function run.
 CORE = {
     "diffquant/stats/moments.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
-    "diffquant/stats/histogram.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
+    "diffquant/stats/histogram.py": ("tests/test_stats.py", "tests/test_hot_path.py", "tests/test_placement.py"),
     "diffquant/stats/topk.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
     "diffquant/stats/site_stats.py": ("tests/test_site_stats.py", "tests/test_stats.py", "tests/test_hot_path.py",
-                                      "tests/test_kernels.py",
+                                      "tests/test_kernels.py", "tests/test_placement.py",
                                       "tests/test_profile.py::test_the_profiler_counts_llm_int8_outliers_at_six"),
     "diffquant/stats/sinks.py": ("tests/test_sinks.py", "tests/test_sink_bookkeeping.py", "tests/test_diff_sinks.py",
                                  "tests/test_hot_path.py", "tests/test_site_stats.py"),
@@ -64,9 +64,11 @@ CORE = {
     "diffquant/stats/intervals.py": ("tests/test_interval_edges.py", "tests/test_stats.py", "tests/test_binomial_stats.py",
                                      "tests/test_reporting.py",
                                      "tests/test_fair_rivals.py", "tests/test_wa_table.py"),
-    "diffquant/stats/metric_sets.py": ("tests/test_metric_sets.py", "tests/test_metric_set_parts.py"),
+    "diffquant/stats/metric_sets.py": ("tests/test_metric_sets.py", "tests/test_metric_set_parts.py",
+                                       "tests/test_placement.py"),
     "diffquant/quant/numerics/math.py": ("tests/test_quant.py", "tests/test_kv_cache.py"),
-    "diffquant/quant/numerics/fake.py": ("tests/test_fake_quant.py", "tests/test_quant.py", "tests/test_kv_cache.py"),
+    "diffquant/quant/numerics/fake.py": ("tests/test_fake_quant.py", "tests/test_quant.py", "tests/test_kv_cache.py",
+                                         "tests/test_placement.py"),
     "diffquant/quant/numerics/formats.py": ("tests/test_formats.py", "tests/test_quant.py", "tests/test_full_grid.py"),
     "diffquant/quant/numerics/granularity.py": ("tests/test_granularity.py", "tests/test_quant.py",
                                                 "tests/test_kv_cache.py"),
@@ -75,8 +77,8 @@ CORE = {
     "diffquant/quant/algorithms/mitigate.py": ("tests/test_mitigate.py", "tests/test_mitigate_parts.py",
                                                "tests/test_mitigate.py::test_smoothquant_search_applies_the_alpha_of_"
                                                "least_calibration_loss"),
-    "diffquant/taps/attention.py": ("tests/test_visible.py", "tests/test_hot_path.py", "tests/test_taps.py",
-                                    "tests/test_sinks.py"),
+    "diffquant/taps/attention.py": ("tests/test_visible.py", "tests/test_attention_parts.py", "tests/test_placement.py",
+                                    "tests/test_hot_path.py", "tests/test_taps.py", "tests/test_sinks.py"),
 }
 # taps/attention.py: only the functions that shape what the statistics see (masks, blocks, first-key masses)
 FUNCTIONS = {"diffquant/taps/attention.py": ("xǁVisibleǁrows", "xǁVisibleǁdense", "xǁVisibleǁkey_end",

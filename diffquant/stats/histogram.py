@@ -37,7 +37,7 @@ def abs_magnitude_bins(a: torch.Tensor, in_place: bool = False) -> torch.Tensor:
 
 def bin_edges(i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Lower and upper edges (float64) of bins i: the magnitudes that round to them."""
-    i = torch.as_tensor(i, dtype=torch.int64)
+    i = i.long()
     lo = ((i << 16) - _HALF).clamp_min(0).to(torch.int32).view(torch.float32).double()
     hi = ((i << 16) + _HALF).clamp_max(0x7F7FFFFF).to(torch.int32).view(torch.float32).double()
     return lo, hi  # the last bin ends at float32 max
@@ -45,7 +45,7 @@ def bin_edges(i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def bin_value(i: torch.Tensor) -> torch.Tensor:
     """The value reported for bins i: the bfloat16 number at their centre (0 for bin 0, float32 max for the last)."""
-    i = torch.as_tensor(i, dtype=torch.int64)
+    i = i.long()
     return (i << 16).to(torch.int32).view(torch.float32).double().clamp_max(torch.finfo(torch.float32).max)
 
 
@@ -91,7 +91,7 @@ class AbsHistogram:
         total = int(cum[-1])
         if total == 0:
             return [None for _ in qs]
-        ranks = torch.tensor([q * (total - 1) for q in qs], dtype=torch.float64)
+        ranks = torch.tensor([q * (total - 1) for q in qs], dtype=torch.float64, device=cum.device)  # not the default
         below, above = (torch.searchsorted(cum, r, right=True).clamp_max(NBINS - 1)
                         for r in (ranks.floor(), ranks.ceil()))
         lo, hi = bin_value(below), bin_value(above)

@@ -215,7 +215,7 @@ class FakeQuant:
         if cfg.calibration == "percentile":
             if self._hist is None:
                 raise DiffquantError("calibration saw no data")
-            amax = torch.tensor(self._hist.quantiles([cfg.percentile / 100])[0] or 0.0)
+            amax = torch.tensor(self._hist.quantiles([cfg.percentile / 100])[0] or 0.0, device=self._hist.counts.device)
             self.scale, self.zero = Q.qparams(-amax, amax, cfg.format)
             return
         if self._lo is None:

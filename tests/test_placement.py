@@ -1,0 +1,177 @@
+"""No statistic or quantizer leans on torch's default device. Each runs here with the default device set to "meta" (a
+device that computes nothing, where any mix with a real device raises) on inputs on the CPU, and must give the
+numbers it gives with the CPU default; statistics moved to another device (`to`) must hold every tensor there.
+
+This is the CPU's stand-in for the case a GPU run has (the model on cuda, the default device the CPU) and for a
+user's `torch.set_default_device("cuda")` beside a model on the CPU: a tensor made without `device=` or a `.to(dev)`
+left out computes the same numbers on a machine with one device, so only this tells them apart here (issue 50's
+placement mutants)."""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from diffquant.quant.numerics import granularity as G
+from diffquant.quant.numerics.config import QuantConfig
+from diffquant.quant.numerics.fake import FakeQuant, rotation
+from diffquant.quant.numerics.formats import Format
+from diffquant.stats import metric_sets as M
+from diffquant.stats.site_stats import SiteStats
+from diffquant.taps.attention import Visible, first_key_taps
+from diffquant.taps.context import TapContext
+from diffquant.taps.sites import POINTS, Site
+
+INT4 = Format("int", 4)
+
+
+@contextmanager
+def default_device_meta():
+    before = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        yield
+    finally:
+        torch.set_default_device(before)
+
+
+def test_the_stand_in_raises_on_a_mix():
+    """What the tests below rely on: a tensor made without a device lands on meta, and meta beside CPU raises."""
+    with default_device_meta():
+        assert torch.zeros(2).device.type == "meta"
+        with pytest.raises(RuntimeError):
+            torch.ones(2, device="cpu") + torch.zeros(2)
+
+
+def tensors(obj, seen=None):
+    """Every tensor an object holds (attributes, lists, tuples and dicts, recursively), by path."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return {}
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return {"": obj}
+    items = (obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple))
+             else vars(obj).items() if hasattr(obj, "__dict__") else ())
+    out = {}
+    for k, v in items:
+        for path, t in tensors(v, seen).items():
+            out[f"{k}.{path}" if path else str(k)] = t
+    return out
+
+
+def activations():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 6, 8, generator=g) * 3
+    x[1, 4, 2] = -40.0  # past the LLM.int8 threshold of 6 (its channel counts)
+    valid = torch.ones(2, 6, 1, dtype=torch.bool)
+    valid[0, :2] = False
+    return x, valid
+
+
+def _site_stats(kernels, x, valid):
+    s = SiteStats(("batch", "pos", "channel"), k=4, device="cpu", kernels=kernels)
+    s.update(x, valid)
+    s.update(x[:, :3] * 0.5, None)
+    return s
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_site_statistics_on_the_inputs_device(kernels):
+    x, valid = activations()  # made before: the inputs are on the CPU
+    want = _site_stats(kernels, x, valid).summary()
+    with default_device_meta():
+        got = _site_stats(kernels, x, valid).summary()
+    assert got == want
+
+
+def test_site_statistics_moved_hold_every_tensor_on_the_new_device():
+    s = _site_stats("torch", *activations())
+    held = tensors(s.to("meta"))
+    assert {"channel_absmax", "channel_hits", "positions", "nonfinite", "pass_kurt", "pass_inf"} <= set(held)
+    assert {path: t.device.type for path, t in held.items()} == {path: "meta" for path in held}
+
+
+def test_sequence_norms_on_the_inputs_device():
+    x, valid = activations()
+    ctx = TapContext(Site("layers.0.hidden", 0, POINTS["hidden"]))
+    want = M.SequenceNorms()
+    want.add("hidden", x, ctx)
+    want.add("hidden", x, ctx.with_valid(valid))
+    with default_device_meta():
+        got = M.SequenceNorms()
+        got.add("hidden", x, ctx)
+        got.add("hidden", x, ctx.with_valid(valid))
+    assert got.summary() == want.summary()
+
+
+def test_a_rotation_is_made_where_asked():
+    h = rotation(8, torch.float64, "meta", "layers.0.mlp_down")
+    assert h.device.type == "meta" and h.dtype == torch.float64 and h.shape == (8, 8)
+
+
+def _ctx(point="hidden"):
+    return TapContext(Site(f"layers.0.{point}", 0, POINTS[point]))
+
+
+@pytest.mark.parametrize("calibration, fmt, gran", [
+    ("minmax", Format("int", 4, False), G.PerChannel()), ("mse", Format("int", 4, False), G.PerChannel()),
+    ("output", INT4, G.PerTensor()), ("percentile", INT4, G.PerTensor())])
+def test_static_scales_follow_the_activation(calibration, fmt, gran):
+    """A static quantizer calibrated on the CPU applies its scales on the device the activation is on (meta here),
+    and calibrates the same scales with the default device elsewhere."""
+    x, _ = activations()
+    gram = torch.randn(8, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    gram = gram @ gram.T
+
+    def calibrated():
+        q = FakeQuant(QuantConfig(fmt, gran, dynamic=False, calibration=calibration))
+        q.gram = gram
+        q.start_calibration()
+        q(x, _ctx())
+        q.finish_calibration()
+        return q
+
+    q = calibrated()
+    with default_device_meta():
+        elsewhere = calibrated()
+    assert torch.equal(elsewhere.scale, q.scale) and torch.equal(elsewhere.zero, q.zero)
+    y = q(x.to("meta"), _ctx())
+    assert y.device.type == "meta" and y.shape == x.shape
+    codes, scale, zero = q.weight_grid(torch.randn(5, 8, device="meta"))  # a weight quantizer's grid likewise
+    assert {codes.device.type, scale.device.type, zero.device.type} == {"meta"}
+
+
+def test_a_hadamard_quantizer_rotates_on_the_activations_device():
+    x, _ = activations()
+    q = FakeQuant(QuantConfig(INT4, G.PerToken(), hadamard=True))
+    want = q(x, _ctx("down_in"))
+    with default_device_meta():
+        got = q(x, _ctx("down_in"))
+    assert torch.equal(got, want)
+
+
+def test_visible_keys_on_the_device_asked():
+    pad = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 0, 1]])
+    cases = [Visible(None, 3, 5), Visible(None, 3, 5, causal=False), Visible(pad, 3, 5, window=2),
+             Visible(pad, 3, 5)]
+    want = [(v.rows("cpu"), v.rows("cpu", (1, 3), 4), v.keys("cpu")) for v in cases]
+    with default_device_meta():
+        got = [(v.rows("cpu"), v.rows("cpu", (1, 3), 4), v.keys("cpu")) for v in cases]
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert (a is None and b is None) or torch.equal(a, b)
+    four = Visible(pad[:, None, None, -3:].expand(2, 1, 3, 3).bool(), 3, 3)
+    with default_device_meta():
+        assert torch.equal(four.keys("cpu"), pad[:, -3:].bool()[:, None, :, None])
+
+
+def test_first_key_rows_on_the_masses_device():
+    class FirstKey:
+        def first_key(self, mass, rows, ctx):
+            self.rows = rows
+
+    tap = FirstKey()
+    with default_device_meta():
+        first_key_taps({"attn_probs": [(tap, _ctx("attn_probs"))]}, torch.rand(1, 2, 3, device="cpu"), 4)
+    assert tap.rows.device.type == "cpu" and tap.rows.tolist() == [True, True, True]
