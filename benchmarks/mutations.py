@@ -75,6 +75,7 @@ CORE = {
     "diffquant/quant/algorithms/gptq.py": ("tests/test_gptq.py",),
     "diffquant/quant/algorithms/awq.py": ("tests/test_awq.py",),
     "diffquant/quant/algorithms/mitigate.py": ("tests/test_mitigate.py", "tests/test_mitigate_parts.py",
+                                               "tests/test_placement.py",
                                                "tests/test_mitigate.py::test_smoothquant_search_applies_the_alpha_of_"
                                                "least_calibration_loss"),
     "diffquant/taps/attention.py": ("tests/test_visible.py", "tests/test_attention_parts.py", "tests/test_placement.py",

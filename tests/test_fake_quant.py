@@ -362,3 +362,42 @@ def test_output_calibration_without_the_readers_weights_is_one_clear_error():
     q.start_calibration()
     with pytest.raises(DiffquantError, match="output-error calibration needs the readers' weights"):
         q(torch.randn(1, 4, 8), _ctx())
+
+
+def test_min_max_ranges_leave_zero_out_static_and_over_query_blocks():
+    """A min-max format's range is the valid values' own [min, max] (its zero is the float offset min), not widened to
+    contain 0: static calibration over two batches, and a dynamic per-tensor range read over two query blocks."""
+    minmax = Format("int", 4, False, minmax=True)
+    b1, b2 = torch.full((1, 2, 4), 3.0), torch.full((1, 2, 4), 3.0)
+    b1[0, 0, 1], b2[0, 1, 2] = 2.0, 5.5
+    q = _calibrated(QuantConfig(minmax, G.PerTensor(), dynamic=False), [b1, b2])
+    assert float(q.scale) == pytest.approx((5.5 - 2.0) / 15) and float(q.zero) == 2.0
+    logits = torch.tensor([[[[4.0, 6.0], [3.0, 50.0]], [[5.0, 4.5], [7.0, 3.5]]]])  # [1, 2, 2, 2]; 50 masked
+    valid = torch.tensor([[[[True, True], [True, False]]]])
+    d = FakeQuant(QuantConfig(minmax, G.PerTensor()))
+    d.start_range()
+    d.observe_range(logits[:, :, :1], _ctx("attn_logits", valid[:, :, :1]))
+    d.observe_range(logits[:, :, 1:], _ctx("attn_logits", valid[:, :, 1:]))
+    lo, hi = d._range
+    assert float(lo) == 3.0 and float(hi) == 7.0
+
+
+def test_static_per_head_logit_scales_read_the_heads_axis():
+    """A static per-head scale of the logits ([batch, head, q, k]: the site's dims name the head axis): each head's
+    max |logit| over both batches / 127."""
+    g = torch.Generator().manual_seed(12)
+    batches = [torch.randn(2, 3, 4, 4, generator=g) * torch.tensor([1.0, 5.0, 0.5])[:, None, None] for _ in range(2)]
+    q = FakeQuant(QuantConfig(INT8, G.PerHead(), dynamic=False))
+    q.start_calibration()
+    for b in batches:
+        q(b, _ctx("attn_logits"))
+    q.finish_calibration()
+    amax = torch.stack([b.abs().amax(dim=(0, 2, 3)) for b in batches]).amax(0)
+    torch.testing.assert_close(q.scale.flatten(), amax / 127, rtol=1e-6, atol=0)
+    assert q.scale.shape == (1, 3, 1, 1)
+
+
+def test_a_hadamard_quantizer_names_its_site_when_no_matrix_exists():
+    q = FakeQuant(QuantConfig(INT8, G.PerToken(), hadamard=True))
+    with pytest.raises(DiffquantError, match="layers.0.down_in: no Hadamard matrix of order 10"):
+        q(torch.ones(1, 2, 10), _ctx("down_in"))

@@ -175,3 +175,59 @@ def test_first_key_rows_on_the_masses_device():
     with default_device_meta():
         first_key_taps({"attn_probs": [(tap, _ctx("attn_probs"))]}, torch.rand(1, 2, 3, device="cpu"), 4)
     assert tap.rows.device.type == "cpu" and tap.rows.tolist() == [True, True, True]
+
+
+@pytest.mark.parametrize("mitigation", ["smoothquant:0.8", "rotate:1"])
+def test_a_fix_replays_onto_a_model_on_another_device(mitigation):
+    """A record made on the CPU (SmoothQuant's scales, the rotation's seed) replayed onto the same model on meta: every
+    scale and matrix moved to the weights' device, every weight left there, and a forward through the online
+    Hadamard before down_proj runs there."""
+    import copy
+
+    from diffquant.models.matrix import FAMILIES
+    from diffquant.quant.algorithms.mitigate import SmoothQuant, apply_record, mitigate_, parse
+
+    model = FAMILIES["llama"].build()
+    calibration = torch.randint(3, 512, (2, 8), generator=torch.Generator().manual_seed(1))
+    fix = parse(mitigation)
+    record = mitigate_(copy.deepcopy(model), fix, calibration if isinstance(fix, SmoothQuant) else None).record
+    elsewhere = copy.deepcopy(model).to("meta")
+    with torch.no_grad():
+        applied = apply_record(elsewhere, record)
+        assert {p.device.type for p in elsewhere.parameters()} == {"meta"}
+        logits = elsewhere(calibration.to("meta")).logits
+    assert logits.device.type == "meta" and logits.shape == (2, 8, model.config.vocab_size)
+    applied.remove()
+
+
+def test_the_online_hadamard_follows_its_input():
+    """down_proj's online rotation applies H (float64) in x's dtype, and runs on meta. (Whether H follows x to its
+    device is not seen here: a matmul of meta by CPU tensors does not check their devices.)"""
+    from diffquant.quant.algorithms.mitigate import _online
+    from diffquant.quant.numerics.hadamard import orthogonal
+
+    H, _ = orthogonal(8, 3)
+    hook = _online(H)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    (y, extra) = hook(None, (x, "kept"))
+    assert extra == "kept" and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), (x.double() @ H.double()).float(), atol=0.05, rtol=0.02)
+    (y,) = hook(None, (x.float().to("meta"),))
+    assert y.device.type == "meta" and y.dtype == torch.float32
+
+
+def test_a_padding_mask_moves_to_the_rows_device():
+    """flash-attention's [batch, key] padding mask joins the rows on the device asked for (meta here), and the
+    differential map's rows are made on its probabilities' device."""
+    from diffquant.taps.attention import _differential_map
+
+    pad = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    assert Visible(pad, 2, 4).rows("meta").device.type == "meta"
+    assert Visible(pad, 2, 4, window=2).rows("meta", (1, 2), 3).device.type == "meta"
+
+    seen = []
+    probs = torch.rand(1, 2, 2, 4, generator=torch.Generator().manual_seed(9))
+    with default_device_meta():
+        _differential_map({"attn_map": [(lambda x, c: seen.append(c.valid), _ctx("attn_map"))]}, probs,
+                          torch.tensor(0.3, device="cpu"), Visible(None, 2, 4), (0, 2))
+    assert seen[0].device.type == "cpu"

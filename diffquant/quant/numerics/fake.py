@@ -221,7 +221,7 @@ class FakeQuant:
         if self._lo is None:
             raise DiffquantError("calibration saw no data for a static quantizer; feed calibration batches")
         lo, hi = self._lo, self._hi
-        if cfg.calibration in ("mse", "output") and self._mse_err is not None:
+        if cfg.calibration in ("mse", "output"):  # every batch that set the range scored the ratios
             best = MSE_ALPHAS.to(lo.device)[self._mse_err.argmin(dim=0)].to(lo.dtype)
             lo, hi = lo * best, hi * best
         self.scale, self.zero = Q.qparams(lo, hi, cfg.format)
