@@ -229,3 +229,31 @@ def test_a_dead_value_channel_keeps_scale_one():
     dead = [h * d + 3 for h in range(readers)]
     assert all(scales[i] == 1.0 for i in dead) and all(s != 1.0 for i, s in enumerate(scales) if i not in dead)
     applied.remove()
+
+
+def test_the_search_calibrates_a_scheme_with_static_activations_only(monkeypatch):
+    """smoothquant:search calibrates each trial where any quantizer of the scheme is static, also when none is
+    dynamic (a scheme of static activation scales alone, no weights): two α here, the search's own loop."""
+    from diffquant.quant.algorithms import mitigate
+    from diffquant.quant.numerics import granularity as G
+    from diffquant.quant.numerics.config import QuantConfig
+    from diffquant.quant.numerics.formats import Format
+    from diffquant.quant.numerics.scheme import QuantScheme
+
+    monkeypatch.setattr(mitigate, "ALPHAS", (0.3, 0.7))
+    static = QuantScheme("a8-static", (("*.attn_in", QuantConfig(Format("int", 8), G.PerTensor(), dynamic=False)),))
+    model = _randomised(FAMILIES["llama"].build())
+    applied = mitigate_(model, parse("smoothquant:search"), _ids(4, 8, seed=2), static)
+    search = applied.record["search"]
+    assert search["alphas"] == [0.3, 0.7] and search["scheme"] == "a8-static" and search["scored_tokens"] == 32
+    assert applied.record["alpha"] == [0.3, 0.7][min(range(2), key=lambda i: search["loss"][i])]
+
+
+def test_a_tied_head_replayed_and_removed_is_tied_again():
+    """The rotation unties a tied head (the two then differ); a replayed record's handle ties it back on remove()."""
+    model = FAMILIES["llama"].build()
+    model.lm_head.weight = model.get_input_embeddings().weight
+    applied = apply_record(model, {"mitigation": "rotate:2"})
+    assert model.lm_head.weight is not model.get_input_embeddings().weight
+    applied.remove()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
