@@ -431,6 +431,32 @@ def test_site_kernel_merges_a_side_of_a_single_value():
     assert_contract_moments(b.moments, x[valid])
 
 
+def _central(values: list[float]) -> list[float]:
+    """[count, sum, M2, M3, M4, max |x|] of plain values (float64, written out)."""
+    v = torch.tensor(values, dtype=torch.float64)
+    if not len(values):
+        return [0.0] * 6
+    d = v - v.sum() / len(values)
+    return [float(len(values)), float(v.sum()), float((d ** 2).sum()), float((d ** 3).sum()), float((d ** 4).sum()),
+            float(v.abs().max())]
+
+
+@pytest.mark.parametrize("groups", [[[7.5], [], [1.0, 2.0, 4.0, -3.0, 0.5]], [[7.5]]], ids=["three", "one"])
+def test_site_kernel_pools_exactly_its_programs(groups):
+    """The pooling kernel on its own: the programs' [count, sum, M2, M3, M4, max] rows (one of a single value, one
+    empty, one of five; or one program of one value) inside a buffer with far values before and after them, pooled to
+    the moments of all their values together, as written out here."""
+    from diffquant.kernels.site import POOL_BLOCK, STATS, _pool_kernel
+
+    junk = [[1e6, 1e9, 1e9, 1e9, 1e9, 1e9]] * 2
+    buf = torch.tensor(junk + [_central(g) for g in groups] + junk, dtype=torch.float64).flatten()
+    stats = buf[2 * STATS:(2 + len(groups)) * STATS]  # a view: the kernel gets a pointer into the middle
+    out = torch.full((STATS,), float("nan"), dtype=torch.float64)
+    _pool_kernel[(1,)](stats, out, len(groups), BLOCK=POOL_BLOCK)
+    want = torch.tensor(_central([v for g in groups for v in g]), dtype=torch.float64)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-9)
+
+
 @pytest.mark.parametrize("mean", [1000.0, 1e6])
 def test_site_kernel_moments_of_a_large_mean(mean):
     """Values whose mean is 1,000 (or 10⁶) standard deviations from 0: the float32 mean each path centres on is off by
