@@ -380,6 +380,12 @@ def test_min_max_ranges_leave_zero_out_static_and_over_query_blocks():
     d.observe_range(logits[:, :, 1:], _ctx("attn_logits", valid[:, :, 1:]))
     lo, hi = d._range
     assert float(lo) == 3.0 and float(hi) == 7.0
+    a = FakeQuant(QuantConfig(Format("int", 8, False), G.PerTensor()))  # not min-max: the range contains 0
+    a.start_range()
+    a.observe_range(logits[:, :, :1], _ctx("attn_logits", valid[:, :, :1]))
+    a.observe_range(logits[:, :, 1:], _ctx("attn_logits", valid[:, :, 1:]))
+    lo, hi = a._range
+    assert float(lo) == 0.0 and float(hi) == 7.0
 
 
 def test_static_per_head_logit_scales_read_the_heads_axis():

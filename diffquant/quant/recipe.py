@@ -36,13 +36,12 @@ from typing import TYPE_CHECKING
 
 from diffquant.errors import DiffquantError
 from diffquant.quant.algorithms import mitigate, solvers
-from diffquant.quant.numerics.scheme import QuantScheme, get_scheme
+from diffquant.quant.numerics.scheme import CALIBRATION_BATCH, QuantScheme, get_scheme
 from diffquant.quant.algorithms.steps import FIXES, SOLVERS, Fix, Solver
 
 if TYPE_CHECKING:
     import torch
 
-CALIBRATION_BATCH = 8  # windows per forward pass when static scales calibrate
 
 
 @dataclass(frozen=True)

@@ -254,7 +254,7 @@ def _search_alpha(model, calibration: torch.Tensor, scheme, applied: Applied) ->
     """Each α of ALPHAS applied and scored (see the module doc); the best applied into `applied`."""
     from diffquant.calibration import channel_absmax
     from diffquant.evaluate import language_modeling
-    from diffquant.quant.numerics.scheme import calibrate, attach_scheme
+    from diffquant.quant.numerics.scheme import CALIBRATION_BATCH, attach_scheme, calibrate
 
     if scheme is None:
         raise DiffquantError("smoothquant:search chooses α by a scheme's loss: give the scheme")
@@ -269,7 +269,7 @@ def _search_alpha(model, calibration: torch.Tensor, scheme, applied: Applied) ->
         attachment = attach_scheme(model, scheme)
         try:
             if any(not q.config.dynamic for q in attachment.quantizers.values()):
-                calibrate(model, attachment, calibration.split(8))
+                calibrate(model, attachment, calibration.split(CALIBRATION_BATCH))  # as the pipeline calibrates
             losses[alpha] = language_modeling(model, scored)["loss"]
         finally:
             attachment.remove()

@@ -235,6 +235,9 @@ def attach_scheme(model, scheme: QuantScheme, compile: bool = False):
     return attachment
 
 
+CALIBRATION_BATCH = 8  # windows per forward pass when static scales calibrate (the pipeline and the α search alike)
+
+
 def calibrate(model, attachment, batches, device=None) -> None:
     """Run calibration batches through the model to fix the static scales of `attachment`'s quantizers."""
     static = [q for q in attachment.quantizers.values() if not q.config.dynamic and not q.fixed]
