@@ -276,6 +276,7 @@ def _rank_worker(rank, world, path, port):
     s = SiteStats(("batch", "pos", "channel"), k=10)
     s.update(x[rank * 2:(rank + 1) * 2], row_offset=rank * 2)
     merged = merge_across_ranks({"site": s})
+    lone = merge_across_ranks({"site": s} if rank == 0 else {})  # rank 1 holds no site: it gets rank 0's, on the CPU
     sinks = {}
     if rank == 0:  # rank 1 ran no batch of this layer: it holds no key, and adds nothing
         sinks[0] = LayerSinks()
@@ -286,12 +287,14 @@ def _rank_worker(rank, world, path, port):
     if rank == 0:
         torch.save({"summary": merged["site"].summary(), "rank_world": seen, "sinks": layer[0].summary(diff=False),
                     "initialized_after": dist.is_initialized()}, path)
+    else:
+        torch.save({"lone": lone["site"].summary(), "device": str(lone["site"].nonfinite.device)}, path + ".1")
 
 
 def test_merge_across_two_gloo_ranks(tmp_path):
     """Two processes joined as torchrun joins them (init_distributed from its environment variables): the merged
-    statistics equal one process fed every batch; a layer only rank 0 saw is rank 0's alone; the group is gone
-    after finish_distributed."""
+    statistics equal one process fed every batch; a site or layer only rank 0 saw is rank 0's alone (on the CPU for a
+    rank that held none); the group is gone after finish_distributed."""
     import socket
 
     import torch.multiprocessing as mp
@@ -315,6 +318,10 @@ def test_merge_across_two_gloo_ranks(tmp_path):
     alone = LayerSinks()
     alone.add_hidden(x, None)
     assert got["sinks"] == alone.summary(diff=False)
+    lone = torch.load(str(path) + ".1")
+    first = SiteStats(("batch", "pos", "channel"), k=10)
+    first.update(x[:2])
+    assert lone["lone"] == first.summary() and lone["device"] == "cpu"
 
 
 def test_outside_torchrun_the_process_group_calls_do_nothing(monkeypatch):
