@@ -674,6 +674,33 @@ def _flash_site(q, k, v, masking, visible, scale, ids, k_top=20, **kwargs):
     return s, ref, r
 
 
+def test_flash_logit_statistics_of_a_few_rows_with_the_default_device_elsewhere():
+    """Fewer logit rows than the top-k holds: every row is fetched again for the top-k, by indices made on the
+    logits' device. With torch's default device set to meta (inputs on the CPU) the statistics are the same."""
+    from diffquant.kernels import flash
+    from diffquant.kernels.flash import Masking
+    from diffquant.stats.site_stats import SiteStats
+
+    q, k, v = _qkv(1, 2, 2, 3, 3, 8, 5)
+    ids = torch.randint(0, 500, (1, 3), generator=torch.Generator().manual_seed(6))
+
+    def stats():
+        s = SiteStats(LOGIT_DIMS, k=20, device="cpu")
+        r = flash.attention(q, k, v, Masking(True), 0.25, v_div=1, v_mod=2, hist=s.hist.counts, nonfinite=s.nonfinite)
+        s.update_from_kernel(r.entry, r.rowmax, torch.Size((1, 2, 3, 3)),
+                             lambda rows: flash.logit_rows(q, k, Masking(True), 0.25, rows, None), ids)
+        return s.summary()
+
+    want = stats()
+    before = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        got = stats()
+    finally:
+        torch.set_default_device(before)
+    assert got == want and want["count"] == 2 * 6
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flash_logit_statistics_gqa_causal(dtype):
     """GQA (4 query heads on 2 KV heads), causal, 72 queries over 72 keys (tiles of 64: a window that is not a multiple
