@@ -191,6 +191,29 @@ def test_site_kernel_token_site_with_padding_and_nonfinite_values():
     assert int(b.hist.counts.sum()) == keep.numel()
 
 
+def test_site_kernel_rows_and_columns_with_nothing_counted():
+    """A channel all NaN, a position masked in every sequence, a row whose one finite value is its only one counted,
+    seven channels (a chunk of eight: one lane past the last): what has no counted value has maximum 0, a row of one
+    counted value is a position, and nothing is written past the last channel (a sentinel after the maxima)."""
+    from diffquant.stats.site_stats import SiteStats
+
+    x = _heavy((2, 5, 7), 3)
+    x[:, :, 3] = float("nan")
+    x[0, 1, 1:] = float("nan")
+    valid = torch.ones(2, 5, 1, dtype=torch.bool)
+    valid[:, 4] = False
+    a, b = _both([(x, valid, None)], ("batch", "pos", "channel"))
+    assert_exact_but_moments(a, b)
+    assert float(b.channel_absmax[3]) == 0.0 and float(b.position_absmax[4]) == 0.0
+    assert int(b.positions) == 2 * 4
+    s = SiteStats(("batch", "pos", "channel"), k=40, kernels="triton")
+    after = torch.zeros(8)
+    after[7] = -1.0  # its bits are a negative int32: an atomic max of a 0 past the end would overwrite it
+    s.channel_absmax = after[:7]
+    s.update(x, valid)
+    assert float(after[7]) == -1.0 and torch.equal(s.channel_absmax, b.channel_absmax)
+
+
 def test_site_kernel_logits_weights_and_bf16():
     """A causal block of logits (head and query maxima from the row maxima), a weight (channel dim first) and a bf16
     activation read in its own dtype: equal to the torch path, moments within the contract."""
