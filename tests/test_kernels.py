@@ -750,6 +750,32 @@ def test_flash_logit_statistics_gqa_causal(dtype):
     assert torch.allclose(r.out.transpose(1, 2).float(), out.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["past-keys", "no-mask"])
+def test_flash_past_keys_and_attention_without_a_mask(causal):
+    """5 queries after 65 past keys (causal, bottom-right aligned: query i sees keys up to i + 65), or 7 queries over
+    70 keys with no mask at all; 70 keys fill one tile of 64 and part of a second, a head width of 12 pads to 16, and
+    an inf opens the row after the one that holds the largest logits (a lane read past the head width would meet it).
+    Logits, statistics, first-key masses and output against the explicit attention."""
+    from diffquant.kernels.flash import Masking
+
+    q_len, k_len = (5, 70) if causal else (7, 70)
+    q, k, v = _qkv(1, 2, 2, q_len, k_len, 12, 21)
+    q[0, 0, 3, 0] = float("inf")
+    rows = torch.arange(q_len)[:, None] + (k_len - q_len if causal else k_len)
+    visible = (torch.arange(k_len)[None, :] <= rows)[None, None]
+    s, ref, r = _flash_site(q, k, v, Masking(causal), visible, 0.25, None, v_div=1, v_mod=2)
+    assert_exact_but_moments(ref, s)
+    finite = visible.expand_as(r.logits) & r.logits.isfinite()
+    assert int(s.hist.counts.sum()) == int(finite.sum()) and int(s.nonfinite) == int(visible[0, 0, 3].sum())
+    logits, probs, out = _explicit(q, k, v, visible, 0.25)
+    seen = visible.expand_as(logits)
+    assert torch.equal(r.logits[seen].isfinite(), logits[seen].isfinite())
+    assert_close_logits(r.logits[finite], logits[finite], torch.float32)
+    ok = probs.isfinite().all(-1)  # the row of the inf: NaN in both
+    assert torch.allclose(r.mass[ok].float(), probs[..., 0][ok].float(), rtol=1e-5, atol=1e-8)
+    assert torch.allclose(r.out.transpose(1, 2)[ok], out[ok], rtol=1e-5, atol=1e-5)
+
+
 def test_flash_bf16_logits_round_ties_to_even():
     """bfloat16 logits exactly halfway between two bfloat16 values (1 + 2⁻⁸ and 1 + 3·2⁻⁸): rounded to the even one
     (1 and 1 + 2⁻⁶), as torch rounds its bfloat16 matmul."""
