@@ -573,3 +573,19 @@ def test_histogram_counts_past_float32s_exact_integers():
     h = AbsHistogram()
     h.add_bins(torch.zeros(1, dtype=torch.int64).expand(2**24 + 3))
     assert int(h.counts[0]) == 2**24 + 3 and int(h.counts.sum()) == 2**24 + 3
+
+
+def test_moments_of_a_mean_halfway_between_two_float32_values():
+    """10⁶ + 0, 1/16 or 2/16 (float32's step at 10⁶ is 1/16) in counts that put the exact mean at 10⁶ + 1/32: the
+    float32 centre the torch path takes is off by δ of the spread's order, so every term of the move of M₂..M₄ to the
+    exact mean (moments.shift_central) is far above float64 rounding. Every sum here is exact in float64."""
+    x = torch.cat([torch.zeros(20480), torch.full((8192,), 1 / 16), torch.full((4096,), 2 / 16)]) + 1e6
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(13))]
+    s = SiteStats(("out", "in"), kernels="torch")
+    x = x.reshape(64, 512)
+    s.update(x)
+    s._fold()
+    d = x.double().flatten() - (1e6 + 1 / 32)
+    assert float(s.moments.mean) == 1e6 + 1 / 32
+    for p, got in ((2, s.moments.m2), (3, s.moments.m3), (4, s.moments.m4)):
+        assert float(got) == pytest.approx(float((d ** p).sum()), rel=1e-9, abs=1e-9 * float((d.abs() ** p).sum()))
