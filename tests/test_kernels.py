@@ -778,6 +778,10 @@ def test_flash_past_keys_and_attention_without_a_mask(causal):
     assert_close_logits(r.logits[seen], logits[seen], torch.float32)
     assert torch.allclose(r.mass.float(), probs[..., 0].float(), rtol=1e-5, atol=1e-8)
     assert torch.allclose(r.out.transpose(1, 2), out, rtol=1e-5, atol=1e-5)
+    from diffquant.kernels import flash  # the range kernel (a dynamic quantizer's first pass) over the same tiles
+
+    absmax = flash.row_absmax(q, k, Masking(causal), 0.25)
+    assert torch.equal(absmax, r.logits.abs().masked_fill(~seen, 0.0).amax(-1))
 
 
 def test_flash_bf16_logits_round_ties_to_even():
