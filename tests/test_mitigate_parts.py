@@ -213,6 +213,10 @@ def test_why_o_projs_input_is_not_smoothed_word_for_word():
         "a norm over each head's output (DIFF, head-norm) does not commute with per-channel scales")
     assert _value_blocked(FAMILIES["diff-nonorm"].build().model.layers[0]) == (
         "DIFF's o_proj input concatenates two value halves per differential head, not v_proj's head blocks")
+    layer = FAMILIES["llama"].build().model.layers[0]
+    attn = layer.self_attn
+    attn.o_proj = torch.nn.Linear(attn.o_proj.in_features + attn.head_dim, attn.o_proj.out_features)  # a wider input
+    assert _value_blocked(layer) == "o_proj's input is not one head_dim block per attention head"
 
 
 def test_a_dead_value_channel_keeps_scale_one():

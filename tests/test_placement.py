@@ -160,10 +160,12 @@ def test_a_fix_replays_onto_a_model_on_another_device(mitigation):
     Hadamard before down_proj runs there."""
     import copy
 
-    from diffquant.models.matrix import FAMILIES
+    from diffquant.models.matrix import Family
     from diffquant.quant.algorithms.mitigate import SmoothQuant, apply_record, mitigate_, parse
 
-    model = FAMILIES["llama"].build()
+    biased = Family("llama-bias", "LlamaConfig", "LlamaForCausalLM",  # every bias a fix folds: attention and MLP
+                    dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True))
+    model = biased.build()
     calibration = torch.randint(3, 512, (2, 8), generator=torch.Generator().manual_seed(1))
     fix = parse(mitigation)
     record = mitigate_(copy.deepcopy(model), fix, calibration if isinstance(fix, SmoothQuant) else None).record
