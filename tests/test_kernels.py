@@ -784,6 +784,24 @@ def test_flash_past_keys_and_attention_without_a_mask(causal):
     assert torch.equal(absmax, r.logits.abs().masked_fill(~seen, 0.0).amax(-1))
 
 
+def test_flash_logit_statistics_of_a_query_that_sees_no_key():
+    """A full mask under which query 2 (of 3, over 5 keys) sees no key and query 0 only three: the row maximum of the
+    empty row is 0 (the torch path's), its output and first-key mass 0; the others as the explicit attention's."""
+    from diffquant.kernels.flash import FULL_MASK, Masking
+
+    q, k, v = _qkv(1, 2, 2, 3, 5, 16, 31)
+    visible = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    visible[0, 0, 2] = False
+    visible[0, 0, 0, 3:] = False
+    s, ref, r = _flash_site(q, k, v, Masking(False, FULL_MASK, visible.view(torch.int8)), visible, 0.25, None,
+                            v_div=1, v_mod=2)
+    assert_exact_but_moments(ref, s)
+    assert float(s.position_absmax[2]) == 0.0 and not r.out[:, 2].any() and not r.mass[..., 2].any()
+    _, probs, out = _explicit(q, k, v, visible, 0.25)
+    assert torch.allclose(r.out.transpose(1, 2), out, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(r.mass.float(), probs[..., 0].float(), rtol=1e-5, atol=1e-8)
+
+
 def test_flash_bf16_logits_round_ties_to_even():
     """bfloat16 logits exactly halfway between two bfloat16 values (1 + 2⁻⁸ and 1 + 3·2⁻⁸): rounded to the even one
     (1 and 1 + 2⁻⁶), as torch rounds its bfloat16 matmul."""
