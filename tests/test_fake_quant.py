@@ -407,3 +407,66 @@ def test_a_hadamard_quantizer_names_its_site_when_no_matrix_exists():
     q = FakeQuant(QuantConfig(INT8, G.PerToken(), hadamard=True))
     with pytest.raises(DiffquantError, match="layers.0.down_in: no Hadamard matrix of order 10"):
         q(torch.ones(1, 2, 10), _ctx("down_in"))
+
+
+def test_static_scales_where_the_range_reads_the_sites_dims():
+    """A static per-head scale of masked probabilities (the mask grouped by the site's dims too), EMA of a symmetric
+    range that is lopsided (the EMA of max |x|, not of the two ends), and a clipping search per group of 4 channels (one
+    ratio per group, scales shaped as the groups)."""
+    g = torch.Generator().manual_seed(14)
+    probs = torch.rand(2, 3, 4, 4, generator=g) * torch.tensor([1.0, 5.0, 0.5])[:, None, None]
+    valid = (torch.arange(4)[None, :] <= torch.arange(4)[:, None])[None, None]
+    probs[0, 1, 0, 3] = 90.0  # masked
+    q = FakeQuant(QuantConfig(INT8, G.PerHead(), dynamic=False))
+    q.start_calibration()
+    q(probs, _ctx("attn_probs", valid))
+    q.finish_calibration()
+    amax = probs.masked_fill(~valid, 0.0).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(q.scale.flatten(), amax / 127, rtol=1e-6, atol=0)
+    b1, b2 = torch.tensor([[[1.0, -3.0]]]), torch.tensor([[[5.0, -1.0]]])
+    ema = _calibrated(QuantConfig(INT8, G.PerTensor(), dynamic=False, calibration="ema", ema_momentum=0.7), [b1, b2])
+    assert float(ema.scale) == pytest.approx((0.7 * 3.0 + 0.3 * 5.0) / 127, rel=1e-6)
+    x = torch.randn(1, 3, 8, generator=g) * torch.tensor([1.0, 3.0, 0.2])[:, None]
+    x[0, 1, 2] = 25.0
+    groups = _calibrated(QuantConfig(INT4, G.PerGroup(4), dynamic=False, calibration="mse"), [x])
+    assert groups.scale.shape == (1, 3, 2, 1)
+    for p in range(3):
+        for c in (0, 4):
+            part = x[:, p:p + 1, c:c + 4]
+            lo, hi = float(part.min()), float(part.max())
+            alpha = _clip_search([part], lo, hi, INT4)
+            assert float(groups.scale[0, p, c // 4, 0]) == pytest.approx(max(-lo, hi) * alpha / 7, rel=1e-6)
+
+
+def test_clipping_search_of_tiny_values_leaves_masked_and_non_finite_errors_out():
+    """Values of order 1e-10 (each ratio's squared error ~1e-21): a masked row and a NaN must add nothing to the
+    errors, or they would swamp them and every ratio would tie."""
+    x = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(0)) * 1e-10
+    valid = torch.tensor([1, 1, 1, 1, 0, 0], dtype=torch.bool).reshape(1, 6, 1)
+    masked = _calibrated(QuantConfig(INT8, G.PerTensor(), dynamic=False, calibration="mse"), [x], valid)
+    seen = x[valid.expand_as(x)]
+    lo, hi = float(seen.min()), float(seen.max())
+    alpha = _clip_search([x], lo, hi, INT8, valid.expand_as(x))
+    assert float(masked.scale) == pytest.approx(max(-lo, hi) * alpha / 127, rel=1e-6)
+    nan = x.clone()
+    nan[0, 5, 0] = float("nan")
+    q = _calibrated(QuantConfig(INT8, G.PerTensor(), dynamic=False, calibration="mse"), [nan])
+    finite = nan.isfinite()
+    lo, hi = float(nan[finite].min()), float(nan[finite].max())
+    alpha = _clip_search([torch.where(finite, nan, 0.0)], lo, hi, INT8)
+    assert float(q.scale) == pytest.approx(max(-lo, hi) * alpha / 127, rel=1e-6)
+
+
+def test_weight_grid_of_a_bfloat16_weight_on_fixed_bfloat16_scales():
+    """GPTQ fixes bfloat16 scales for a bfloat16 weight (gptq.solve): the codes are float32 integers of w / scale
+    computed in float32, and dequantized they are the weight."""
+    g = torch.Generator().manual_seed(15)
+    scale = (torch.rand(8, 1, generator=g) * 0.2 + 0.01).to(torch.bfloat16)
+    codes = torch.randint(-7, 8, (8, 64), generator=g).float()
+    w = (codes * scale.float()).to(torch.bfloat16)
+    q = FakeQuant(QuantConfig(INT4, G.PerChannel(0), dynamic=False))
+    q.fix(scale, torch.zeros_like(scale))
+    got, s, _ = q.weight_grid(w)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.clamp(torch.round(w.float() / scale.float()), -7, 7))
+    assert torch.equal((got * s.float()).to(torch.bfloat16), w)
