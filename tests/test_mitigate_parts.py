@@ -237,7 +237,8 @@ def test_a_dead_value_channel_keeps_scale_one():
 
 def test_the_search_calibrates_a_scheme_with_static_activations_only(monkeypatch):
     """smoothquant:search calibrates each trial where any quantizer of the scheme is static, also when none is
-    dynamic (a scheme of static activation scales alone, no weights): two α here, the search's own loop."""
+    dynamic (a scheme of static activation scales alone, no weights): two α here, the search's own loop, on a model of
+    one layer."""
     from diffquant.quant.algorithms import mitigate
     from diffquant.quant.numerics import granularity as G
     from diffquant.quant.numerics.config import QuantConfig
@@ -246,7 +247,8 @@ def test_the_search_calibrates_a_scheme_with_static_activations_only(monkeypatch
 
     monkeypatch.setattr(mitigate, "ALPHAS", (0.3, 0.7))
     static = QuantScheme("a8-static", (("*.attn_in", QuantConfig(Format("int", 8), G.PerTensor(), dynamic=False)),))
-    model = _randomised(FAMILIES["llama"].build())
+    one_layer = Family("llama-1", "LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, num_hidden_layers=1))
+    model = _randomised(one_layer.build())  # one layer: the search reads layers[0] only
     applied = mitigate_(model, parse("smoothquant:search"), _ids(4, 8, seed=2), static)
     search = applied.record["search"]
     assert search["alphas"] == [0.3, 0.7] and search["scheme"] == "a8-static" and search["scored_tokens"] == 32
