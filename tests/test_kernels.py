@@ -249,13 +249,21 @@ def test_site_kernel_logits_of_a_padded_batch():
 
 
 def test_site_kernel_scalar_site_and_a_pickle_without_its_kernel():
-    """A zero-dim site (a scalar such as a loss) on both paths; a pickled site (a saved profile) leaves the
-    kernel and its device buffers behind and counts on as the original."""
+    """A zero-dim site (a scalar such as a loss) on both paths, and one value three times (spread 0: a tile centred
+    off its single value would leave a rounding residue, a negative one making the std complex); a pickled site (a
+    saved profile) leaves the kernel and its device buffers behind and counts on as the original."""
     import pickle
+
+    from diffquant.stats.site_stats import SiteStats
 
     a, b = _both([(torch.tensor(3.5), None, None), (torch.tensor(-7.25), None, None)], ())
     assert_exact_but_moments(a, b)
     assert b.summary()["absmax"] == 7.25 and b.summary()["count"] == 2
+    for v in (1.2345678, 0.8007462):  # one value per update, not exact in float32 halves: each update's M₂ is 0
+        one = SiteStats((), kernels="triton")
+        for _ in range(3):
+            one.update(torch.tensor(v))
+        assert one.summary()["std"] == 0.0 and one.summary()["kurtosis"] is None
     a, b = _both([(torch.tensor([0.5, -4.0, 2.0]), None, None)], ("channel",))  # one dim: not reshaped to one value
     assert_exact_but_moments(a, b)
     assert b.summary()["channel_absmax"] == [0.5, 4.0, 2.0]
