@@ -589,3 +589,31 @@ def test_moments_of_a_mean_halfway_between_two_float32_values():
     assert float(s.moments.mean) == 1e6 + 1 / 32
     for p, got in ((2, s.moments.m2), (3, s.moments.m3), (4, s.moments.m4)):
         assert float(got) == pytest.approx(float((d ** p).sum()), rel=1e-9, abs=1e-9 * float((d.abs() ** p).sum()))
+
+
+def test_topk_leaves_non_finite_values_out_only_when_asked():
+    """TopK.add and add_rows written out: with finite=True inf and NaN are left out (the Triton path counts them
+    apart), by default they are kept (the torch path's mask leaves them out before); masked values never enter;
+    coordinates (batch, pos, channel, token id) at the default offsets of 0; two empty TopKs merge to an empty one."""
+    from diffquant.stats.topk import TopK
+
+    dims = ("batch", "pos", "channel")
+    x = torch.tensor([[[1.0, float("inf"), -5.0, float("nan")], [2.0, -3.0, 7.0, 0.5]]])
+    ok = torch.ones(1, 2, 4, dtype=torch.bool)
+    ok[0, 1, 2] = False  # the 7.0
+    ids = torch.tensor([[11, 12]])
+    t = TopK(5, 3)
+    t.add(x, ok, dims, ids, finite=True)
+    assert t.values.tolist() == [-5.0, -3.0, 2.0, 1.0, 0.5]
+    assert t.coords.tolist() == [[0, 0, 2, 11], [0, 1, 1, 12], [0, 1, 0, 12], [0, 0, 0, 11], [0, 1, 3, 12]]
+    kept, no_nan = TopK(2, 3), x.clone()
+    no_nan[0, 0, 3] = 0.25
+    kept.add(no_nan, ok, dims, ids)
+    assert kept.values.tolist() == [float("inf"), -5.0]
+    rows = TopK(3, 3)
+    rows.add_rows(torch.tensor([1]), torch.tensor([[2.0, -3.0, float("inf"), 0.5]]), None, x.shape, dims, ids,
+                  finite=True)
+    assert rows.values.tolist() == [-3.0, 2.0, 0.5]
+    assert rows.coords.tolist() == [[0, 1, 1, 12], [0, 1, 0, 12], [0, 1, 3, 12]]
+    empty = TopK(4, 3).merge(TopK(4, 3))
+    assert empty.abs.numel() == 0 and empty.coords.shape == (0, 4)
