@@ -272,9 +272,9 @@ def run_module(module: str, jobs: int) -> None:
         run_in_child_processes(ws, module, env)
         _keep(ws, module)
     done = _meta(ws, module).get("exit_code_by_key", {})
-    unrun = [n for n in names if n in argued and done.get(n) is None]
-    diffs = _diffs(ws, module, unrun)
-    stale = [n for n in unrun if diffs[n] != argued[n]["diff"]]  # argued for another diff: run it like any other
+    claimed = [n for n in names if n in argued and STATUS.get(done.get(n), "other") != "killed"]
+    diffs = _diffs(ws, module, claimed)
+    stale = [n for n in claimed if diffs[n] != argued[n]["diff"]]  # argued for another diff: run it like any other
     if stale:
         subprocess.run(["mutmut", "run", "--max-children", str(jobs), *stale], cwd=ws, env=env)
         _carry_killed(ws, module, before)
