@@ -53,7 +53,7 @@ COPIED = ("diffquant", "tests", "experiments", "benchmarks", "docs", "diffquant_
 CORE = {
     "diffquant/stats/moments.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
     "diffquant/stats/histogram.py": ("tests/test_stats.py", "tests/test_hot_path.py", "tests/test_placement.py"),
-    "diffquant/stats/topk.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
+    "diffquant/stats/topk.py": ("tests/test_stats.py", "tests/test_hot_path.py", "tests/test_placement.py"),
     "diffquant/stats/site_stats.py": ("tests/test_site_stats.py", "tests/test_stats.py", "tests/test_hot_path.py",
                                       "tests/test_kernels.py", "tests/test_placement.py",
                                       "tests/test_profile.py::test_the_profiler_counts_llm_int8_outliers_at_six"),

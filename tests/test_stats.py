@@ -617,3 +617,23 @@ def test_topk_leaves_non_finite_values_out_only_when_asked():
     assert rows.coords.tolist() == [[0, 1, 1, 12], [0, 1, 0, 12], [0, 1, 3, 12]]
     empty = TopK(4, 3).merge(TopK(4, 3))
     assert empty.abs.numel() == 0 and empty.coords.shape == (0, 4)
+
+
+def test_topk_row_search_of_a_query_block():
+    """`add` with row maxima (the search of the k rows with the largest maxima: 2 of 3 here) on a block of query rows
+    2..5 of 6 (pos_offset 2, pos_total 6): inf left out with finite=True, positions offset, token ids read at the global
+    position; the same through add_rows, which the flash path calls."""
+    from diffquant.stats.topk import TopK
+
+    dims = ("batch", "head", "q_pos", "k_pos")
+    x = torch.tensor([[[[1.0, float("inf"), -4.0], [0.5, 3.0, 0.25], [0.1, 0.2, -0.3]]]])
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    rowmax = torch.tensor([[[4.0, 3.0, 0.3]]])  # of the finite values, as the caller's must be
+    want_values, want_coords = [-4.0, 3.0], [[0, 0, 2, 2, 12], [0, 0, 3, 1, 13]]
+    t = TopK(2, 4)
+    t.add(x, None, dims, ids, rowmax=rowmax, pos_offset=2, pos_total=6, finite=True)
+    assert t.values.tolist() == want_values and t.coords.tolist() == want_coords
+    r = TopK(2, 4)
+    r.add_rows(torch.tensor([0, 1]), x.reshape(3, 3)[:2], None, x.shape, dims, ids, pos_offset=2, pos_total=6,
+               finite=True)
+    assert r.values.tolist() == want_values and r.coords.tolist() == want_coords
