@@ -810,6 +810,22 @@ def test_flash_logit_statistics_of_a_query_that_sees_no_key():
     assert torch.allclose(r.mass.float(), probs[..., 0].float(), rtol=1e-5, atol=1e-8)
 
 
+def test_flash_row_absmax_leaves_inf_out():
+    """The range kernel's row maxima are of the finite visible logits: a key holding inf gives ±inf logits in every row,
+    which a dynamic scale must not span."""
+    from diffquant.kernels import flash
+    from diffquant.kernels.flash import Masking
+
+    q, k, _ = _qkv(1, 2, 2, 4, 4, 16, 41)
+    k[0, :, 2, 0] = float("inf")
+    visible = torch.ones(4, 4, dtype=torch.bool).tril()[None, None]
+    logits = (q @ k.transpose(2, 3)) * 0.25
+    want = logits.abs().masked_fill(~(visible & logits.isfinite()), 0.0).amax(-1)
+    got = flash.row_absmax(q, k, Masking(True), 0.25)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
 def test_flash_bf16_logits_round_ties_to_even():
     """bfloat16 logits exactly halfway between two bfloat16 values (1 + 2⁻⁸ and 1 + 3·2⁻⁸): rounded to the even one
     (1 and 1 + 2⁻⁶), as torch rounds its bfloat16 matmul."""
