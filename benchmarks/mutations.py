@@ -51,9 +51,12 @@ COPIED = ("diffquant", "tests", "experiments", "benchmarks", "docs", "diffquant_
 
 # module -> its fast test files (or single tests). Of these, the tests that reach the mutated function run.
 CORE = {
-    "diffquant/stats/moments.py": ("tests/test_stats.py", "tests/test_hot_path.py"),
-    "diffquant/stats/histogram.py": ("tests/test_stats.py", "tests/test_hot_path.py", "tests/test_placement.py"),
-    "diffquant/stats/topk.py": ("tests/test_stats.py", "tests/test_hot_path.py", "tests/test_placement.py"),
+    "diffquant/stats/moments.py": ("tests/test_stats.py", "tests/test_hot_path.py", "tests/test_placement.py",
+                                   "tests/test_site_stats.py"),
+    "diffquant/stats/histogram.py": ("tests/test_stats.py", "tests/test_hot_path.py", "tests/test_placement.py",
+                                     "tests/test_site_stats.py"),
+    "diffquant/stats/topk.py": ("tests/test_stats.py", "tests/test_hot_path.py", "tests/test_placement.py",
+                                "tests/test_site_stats.py"),
     "diffquant/stats/site_stats.py": ("tests/test_site_stats.py", "tests/test_stats.py", "tests/test_hot_path.py",
                                       "tests/test_kernels.py", "tests/test_placement.py",
                                       "tests/test_profile.py::test_the_profiler_counts_llm_int8_outliers_at_six"),
@@ -66,7 +69,7 @@ CORE = {
                                      "tests/test_fair_rivals.py", "tests/test_wa_table.py"),
     "diffquant/stats/metric_sets.py": ("tests/test_metric_sets.py", "tests/test_metric_set_parts.py",
                                        "tests/test_placement.py"),
-    "diffquant/quant/numerics/math.py": ("tests/test_quant.py", "tests/test_kv_cache.py"),
+    "diffquant/quant/numerics/math.py": ("tests/test_quant.py", "tests/test_kv_cache.py", "tests/test_placement.py"),
     "diffquant/quant/numerics/fake.py": ("tests/test_fake_quant.py", "tests/test_quant.py", "tests/test_kv_cache.py",
                                          "tests/test_placement.py"),
     "diffquant/quant/numerics/formats.py": ("tests/test_formats.py", "tests/test_quant.py", "tests/test_full_grid.py"),
