@@ -577,8 +577,8 @@ def test_histogram_counts_past_float32s_exact_integers():
 
 def test_moments_of_a_mean_halfway_between_two_float32_values():
     """10⁶ + 0, 1/16 or 2/16 (float32's step at 10⁶ is 1/16) in counts that put the exact mean at 10⁶ + 1/32: the
-    float32 centre the torch path takes is off by δ of the spread's order, so every term of the move of M₂..M₄ to the
-    exact mean (moments.shift_central) is far above float64 rounding. Every sum here is exact in float64."""
+    float32 centre the torch path takes is off by δ of the spread's order, so every term of the move of M₂..M₄ to
+    the exact mean (moments.shift_central) is far above float64 rounding. Every sum here is exact in float64."""
     x = torch.cat([torch.zeros(20480), torch.full((8192,), 1 / 16), torch.full((4096,), 2 / 16)]) + 1e6
     x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(13))]
     s = SiteStats(("out", "in"), kernels="torch")

@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 @dataclass(frozen=True)
 class Recipe:
     scheme: QuantScheme
